@@ -1,0 +1,21 @@
+"""Tunables of fastanneal, in one place.
+
+Tests patch these (small block sizes keep the CUDA simulator fast); users rarely need to.
+"""
+
+#: Rows per block in the CPU moments kernel. Each thread holds two ``block x K`` buffers
+#: of the input dtype, so memory is ``O(threads * block * K)``, never ``O(N * K)``.
+CPU_BLOCK_ROWS = 512
+
+#: A block is accumulated sparsely (row by row, only non-zero responsibilities) when
+#: its number of non-zero responsibilities is at most this fraction of ``rows * K``;
+#: otherwise densely with one GEMM ``R_b^T X_b``. The cross-over was measured with
+#: ``benchmarks/bench_kernels.py`` (scalar float64 axpy vs single-thread sgemm).
+SPARSE_FRACTION = 0.125
+
+#: Candidate count above which entmax-1.5 uses bisection instead of sorting.
+ENTMAX_SORT_MAX = 48
+
+#: CUDA: threads per block for the row kernels, and rows per block of the tiled kernels.
+CUDA_THREADS_PER_BLOCK = 256
+CUDA_ROWS_PER_BLOCK = 64

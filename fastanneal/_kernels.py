@@ -1,0 +1,445 @@
+"""Numba CPU kernels: distances, responsibilities and fused block moments.
+
+Everything here is private; :mod:`fastanneal._moments` validates input and wraps these.
+
+Design (see ``../shared/BENCHMARKING.md`` for why):
+
+* Rows are split into one contiguous range per thread (static schedule, so a fixed thread
+  count gives bit-identical results run to run). Each thread walks its range in blocks of
+  ``block`` rows and owns private ``K x D`` float64 accumulators, reduced serially at the end.
+* Per block, distances come from one single-threaded GEMM ``X_b C^T`` (GEMM form
+  ``||x||^2 - 2 x.c + ||c||^2``, clamped at 0), responsibilities are computed row by row in
+  the log domain and written over the distance buffer, and ``S_k += R_b^T X_b`` is a second
+  GEMM when the block is dense, or a row-wise scatter of the non-zero entries when sparse.
+  No buffer larger than ``block x K`` per thread ever exists.
+* BLAS must run single-threaded inside the parallel region (the caller limits it): nested
+  threading doubles the time on two cores.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+METRIC_EUCLIDEAN = 0
+METRIC_COSINE = 1
+
+RESP_SOFTMAX = 0
+RESP_ENTMAX15 = 1
+RESP_HARD = 2
+
+# Slots of the per-record scalar vector (all additive sums over rows, float64).
+S_SOFT_DIST = 0   # sum_i w_i sum_k r_ik d_ik
+S_ENTROPY = 1     # sum_i w_i H_i  (Shannon for softmax, Tsallis-1.5 for entmax15, 0 for hard)
+S_FREE = 2        # sum_i w_i F_i  (softmax: -T LSE_i; entmax15: sum r d - T H_i; hard: d_min)
+S_HARD = 3        # J = sum_i w_i min_k d_ik
+S_WEIGHT = 4      # W = sum_i w_i
+S_ROWS = 5        # number of rows
+S_MARGIN = 6      # sum_i w_i exp(-Delta_i / T)
+S_NNZ = 7         # number of non-zero responsibilities kept
+N_SCALARS = 8
+
+LOG_EPS32 = math.log(2.0 ** -24)
+LOG_EPS64 = math.log(2.0 ** -53)
+
+
+# ----------------------------------------------------------------------------- helpers
+@njit(cache=True, nogil=True, inline="always")
+def _block_distances(Xb, Ct, csq, metric, G):
+    """Fill ``G[:m]`` with squared distances of the rows ``Xb`` to the centers.
+
+    ``Ct`` is ``C.T``; ``csq`` the float64 squared norms of the centers.
+    """
+    m = Xb.shape[0]
+    K = Ct.shape[1]
+    D = Xb.shape[1]
+    np.dot(Xb, Ct, G)
+    for i in range(m):
+        if metric == METRIC_COSINE:
+            for k in range(K):
+                d = 2.0 - 2.0 * np.float64(G[i, k])
+                G[i, k] = d if d > 0.0 else 0.0
+        else:
+            xs = 0.0
+            for j in range(D):
+                v = np.float64(Xb[i, j])
+                xs += v * v
+            for k in range(K):
+                d = xs + csq[k] - 2.0 * np.float64(G[i, k])
+                G[i, k] = d if d > 0.0 else 0.0
+
+
+@njit(cache=True, nogil=True)
+def entmax15_tau_sort(v, n):
+    """Exact entmax-1.5 threshold of the first ``n`` entries of ``v`` (already halved and
+    shifted so that max = 0) by sorting (THEORY.md section 4)."""
+    s = np.sort(v[:n])[::-1]
+    cs = 0.0
+    cs2 = 0.0
+    count = 0
+    tau_star = 0.0
+    for r in range(n):
+        cs += s[r]
+        cs2 += s[r] * s[r]
+        rho = r + 1.0
+        M = cs / rho
+        S = rho * (cs2 / rho - M * M)
+        q = (1.0 - S) / rho
+        tau = M - math.sqrt(q if q > 0.0 else 0.0)
+        if tau <= s[r]:
+            count += 1
+            tau_star = tau
+    return tau_star
+
+
+@njit(cache=True, nogil=True)
+def entmax15_tau_bisect(v, n):
+    """Exact entmax-1.5 threshold by bisection on tau (no sort): bisect until the support is
+    fixed inside the bracket, then solve the quadratic on that support in closed form."""
+    lo = -1.0
+    hi = -1.0 / math.sqrt(n) if n > 0 else 0.0
+    if hi < lo:
+        hi = lo
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        f = 0.0
+        for j in range(n):
+            t = v[j] - mid
+            if t > 0.0:
+                f += t * t
+        if f >= 1.0:
+            lo = mid
+        else:
+            hi = mid
+        # support sizes at both ends of the bracket
+        clo = 0
+        chi = 0
+        for j in range(n):
+            if v[j] > lo:
+                clo += 1
+            if v[j] > hi:
+                chi += 1
+        if clo == chi or hi - lo < 1e-15:
+            break
+    # closed form on the support {v > lo}
+    rho = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    for j in range(n):
+        if v[j] > lo:
+            rho += 1.0
+            s1 += v[j]
+            s2 += v[j] * v[j]
+    M = s1 / rho
+    q = M * M - (s2 - 1.0) / rho
+    return M - math.sqrt(q if q > 0.0 else 0.0)
+
+
+@njit(cache=True, nogil=True)
+def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max):
+    """Turn the distance row ``G[i]`` into weighted responsibilities ``w * r_i`` in place.
+
+    Returns (soft_dist, entropy, free, d1, d2, kmin, nnz) for the row (unweighted).
+    """
+    K = G.shape[1]
+    d1 = np.inf
+    d2 = np.inf
+    kmin = 0
+    zmax = -np.inf
+    for k in range(K):
+        d = np.float64(G[i, k])
+        if d < d1:
+            d2 = d1
+            d1 = d
+            kmin = k
+        elif d < d2:
+            d2 = d
+        if resp != RESP_HARD:
+            z = -d / T
+            if use_prior:
+                z += logp[k]
+            if z > zmax:
+                zmax = z
+    nnz = 0
+    if resp == RESP_HARD:
+        for k in range(K):
+            G[i, k] = 0.0
+        G[i, kmin] = w
+        return d1, 0.0, d1, d1, d2, kmin, 1
+    if resp == RESP_SOFTMAX:
+        s = 0.0
+        sed = 0.0
+        sez = 0.0
+        for k in range(K):
+            d = np.float64(G[i, k])
+            z = -d / T - zmax
+            if use_prior:
+                z += logp[k]
+            if z < log_eps:
+                G[i, k] = 0.0
+            else:
+                e = math.exp(z)
+                nnz += 1
+                s += e
+                sed += e * d
+                sez += e * z
+                G[i, k] = e
+        scale = w / s
+        for k in range(K):
+            G[i, k] = G[i, k] * scale
+        soft = sed / s
+        ent = math.log(s) - sez / s
+        free = -T * (zmax + math.log(s))
+        return soft, ent, free, d1, d2, kmin, nnz
+    # entmax-1.5: z' = (z - zmax) / 2; only z' > -1 can be in the support
+    n = 0
+    for k in range(K):
+        z = -np.float64(G[i, k]) / T
+        if use_prior:
+            z += logp[k]
+        zp = 0.5 * (z - zmax)
+        if zp > -1.0:
+            cand[n] = zp
+            cidx[n] = k
+            n += 1
+    if n <= sort_max:
+        tau = entmax15_tau_sort(cand, n)
+    else:
+        tau = entmax15_tau_bisect(cand, n)
+    psum = 0.0
+    for j in range(n):
+        t = cand[j] - tau
+        p = t * t if t > 0.0 else 0.0
+        cand[j] = p
+        psum += p
+    soft = 0.0
+    p15 = 0.0
+    for j in range(n):
+        p = cand[j] / psum
+        cand[j] = p
+        soft += p * np.float64(G[i, cidx[j]])
+        p15 += p * math.sqrt(p)
+    for k in range(K):
+        G[i, k] = 0.0
+    for j in range(n):
+        if cand[j] > 0.0:
+            G[i, cidx[j]] = w * cand[j]
+            nnz += 1
+    ent = (4.0 / 3.0) * (1.0 - p15)
+    free = soft - T * ent
+    return soft, ent, free, d1, d2, kmin, nnz
+
+
+# ----------------------------------------------------------------------------- kernels
+@njit(parallel=True, cache=True, nogil=True)
+def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
+                   log_eps, sparse_fraction, sort_max, nth):
+    """Fused moments of all rows of ``X``.
+
+    Returns ``(N, S, scalars, hard_counts, hard_S, min_margin)``; ``hard_S`` is ``(0, D)``
+    when ``hard_sums`` is False. ``nth`` is the number of row ranges (one per thread; passed
+    in because ``numba.get_num_threads`` inside a kernel defeats ``cache=True``).
+    """
+    n, D = X.shape
+    K = C.shape[0]
+    nch = (n + block - 1) // block
+    if nch > nth:
+        nch = nth
+    if nch < 1:
+        nch = 1
+    Ct = C.T
+    HK = K if hard_sums else 0
+    accN = np.zeros((nch, K))
+    accS = np.zeros((nch, K, D))
+    accHN = np.zeros((nch, K))
+    accHS = np.zeros((nch, HK, D))
+    accSc = np.zeros((nch, N_SCALARS))
+    accMin = np.full(nch, np.inf)
+    for t in prange(nch):
+        r0 = t * n // nch
+        r1 = (t + 1) * n // nch
+        G = np.empty((block, K), X.dtype)
+        Sb = np.empty((K, D), X.dtype)
+        cand = np.empty(K)
+        cidx = np.empty(K, np.int64)
+        for b0 in range(r0, r1, block):
+            b1 = min(b0 + block, r1)
+            m = b1 - b0
+            Xb = X[b0:b1]
+            Gb = G[:m]
+            _block_distances(Xb, Ct, csq, metric, Gb)
+            blk_nnz = 0
+            for i in range(m):
+                wi = w[b0 + i]
+                soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
+                    Gb, i, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max)
+                blk_nnz += nnz
+                accSc[t, S_SOFT_DIST] += wi * soft
+                accSc[t, S_ENTROPY] += wi * ent
+                accSc[t, S_FREE] += wi * free
+                accSc[t, S_HARD] += wi * d1
+                accSc[t, S_WEIGHT] += wi
+                accSc[t, S_ROWS] += 1.0
+                if K > 1:
+                    marg = d2 - d1
+                    if marg < accMin[t]:
+                        accMin[t] = marg
+                    if T > 0.0:
+                        accSc[t, S_MARGIN] += wi * math.exp(-marg / T)
+                accHN[t, kmin] += wi
+                if hard_sums:
+                    for j in range(D):
+                        accHS[t, kmin, j] += wi * np.float64(Xb[i, j])
+            accSc[t, S_NNZ] += blk_nnz
+            if blk_nnz <= sparse_fraction * m * K:
+                for i in range(m):
+                    for k in range(K):
+                        r = np.float64(Gb[i, k])
+                        if r != 0.0:
+                            accN[t, k] += r
+                            for j in range(D):
+                                accS[t, k, j] += r * np.float64(Xb[i, j])
+            else:
+                for i in range(m):
+                    for k in range(K):
+                        accN[t, k] += Gb[i, k]
+                np.dot(Gb.T, Xb, Sb)
+                for k in range(K):
+                    for j in range(D):
+                        accS[t, k, j] += Sb[k, j]
+    N = np.zeros(K)
+    S = np.zeros((K, D))
+    HN = np.zeros(K)
+    HS = np.zeros((HK, D))
+    sc = np.zeros(N_SCALARS)
+    mn = np.inf
+    for t in range(nch):
+        N += accN[t]
+        S += accS[t]
+        HN += accHN[t]
+        HS += accHS[t]
+        sc += accSc[t]
+        if accMin[t] < mn:
+            mn = accMin[t]
+    return N, S, sc, HN, HS, mn
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def responsibilities_kernel(X, C, csq, logp, use_prior, T, metric, resp, block, log_eps,
+                            sort_max, out):
+    """Write the (unweighted) responsibilities of every row into ``out`` (n x K)."""
+    n = X.shape[0]
+    K = C.shape[0]
+    nb = (n + block - 1) // block
+    Ct = C.T
+    for b in prange(nb):
+        b0 = b * block
+        b1 = min(b0 + block, n)
+        Gb = out[b0:b1]
+        _block_distances(X[b0:b1], Ct, csq, metric, Gb)
+        cand = np.empty(K)
+        cidx = np.empty(K, np.int64)
+        for i in range(b1 - b0):
+            _row_responsibilities(Gb, i, logp, use_prior, T, resp, log_eps, 1.0, cand, cidx,
+                                  sort_max)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def distances_kernel(X, C, csq, metric, block, out):
+    """Squared distances of every row to every center into ``out`` (n x K)."""
+    n = X.shape[0]
+    nb = (n + block - 1) // block
+    Ct = C.T
+    for b in prange(nb):
+        b0 = b * block
+        b1 = min(b0 + block, n)
+        _block_distances(X[b0:b1], Ct, csq, metric, out[b0:b1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def assign_kernel(X, C, csq, metric, block, labels, dmin, margin):
+    """Nearest center, its squared distance and the second-best margin of every row."""
+    n = X.shape[0]
+    K = C.shape[0]
+    nb = (n + block - 1) // block
+    Ct = C.T
+    for b in prange(nb):
+        b0 = b * block
+        b1 = min(b0 + block, n)
+        m = b1 - b0
+        G = np.empty((m, K), X.dtype)
+        _block_distances(X[b0:b1], Ct, csq, metric, G)
+        for i in range(m):
+            d1 = np.inf
+            d2 = np.inf
+            kmin = 0
+            for k in range(K):
+                d = np.float64(G[i, k])
+                if d < d1:
+                    d2 = d1
+                    d1 = d
+                    kmin = k
+                elif d < d2:
+                    d2 = d
+            labels[b0 + i] = kmin
+            dmin[b0 + i] = d1
+            margin[b0 + i] = d2 - d1
+
+
+@njit(cache=True, nogil=True)
+def entmax15_rows(Z, method_bisect, out):
+    """entmax-1.5 of every row of the float64 matrix ``Z`` (serial; for tests and small K)."""
+    n, K = Z.shape
+    v = np.empty(K)
+    idx = np.empty(K, np.int64)
+    for i in range(n):
+        zmax = -np.inf
+        for k in range(K):
+            if Z[i, k] > zmax:
+                zmax = Z[i, k]
+        m = 0
+        for k in range(K):
+            zp = 0.5 * (Z[i, k] - zmax)
+            if zp > -1.0:
+                v[m] = zp
+                idx[m] = k
+                m += 1
+        if method_bisect:
+            tau = entmax15_tau_bisect(v, m)
+        else:
+            tau = entmax15_tau_sort(v, m)
+        for k in range(K):
+            out[i, k] = 0.0
+        for j in range(m):
+            t = v[j] - tau
+            if t > 0.0:
+                out[i, idx[j]] = t * t
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
+    """``out_k = sum_{i: labels_i = k} w_i (x_i - mu_k) ((x_i - mu_k) . v_k)`` (K x D, float64).
+
+    One power-iteration step for the top eigenvector of every cluster's (unnormalised)
+    covariance at once; with all labels 0 and ``mu`` the mean, of the whole data.
+    """
+    n, D = X.shape
+    K = mu.shape[0]
+    nch = min(nth, max(n, 1))
+    acc = np.zeros((nch, K, D))
+    for t in prange(nch):
+        r0 = t * n // nch
+        r1 = (t + 1) * n // nch
+        diff = np.empty(D)
+        for i in range(r0, r1):
+            k = labels[i]
+            s = 0.0
+            for j in range(D):
+                diff[j] = np.float64(X[i, j]) - mu[k, j]
+                s += diff[j] * V[k, j]
+            s *= w[i]
+            for j in range(D):
+                acc[t, k, j] += s * diff[j]
+    out = np.zeros((K, D))
+    for t in range(nch):
+        out += acc[t]
+    return out

@@ -1,0 +1,341 @@
+"""The moments contract: additive per-block statistics of annealed soft k-means.
+
+Every backend (CPU here, Dask and CUDA elsewhere) produces :class:`Moments` records for
+blocks of rows and adds them with :meth:`Moments.merge` (or ``+``); :meth:`Moments.finalize`
+turns the total into new centers and objectives.
+"""
+import math
+import threading
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Optional
+
+import numba
+import numpy as np
+
+from . import _config
+from . import _kernels as K_
+from ._validation import (as_float_matrix, as_weights, check_temperature, metric_code,
+                          normalize_rows, resp_code)
+
+_RESP_NAMES = {0: "softmax", 1: "entmax15", 2: "hard"}
+_METRIC_NAMES = {0: "euclidean", 1: "cosine"}
+
+_blas_lock = threading.Lock()
+_controller = None
+
+
+def blas_single_thread():
+    """Context manager that pins BLAS to one thread while the parallel kernels call it.
+
+    OpenBLAS called from Numba's worker threads with its own threads enabled oversubscribes
+    the cores (about 2x slower on two cores, measured in ``benchmarks/bench_kernels.py``).
+    """
+    global _controller
+    if _controller is None:
+        with _blas_lock:
+            if _controller is None:
+                from threadpoolctl import ThreadpoolController
+                _controller = ThreadpoolController()
+    return _controller.limit(limits=1, user_api="blas")
+
+
+def log_eps_for(dtype):
+    return K_.LOG_EPS32 if np.dtype(dtype) == np.float32 else K_.LOG_EPS64
+
+
+class Update(NamedTuple):
+    """Result of :meth:`Moments.finalize`."""
+    centers: np.ndarray     #: new centers ``S_k / N_k`` (cosine: projected on the sphere)
+    empty: np.ndarray       #: bool mask of clusters with ``N_k == 0`` (kept at old center)
+    objectives: dict        #: free energy, J, entropy per unit weight, certificate, ...
+
+
+@dataclass
+class Moments:
+    """Additive statistics of a block of rows at one temperature.
+
+    Attributes (all sums over the rows of the block, weighted by ``w``):
+
+    ``N`` (K,)             soft counts ``sum w r_ik``
+    ``S`` (K, D)           soft sums ``sum w r_ik x_i`` (float64)
+    ``soft_distortion``    ``sum w sum_k r_ik d_ik``
+    ``entropy``            ``sum w H_i`` (Shannon for softmax, Tsallis-1.5 for entmax15)
+    ``free_energy``        ``sum w F_i``; softmax ``F_i = -T LSE_k(log p_k - d_ik / T)``
+    ``hard_distortion``    ``J = sum w min_k d_ik``
+    ``hard_counts`` (K,)   weight of the rows nearest to each center
+    ``hard_sums`` (K, D)   ``sum w x_i`` over those rows (None when not requested)
+    ``weight``, ``rows``   ``W = sum w`` and the number of rows
+    ``margin_sum``         ``sum w exp(-Delta_i / T)``, ``Delta_i`` the second-best margin
+    ``min_margin``         ``min_i Delta_i`` (inf for an empty block or K = 1)
+    ``nnz``                non-zero responsibilities kept
+    """
+    N: np.ndarray
+    S: np.ndarray
+    soft_distortion: float
+    entropy: float
+    free_energy: float
+    hard_distortion: float
+    hard_counts: np.ndarray
+    hard_sums: Optional[np.ndarray]
+    weight: float
+    rows: int
+    margin_sum: float
+    min_margin: float
+    nnz: int
+    temperature: float
+    responsibilities: str = "softmax"
+    metric: str = "euclidean"
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def zeros(cls, n_clusters, n_features, temperature, responsibilities="softmax",
+              metric="euclidean", hard_sums=True):
+        """The identity of :meth:`merge` (the record of an empty block)."""
+        K, D = int(n_clusters), int(n_features)
+        return cls(N=np.zeros(K), S=np.zeros((K, D)), soft_distortion=0.0, entropy=0.0,
+                   free_energy=0.0, hard_distortion=0.0, hard_counts=np.zeros(K),
+                   hard_sums=np.zeros((K, D)) if hard_sums else None, weight=0.0, rows=0,
+                   margin_sum=0.0, min_margin=math.inf, nnz=0,
+                   temperature=float(temperature), responsibilities=responsibilities,
+                   metric=metric)
+
+    @property
+    def n_clusters(self):
+        return self.N.shape[0]
+
+    # ------------------------------------------------------------------ algebra
+    def merge(self, other):
+        """Sum of two records (associative and commutative up to float reassociation)."""
+        if not isinstance(other, Moments):
+            return NotImplemented
+        if self.S.shape != other.S.shape:
+            raise ValueError(f"cannot merge moments of shapes {self.S.shape} and {other.S.shape}")
+        if (self.temperature != other.temperature
+                or self.responsibilities != other.responsibilities
+                or self.metric != other.metric):
+            raise ValueError("cannot merge moments computed at different temperatures, "
+                             "responsibilities or metrics: "
+                             f"({self.temperature}, {self.responsibilities}, {self.metric}) vs "
+                             f"({other.temperature}, {other.responsibilities}, {other.metric})")
+        if self.hard_sums is None or other.hard_sums is None:
+            hs = None
+        else:
+            hs = self.hard_sums + other.hard_sums
+        return Moments(
+            N=self.N + other.N, S=self.S + other.S,
+            soft_distortion=self.soft_distortion + other.soft_distortion,
+            entropy=self.entropy + other.entropy,
+            free_energy=self.free_energy + other.free_energy,
+            hard_distortion=self.hard_distortion + other.hard_distortion,
+            hard_counts=self.hard_counts + other.hard_counts, hard_sums=hs,
+            weight=self.weight + other.weight, rows=self.rows + other.rows,
+            margin_sum=self.margin_sum + other.margin_sum,
+            min_margin=min(self.min_margin, other.min_margin), nnz=self.nnz + other.nnz,
+            temperature=self.temperature, responsibilities=self.responsibilities,
+            metric=self.metric)
+
+    __add__ = merge
+
+    def __radd__(self, other):
+        if isinstance(other, (int, float)) and other == 0:   # sum([...]) starts at 0
+            return self
+        return NotImplemented
+
+    # ------------------------------------------------------------------ results
+    def objectives(self):
+        """Objectives of the record as a dict of floats."""
+        K = self.n_clusters
+        T = self.temperature
+        W = self.weight
+        gap = self.hard_distortion - self.free_energy
+        if self.responsibilities == "entmax15":
+            bound = (4.0 / 3.0) * T * W * (1.0 - K ** -0.5)
+        elif self.responsibilities == "hard":
+            bound = 0.0
+        else:
+            bound = T * W * math.log(K)
+        return {
+            "temperature": T,
+            "free_energy": self.free_energy,
+            "hard_distortion": self.hard_distortion,
+            "soft_distortion": self.soft_distortion,
+            "entropy": self.entropy / W if W > 0 else 0.0,
+            "certificate_gap": gap,
+            "certificate_bound": bound,
+            "hardening_gap": gap,
+            "weight": W,
+            "rows": self.rows,
+            "margin_sum": self.margin_sum,
+            "min_margin": self.min_margin,
+        }
+
+    def finalize(self, previous_centers=None, hard=False):
+        """New centers (``S/N``, or the hard sums for ``hard=True``) and objectives.
+
+        Clusters with zero mass keep their previous center (NaN when none is given) and are
+        flagged in ``empty``; relocating them is the engine's decision, not the record's.
+        """
+        if hard:
+            if self.hard_sums is None:
+                raise ValueError("these moments were computed without hard sums")
+            N, S = self.hard_counts, self.hard_sums
+        else:
+            N, S = self.N, self.S
+        empty = ~(N > 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            centers = S / N[:, None]
+        if self.metric == "cosine":
+            norms = np.linalg.norm(centers, axis=1)
+            ok = ~empty & (norms > 0)
+            centers[ok] /= norms[ok, None]
+            empty |= ~(norms > 0)
+        if empty.any():
+            if previous_centers is not None:
+                centers[empty] = np.asarray(previous_centers, dtype=np.float64)[empty]
+            else:
+                centers[empty] = np.nan
+        return Update(centers=centers, empty=empty, objectives=self.objectives())
+
+
+# ---------------------------------------------------------------------- computation
+def compute_moments(X, w, C, T, metric=0, resp=0, log_prior=None, hard_sums=True,
+                    block=None):
+    """Fast path without validation: ``X`` C-contiguous float32/float64 (unit rows for
+    cosine), ``w`` float64, ``C`` any float (cast to X's dtype)."""
+    C = np.ascontiguousarray(C, dtype=X.dtype)
+    csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
+    use_prior = log_prior is not None
+    logp = (np.ascontiguousarray(log_prior, dtype=np.float64) if use_prior
+            else np.zeros(C.shape[0]))
+    block = int(block or _config.CPU_BLOCK_ROWS)
+    with blas_single_thread():
+        N, S, sc, HN, HS, mn = K_.moments_kernel(
+            X, w, C, csq, logp, use_prior, float(T), metric, resp, block, bool(hard_sums),
+            log_eps_for(X.dtype), float(_config.SPARSE_FRACTION), int(_config.ENTMAX_SORT_MAX),
+            int(numba.get_num_threads()))
+    return Moments(
+        N=N, S=S, soft_distortion=sc[K_.S_SOFT_DIST], entropy=sc[K_.S_ENTROPY],
+        free_energy=sc[K_.S_FREE], hard_distortion=sc[K_.S_HARD], hard_counts=HN,
+        hard_sums=HS if hard_sums else None, weight=sc[K_.S_WEIGHT], rows=int(sc[K_.S_ROWS]),
+        margin_sum=sc[K_.S_MARGIN], min_margin=float(mn), nnz=int(sc[K_.S_NNZ]),
+        temperature=float(T), responsibilities=_RESP_NAMES[resp], metric=_METRIC_NAMES[metric])
+
+
+def _prepare(X, centers, metric):
+    X = as_float_matrix(X, "X")
+    C = as_float_matrix(centers, "centers", allow_empty=False)
+    if C.shape[1] != X.shape[1]:
+        raise ValueError(f"centers have {C.shape[1]} features but X has {X.shape[1]}")
+    mc = metric_code(metric)
+    if mc == 1:
+        X = normalize_rows(X, "X")
+        C = normalize_rows(C, "centers")
+    return X, C, mc
+
+
+def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilities="softmax",
+            log_prior=None, hard_sums=True):
+    """Moments of a block of rows given centers and temperature ``T``.
+
+    Parameters
+    ----------
+    X_block : array (n, D), float32 or float64 (float32 stays float32; other dtypes -> float64).
+    centers : array (K, D).
+    T : float > 0, the temperature in ``softmax(-d / T)``; ``d`` the squared Euclidean distance
+        (cosine: rows and centers unit-normalized, ``d = 2 - 2 cos``).
+    weights : optional (n,) non-negative sample weights (weights equal repetition).
+    responsibilities : ``"softmax"``, ``"entmax15"`` or ``"hard"`` (nearest center).
+    log_prior : optional (K,) log cluster masses ``log p_k`` for mass-constrained (deterministic
+        annealing) responsibilities ``r_ik ~ p_k exp(-d_ik / T)``.
+    hard_sums : also accumulate ``sum w x_i`` per nearest center (one extra ``N x D`` pass).
+
+    Returns
+    -------
+    Moments
+        Additive record; ``merge`` / ``+`` combine records of disjoint blocks.
+
+    Notes
+    -----
+    Sparsity: a softmax entry is dropped when ``exp(z_ik - max_k z_ik) < eps`` (``eps`` the unit
+    round-off of the input dtype, 2^-24 for float32, 2^-53 for float64). Each dropped entry is
+    below ``eps`` times the row's largest responsibility, so per row the dropped mass is at most
+    ``(K - 1) eps``: the relative error it adds to ``N_k``, ``S_k`` and the objectives is at most
+    ``(K - 1) eps`` -- no more than the dtype's own rounding across a ``K``-term sum. Entmax-1.5
+    zeros are exact. The free energy keeps its certificate ``0 <= J - F <= T W log K`` exactly.
+    """
+    X, C, mc = _prepare(X_block, centers, metric)
+    if C.shape[0] < 1:
+        raise ValueError("at least one center is required")
+    rc = resp_code(responsibilities)
+    T = check_temperature(T, allow_zero=(rc == 2))
+    w = as_weights(weights, X.shape[0], "weights")
+    if log_prior is not None:
+        log_prior = np.asarray(log_prior, dtype=np.float64)
+        if log_prior.shape != (C.shape[0],):
+            raise ValueError(f"log_prior must have shape ({C.shape[0]},); got {log_prior.shape}")
+        if np.isnan(log_prior).any() or (log_prior == np.inf).any():
+            raise ValueError("log_prior contains NaN or +inf")
+    return compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums)
+
+
+def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prior=None):
+    """Responsibilities ``r_ik`` of every row (n x K, the input dtype); rows sum to 1."""
+    X, C, mc = _prepare(X, centers, metric)
+    rc = resp_code(kind)
+    T = check_temperature(T, allow_zero=(rc == 2))
+    csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
+    use_prior = log_prior is not None
+    logp = (np.asarray(log_prior, dtype=np.float64) if use_prior else np.zeros(C.shape[0]))
+    out = np.empty((X.shape[0], C.shape[0]), dtype=X.dtype)
+    with blas_single_thread():
+        K_.responsibilities_kernel(X, C, csq, logp, use_prior, max(T, 1e-300), mc, rc,
+                                   int(_config.CPU_BLOCK_ROWS), log_eps_for(X.dtype),
+                                   int(_config.ENTMAX_SORT_MAX), out)
+    return out
+
+
+def pairwise_distances(X, centers, metric="euclidean"):
+    """Squared distances (n x K) in GEMM form, clamped at 0 (cosine: ``2 - 2 cos``)."""
+    X, C, mc = _prepare(X, centers, metric)
+    csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
+    out = np.empty((X.shape[0], C.shape[0]), dtype=X.dtype)
+    with blas_single_thread():
+        K_.distances_kernel(X, C, csq, mc, int(_config.CPU_BLOCK_ROWS), out)
+    return out
+
+
+def assign(X, centers, metric="euclidean", _prepared=False):
+    """Hard assignment: ``(labels, d_min, margin)`` with ``margin = d_(2) - d_(1)``."""
+    if _prepared:
+        C = np.ascontiguousarray(centers, dtype=X.dtype)
+        mc = metric if isinstance(metric, int) else metric_code(metric)
+    else:
+        X, C, mc = _prepare(X, centers, metric)
+    n = X.shape[0]
+    csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
+    labels = np.empty(n, dtype=np.int64)
+    dmin = np.empty(n, dtype=np.float64)
+    margin = np.empty(n, dtype=np.float64)
+    with blas_single_thread():
+        K_.assign_kernel(X, C, csq, mc, int(_config.CPU_BLOCK_ROWS), labels, dmin, margin)
+    return labels, dmin, margin
+
+
+def entmax15(Z, method="sort"):
+    """entmax-1.5 of each row of ``Z`` (logits; THEORY.md section 4): ``[z/2 - tau]_+^2``.
+
+    ``method="sort"`` finds the exact threshold by sorting the candidates, ``"bisect"`` by
+    bisection on tau with a closed-form finish (no sort); both are exact.
+    """
+    Z = np.asarray(Z, dtype=np.float64)
+    one_d = Z.ndim == 1
+    Z = np.ascontiguousarray(np.atleast_2d(Z))
+    if Z.ndim != 2:
+        raise ValueError(f"Z must be 1-D or 2-D; got shape {Z.shape}")
+    if not np.isfinite(Z).all():
+        raise ValueError("Z contains NaN or infinity")
+    if method not in ("sort", "bisect"):
+        raise ValueError(f"method must be 'sort' or 'bisect'; got {method!r}")
+    out = np.empty_like(Z)
+    K_.entmax15_rows(Z, method == "bisect", out)
+    return out[0] if one_d else out
