@@ -162,7 +162,7 @@ class Moments:
             "entropy": self.entropy / W if W > 0 else 0.0,
             "certificate_gap": gap,
             "certificate_bound": bound,
-            "hardening_gap": gap,
+            "hardening_gap": self.soft_distortion - self.hard_distortion,
             "weight": W,
             "rows": self.rows,
             "margin_sum": self.margin_sum,

@@ -31,9 +31,13 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng):
     for _ in range(max(1, n_iter)):
         U = matvec(mu, V)
         norms = np.linalg.norm(U, axis=1)
-        lam = np.where(wk > 0, norms / np.where(wk > 0, wk, 1.0), 0.0)
+        new = np.where(wk > 0, norms / np.where(wk > 0, wk, 1.0), 0.0)
         ok = norms > 0
         V[ok] = U[ok] / norms[ok, None]
+        done = np.all(np.abs(new - lam) <= 1e-4 * np.maximum(new, 1e-300))
+        lam = new
+        if done:
+            break
     return lam
 
 

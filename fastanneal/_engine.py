@@ -1,0 +1,213 @@
+"""The annealing engine. It never touches rows directly: it asks a moment source
+(:mod:`fastanneal._sources`) for :class:`~fastanneal.Moments` and updates the centers."""
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ._trace import Trace
+from .schedules import ScheduleState
+
+log = logging.getLogger("fastanneal")
+
+RESP_HARD = 2
+
+
+class AnnealingWarning(UserWarning):
+    """Silent-failure risks: temperature above critical, empty or coincident clusters."""
+
+
+@dataclass
+class EngineConfig:
+    n_clusters: int
+    resp: int = 0
+    mass_constrained: bool = True
+    max_iter: int = 4                 # soft-Lloyd iterations per temperature (cap)
+    tol: float = 1e-4                 # relative to the mean feature variance
+    polish: bool = True
+    max_polish_iter: int = 300
+    diagnostics: str = "summary"
+    verbose: int = 0
+    progress: Optional[object] = None  # callable(step, T, record) for progress bars
+
+
+@dataclass
+class EngineResult:
+    centers: np.ndarray
+    temperature: float
+    free_energy: float
+    soft_objective: float
+    hard_objective: float
+    n_iter: int
+    n_steps: int
+    relocations: int
+    converged: bool
+    last_moments: object
+
+
+def min_center_distance(C):
+    """min_{k != l} ||c_k - c_l|| (inf for K = 1), via the Gram matrix."""
+    K = C.shape[0]
+    if K < 2:
+        return math.inf, np.zeros(0, dtype=np.int64)
+    sq = np.einsum("ij,ij->i", C, C)
+    D2 = sq[:, None] + sq[None, :] - 2.0 * (C @ C.T)
+    np.maximum(D2, 0.0, out=D2)
+    np.fill_diagonal(D2, np.inf)
+    return float(math.sqrt(D2.min())), D2
+
+
+def coincident_groups(D2, eps2):
+    """Indices of centers that are within ``sqrt(eps2)`` of an earlier center."""
+    if D2 is None or len(np.shape(D2)) != 2:
+        return np.zeros(0, dtype=np.int64)
+    close = np.triu(D2 <= eps2, k=1)
+    return np.unique(np.nonzero(close)[1])
+
+
+def _split_largest(C, N, k_empty, rng, delta):
+    """Move center ``k_empty`` next to the heaviest cluster (split with a +-delta nudge)."""
+    donor = int(np.argmax(N))
+    u = rng.standard_normal(C.shape[1])
+    u *= delta / max(np.linalg.norm(u), 1e-300)
+    C[k_empty] = C[donor] + u
+    C[donor] = C[donor] - u
+    return donor
+
+
+def _project(C, metric):
+    if metric == 1:
+        n = np.linalg.norm(C, axis=1, keepdims=True)
+        C = C / np.where(n > 0, n, 1.0)
+    return C
+
+
+def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0=None,
+           state_hook=None):
+    """Run the schedule from ``C0`` and polish; returns :class:`EngineResult`.
+
+    ``scale`` is the data scale (mean squared distance to the mean): tolerances and
+    perturbations are relative to it. ``state_hook(step, C, logp, T)`` is called after each
+    temperature step (checkpointing).
+    """
+    t0 = time.perf_counter() if t0 is None else t0
+    trace = Trace() if trace is None else trace
+    K = cfg.n_clusters
+    D = C0.shape[1]
+    C = _project(np.array(C0, dtype=np.float64), source.metric)
+    tol_abs = cfg.tol * scale / max(D, 1)
+    delta = 1e-3 * math.sqrt(scale)          # duplicate perturbation (norm)
+    eps2 = (0.05 * delta) ** 2               # "coincident" threshold (squared)
+    logp = np.full(K, -math.log(K)) if cfg.mass_constrained and cfg.resp == 0 else None
+    schedule.start(T_start, T_end)
+    T = float(T_start)
+    step = 0
+    n_iter = 0
+    relocations_total = 0
+    m = None
+    converged = False
+    while T is not None:
+        relocated = 0
+        shift = math.nan
+        for _ in range(max(1, cfg.max_iter)):
+            m = source.moments(C, T, cfg.resp, logp, hard_sums=False)
+            upd = m.finalize(previous_centers=C)
+            Cn = upd.centers
+            n_iter += 1
+            if logp is not None:
+                p = m.N / max(m.weight, 1e-300)
+                logp = np.log(np.maximum(p, 1e-300))
+            if upd.empty.any():
+                for k in np.nonzero(upd.empty)[0]:
+                    _split_largest(Cn, m.N, k, rng, delta)
+                    if logp is not None:
+                        logp[k] = logp[int(np.argmax(m.N))]
+                    relocated += 1
+                Cn = _project(Cn, source.metric)
+            shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
+            C = Cn
+            if cfg.diagnostics == "full":
+                _record(trace, step, n_iter, T, m, C, shift, relocated, 0, K, t0)
+            if shift <= tol_abs:
+                break
+        relocations_total += relocated
+        dmin, D2 = min_center_distance(C)
+        dup = coincident_groups(D2, eps2)
+        if len(dup):
+            # perturbed duplicates: they separate when T falls below their cluster's T_c
+            u = rng.standard_normal((len(dup), D))
+            u *= delta / np.linalg.norm(u, axis=1, keepdims=True)
+            C[dup] += u
+            C = _project(C, source.metric)
+        n_distinct = K - len(dup)
+        ent = m.objectives()["entropy"]
+        if cfg.diagnostics != "full":
+            _record(trace, step, n_iter, T, m, C, shift, relocated, len(dup), K, t0, dmin)
+        if cfg.progress is not None:
+            cfg.progress(step, T, trace[-1])
+        if cfg.verbose:
+            log.info("step %d T=%.4g F=%.6g J=%.6g H=%.3f distinct=%d", step, T, m.free_energy,
+                     m.hard_distortion, ent, n_distinct)
+        state = ScheduleState(step=step, T=T, T_start=T_start, T_end=T_end, entropy=ent,
+                              n_distinct=n_distinct, n_clusters=K)
+        if state_hook is not None:
+            state_hook(step, C, logp, T)
+        T = schedule.next_temperature(state)
+        step += 1
+    T_final = m.temperature
+    soft_F = m.free_energy
+    soft_obj = m.soft_distortion
+    # ---------------------------------------------------------------- polish at T = 0
+    if cfg.polish:
+        for _ in range(cfg.max_polish_iter):
+            mh = source.moments(C, T_final, RESP_HARD, None, hard_sums=True)
+            upd = mh.finalize(previous_centers=C, hard=True)
+            Cn = upd.centers
+            n_iter += 1
+            relocated = 0
+            if upd.empty.any():
+                for k in np.nonzero(upd.empty)[0]:
+                    _split_largest(Cn, mh.hard_counts, k, rng, delta)
+                    relocated += 1
+                Cn = _project(Cn, source.metric)
+                relocations_total += relocated
+            shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
+            C = Cn
+            if shift <= tol_abs * 1e-4 and relocated == 0:
+                converged = True
+                break
+        dmin, _ = min_center_distance(C)
+        _record(trace, -1, n_iter, 0.0, mh, C, shift, relocated, 0, K, t0, dmin)
+    else:
+        converged = True
+    return EngineResult(centers=C, temperature=T_final, free_energy=soft_F,
+                        soft_objective=soft_obj, hard_objective=m.hard_distortion,
+                        n_iter=n_iter, n_steps=step, relocations=relocations_total,
+                        converged=converged, last_moments=m)
+
+
+def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, dmin=None):
+    ob = m.objectives()
+    if dmin is None:
+        dmin, _ = min_center_distance(C)
+    gap = ob["certificate_gap"]
+    bound = ob["certificate_bound"]
+    tol = 1e-9 * max(abs(ob["hard_distortion"]), 1.0)
+    hard = T == 0.0
+    trace.append(step=step, iteration=n_iter, temperature=T,
+                 entropy=0.0 if hard else ob["entropy"],
+                 free_energy=ob["hard_distortion"] if hard else ob["free_energy"],
+                 hard_distortion=ob["hard_distortion"],
+                 soft_distortion=ob["soft_distortion"],
+                 hardening_gap=ob["soft_distortion"] - ob["hard_distortion"],
+                 certificate_gap=0.0 if hard else gap,
+                 certificate_bound=0.0 if hard else bound,
+                 certificate_ok=bool(hard or (-tol <= gap <= bound + tol)),
+                 min_center_distance=dmin, center_shift=shift, relocations=relocated,
+                 coincident=coincident, n_distinct=K - coincident,
+                 margin_sum=ob["margin_sum"], grad_norm=math.nan,
+                 wall_time=time.perf_counter() - t0)

@@ -1,0 +1,135 @@
+"""Temperature schedules.
+
+A schedule is a small object with one method, ``next_temperature(state) -> float | None``:
+given the state of the annealing after a temperature step (a :class:`ScheduleState`), it
+returns the next temperature, or ``None`` to stop annealing. ``start(T_start, T_end)`` is
+called once before the first step. Schedules that need feedback (the adaptive schedule)
+read entropy and gradient norms from the state; the others ignore them.
+"""
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ScheduleState:
+    """What the engine knows after finishing the temperature ``T`` (step ``step``)."""
+    step: int
+    T: float
+    T_start: float
+    T_end: float
+    entropy: float = math.nan          #: mean assignment entropy per unit weight (nats)
+    grad_norm: float = math.nan        #: separation-gradient norm (gradient solver only)
+    n_distinct: int = 0                #: number of distinct (non-coincident) centers
+    n_clusters: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Schedule:
+    """Base class: subclasses implement :meth:`next_temperature`."""
+    n_steps = 30
+
+    def start(self, T_start, T_end):
+        self.T_start = float(T_start)
+        self.T_end = float(T_end)
+
+    def next_temperature(self, state):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("T_"))
+        return f"{type(self).__name__}({args})"
+
+
+class ConstantSchedule(Schedule):
+    """Hold one temperature for ``n_steps`` steps (soft k-means at a fixed T)."""
+
+    def __init__(self, n_steps=1):
+        self.n_steps = int(n_steps)
+
+    def start(self, T_start, T_end):
+        super().start(T_start, T_start)
+
+    def next_temperature(self, state):
+        return self.T_start if state.step + 1 < self.n_steps else None
+
+
+class GeometricSchedule(Schedule):
+    """``T_j = T_start * (T_end / T_start) ** (j / (n_steps - 1))``, j = 0..n_steps-1."""
+
+    def __init__(self, n_steps=30):
+        if int(n_steps) < 1:
+            raise ValueError(f"n_steps must be >= 1; got {n_steps}")
+        self.n_steps = int(n_steps)
+
+    def next_temperature(self, state):
+        j = state.step + 1
+        if j >= self.n_steps:
+            return None
+        return self.T_start * (self.T_end / self.T_start) ** (j / max(self.n_steps - 1, 1))
+
+
+class LinearSchedule(Schedule):
+    """``T_j`` linear from ``T_start`` to ``T_end`` over ``n_steps`` steps."""
+
+    def __init__(self, n_steps=30):
+        if int(n_steps) < 1:
+            raise ValueError(f"n_steps must be >= 1; got {n_steps}")
+        self.n_steps = int(n_steps)
+
+    def next_temperature(self, state):
+        j = state.step + 1
+        if j >= self.n_steps:
+            return None
+        return self.T_start + (self.T_end - self.T_start) * j / max(self.n_steps - 1, 1)
+
+
+class CriticalSchedule(Schedule):
+    """Deterministic annealing from just above the critical temperature.
+
+    Starts at ``1.02 * T_c`` (``T_c = 2 lambda_max(C)``) with all centers at the mean and
+    cools geometrically by ``cooling`` per step; clusters split as each passes its own
+    critical temperature (the engine keeps perturbed duplicates). Stops once ``T`` reached
+    ``T_end`` and all ``K`` centers are distinct, or after ``max_steps``.
+    """
+
+    def __init__(self, cooling=0.85, max_steps=200):
+        if not 0 < cooling < 1:
+            raise ValueError(f"cooling must be in (0, 1); got {cooling}")
+        self.cooling = float(cooling)
+        self.max_steps = int(max_steps)
+        self.n_steps = self.max_steps
+
+    def next_temperature(self, state):
+        if state.step + 1 >= self.max_steps:
+            return None
+        if state.T <= self.T_end and state.n_distinct >= state.n_clusters:
+            return None
+        return max(state.T * self.cooling, self.T_end * self.cooling ** 8)
+
+
+SCHEDULES = {
+    "constant": ConstantSchedule,
+    "geometric": GeometricSchedule,
+    "linear": LinearSchedule,
+    "critical": CriticalSchedule,
+}
+
+
+def make_schedule(schedule, n_steps):
+    """Resolve a schedule name or object."""
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, str):
+        if schedule == "adaptive":
+            from .adaptive import AdaptiveSchedule  # arrives with the gradient route
+            return AdaptiveSchedule(n_steps=n_steps)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES) + ['adaptive']} or a "
+                             f"Schedule object; got {schedule!r}")
+        cls = SCHEDULES[schedule]
+        return cls() if cls is CriticalSchedule else cls(n_steps=n_steps)
+    if hasattr(schedule, "next_temperature"):
+        return schedule
+    raise TypeError(f"schedule must be a name or a Schedule object; got {type(schedule).__name__}")
