@@ -1,0 +1,299 @@
+"""Numba kernels of the separation objective and its exact gradient (THEORY.md section 5).
+
+Everything here is private; :func:`fastanneal.gradient.value_and_grad` validates input and
+wraps these.
+
+Layout (the same as :mod:`fastanneal._kernels`): one contiguous row range per thread (static,
+so a fixed thread count gives bit-identical results run to run), walked in blocks of
+``block`` rows; per-thread float64 accumulators reduced serially at the end. Every block is
+copied to a float64 buffer first, so float32 input is computed and accumulated in float64;
+only the rows of ``dL/dX`` are written back in the input dtype. No buffer larger than
+``block x 3K`` per thread exists: never an ``N x K`` matrix.
+
+Two passes:
+
+1. :func:`grad_forward_kernel` -- soft counts ``N_k = sum w r_ik``, sums
+   ``S_k = sum w r_ik x_i`` and ``sum w H_i``.
+2. :func:`grad_backward_kernel` -- the same responsibilities again, then per row
+   ``t_ik = r_ik dL/dr_ik``, ``g_ik = dL/dz_ik`` through the softmax / entmax-1.5 Jacobian,
+   the rows of ``dL/dX`` and per-thread sums ``sum_i g_ik x_i``, ``sum_i g_ik`` for ``dL/dC``.
+
+Both passes call the same row routine (:func:`fastanneal._kernels._row_responsibilities`)
+with no truncation (``log_eps = -inf``), so the responsibilities of pass 2 are bit-identical
+to those behind ``N`` and ``S``.
+
+BLAS (``np.dot``) runs inside the parallel region: the caller pins it to one thread.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._kernels import METRIC_COSINE, RESP_ENTMAX15, _row_responsibilities
+
+PHI_IDENTITY = 0
+PHI_LOG = 1
+PHI_HINGE = 2
+
+
+@njit(cache=True, nogil=True)
+def _load_block(X, b0, m, Xb, xsq):
+    """Copy rows ``b0 .. b0+m`` of ``X`` into the float64 buffer ``Xb``; squared norms."""
+    D = X.shape[1]
+    for i in range(m):
+        s = 0.0
+        for j in range(D):
+            v = np.float64(X[b0 + i, j])
+            Xb[i, j] = v
+            s += v * v
+        xsq[i] = s
+
+
+@njit(cache=True, nogil=True)
+def _fill_distances(P, xsq, csq, metric, K, m, G):
+    """``G[i, k] = d_ik`` from the dot products ``P[i, k] = x_i . c_k``.
+
+    Euclidean: GEMM form clamped at 0 (the clamp only removes rounding). Cosine: exactly
+    ``2 - 2 x.c`` for the vectors as given (no clamp: the objective is this bilinear form).
+    """
+    for i in range(m):
+        for k in range(K):
+            if metric == METRIC_COSINE:
+                G[i, k] = 2.0 - 2.0 * P[i, k]
+            else:
+                d = xsq[i] + csq[k] - 2.0 * P[i, k]
+                G[i, k] = d if d > 0.0 else 0.0
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
+    """Pass 1: ``(N, S, sum_i w_i H_i)`` of all rows of ``X``.
+
+    ``Ct`` is the C-contiguous float64 ``C.T`` (D x K), ``csq`` the squared center norms;
+    ``nth`` the number of row ranges (passed in: ``numba.get_num_threads`` inside a cached
+    kernel defeats ``cache=True``).
+    """
+    n, D = X.shape
+    K = Ct.shape[1]
+    nch = (n + block - 1) // block
+    if nch > nth:
+        nch = nth
+    if nch < 1:
+        nch = 1
+    logp = np.zeros(K)
+    accN = np.zeros((nch, K))
+    accS = np.zeros((nch, K, D))
+    accH = np.zeros(nch)
+    for t in prange(nch):
+        r0 = t * n // nch
+        r1 = (t + 1) * n // nch
+        Xb = np.empty((block, D))
+        xsq = np.empty(block)
+        P = np.empty((block, K))
+        G = np.empty((block, K))
+        Sb = np.empty((K, D))
+        cand = np.empty(K)
+        cidx = np.empty(K, np.int64)
+        for b0 in range(r0, r1, block):
+            m = min(b0 + block, r1) - b0
+            _load_block(X, b0, m, Xb, xsq)
+            np.dot(Xb[:m], Ct, P[:m])
+            _fill_distances(P, xsq, csq, metric, K, m, G)
+            for i in range(m):
+                wi = w[b0 + i]
+                res = _row_responsibilities(G, i, logp, False, T, resp, -np.inf, wi, cand,
+                                            cidx, sort_max)
+                accH[t] += wi * res[1]
+                for k in range(K):
+                    accN[t, k] += G[i, k]
+            np.dot(G[:m].T, Xb[:m], Sb)
+            for k in range(K):
+                for j in range(D):
+                    accS[t, k, j] += Sb[k, j]
+    N = np.zeros(K)
+    S = np.zeros((K, D))
+    H = 0.0
+    for t in range(nch):
+        N += accN[t]
+        S += accS[t]
+        H += accH[t]
+    return N, S, H
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, resp, block,
+                         sort_max, nth, gX):
+    """Pass 2: write ``dL/dX`` into ``gX`` (input dtype) and return
+    ``(sum_i w_i sum_k r_ik ||x_i - mu_k||^2, A, a)``.
+
+    ``B`` stacks ``[C; mu; dLsep/dmu]`` (3K x D, float64), ``Bt`` is its C-contiguous
+    transpose; ``musq_k = ||mu_k||^2``, ``gmu_k = (dLsep/dmu_k) . mu_k``; ``N`` the soft
+    counts of pass 1; ``invW = 1 / sum w``. ``A`` (2K x D) holds ``sum_i g_ik x_i`` for the
+    full loss (rows ``:K``) and for ``L_sep`` alone (rows ``K:``); ``a`` (2K) the matching
+    ``sum_i g_ik``, with ``g_ik = dL/dz_ik``.
+
+    Per row, with ``rho_ik = w_i r_ik / N_k`` (at most 1, so no overflow for tiny ``N_k``)
+    and ``e_ik = (dLsep/dmu_k) . (x_i - mu_k)``:
+    ``t_ik = r_ik dL/dr_ik = w_i r_ik ||x_i - mu_k||^2 / W - lam rho_ik e_ik``;
+    softmax ``g_ik = t_ik - r_ik sum_j t_ij``; entmax-1.5 (``s = sqrt(r)``)
+    ``g_ik = t_ik / s_ik - s_ik (sum_j t_ij / s_ij) / sum_j s_ij``.
+    ``dL/dx_i = 2 w_i/W (x_i - sum_k r_ik mu_k) - lam sum_k rho_ik dLsep/dmu_k
+    + (2/T) sum_k g_ik c_k`` (Euclidean adds ``-(2/T) (sum_k g_ik) x_i``, zero up to rounding).
+    """
+    n, D = X.shape
+    K3 = B.shape[0]
+    K = K3 // 3
+    K2 = 2 * K
+    nch = (n + block - 1) // block
+    if nch > nth:
+        nch = nth
+    if nch < 1:
+        nch = 1
+    cosine = metric == METRIC_COSINE
+    entmax = resp == RESP_ENTMAX15
+    logp = np.zeros(K)
+    twoT = 2.0 / T
+    accA = np.zeros((nch, K2, D))
+    acca = np.zeros((nch, K2))
+    accC = np.zeros(nch)
+    for t in prange(nch):
+        r0 = t * n // nch
+        r1 = (t + 1) * n // nch
+        Xb = np.empty((block, D))
+        xsq = np.empty(block)
+        P = np.empty((block, K3))
+        G = np.empty((block, K))
+        Cf = np.empty((block, K3))
+        GG = np.empty((block, K2))
+        diag = np.empty(block)
+        out = np.empty((block, D))
+        Ab = np.empty((K2, D))
+        ta = np.empty(K)
+        tb = np.empty(K)
+        cand = np.empty(K)
+        cidx = np.empty(K, np.int64)
+        for b0 in range(r0, r1, block):
+            m = min(b0 + block, r1) - b0
+            _load_block(X, b0, m, Xb, xsq)
+            np.dot(Xb[:m], Bt, P[:m])
+            _fill_distances(P, xsq, csq, metric, K, m, G)
+            for i in range(m):
+                wi = w[b0 + i]
+                _row_responsibilities(G, i, logp, False, T, resp, -np.inf, 1.0, cand, cidx,
+                                      sort_max)
+                sa = 0.0
+                sb = 0.0
+                for k in range(K):
+                    r = G[i, k]
+                    wr = wi * r
+                    rho = wr / N[k] if wr > 0.0 else 0.0
+                    q = xsq[i] + musq[k] - 2.0 * P[i, K + k]
+                    if q < 0.0:
+                        q = 0.0
+                    e = P[i, K2 + k] - gmu[k]
+                    accC[t] += wr * q
+                    ta[k] = wr * q * invW - lam * rho * e
+                    tb[k] = rho * e
+                    sa += ta[k]
+                    sb += tb[k]
+                    Cf[i, K + k] = -2.0 * wr * invW
+                    Cf[i, K2 + k] = -lam * rho
+                if entmax:
+                    ss = 0.0
+                    sa = 0.0
+                    sb = 0.0
+                    for k in range(K):
+                        r = G[i, k]
+                        if r > 0.0:
+                            s = math.sqrt(r)
+                            ss += s
+                            ta[k] /= s
+                            tb[k] /= s
+                            sa += ta[k]
+                            sb += tb[k]
+                        else:
+                            ta[k] = 0.0
+                            tb[k] = 0.0
+                    sa /= ss
+                    sb /= ss
+                    for k in range(K):
+                        r = G[i, k]
+                        s = math.sqrt(r) if r > 0.0 else 0.0
+                        GG[i, k] = ta[k] - s * sa
+                        GG[i, K + k] = tb[k] - s * sb
+                else:
+                    for k in range(K):
+                        r = G[i, k]
+                        GG[i, k] = ta[k] - r * sa
+                        GG[i, K + k] = tb[k] - r * sb
+                gsum = 0.0
+                for k in range(K):
+                    g = GG[i, k]
+                    gsum += g
+                    Cf[i, k] = twoT * g
+                dg = 2.0 * wi * invW
+                if not cosine:
+                    dg -= twoT * gsum
+                diag[i] = dg
+            np.dot(Cf[:m], B, out[:m])
+            for i in range(m):
+                for j in range(D):
+                    gX[b0 + i, j] = out[i, j] + diag[i] * Xb[i, j]
+            np.dot(GG[:m].T, Xb[:m], Ab)
+            for k in range(K2):
+                for j in range(D):
+                    accA[t, k, j] += Ab[k, j]
+                s = 0.0
+                for i in range(m):
+                    s += GG[i, k]
+                acca[t, k] += s
+    A = np.zeros((K2, D))
+    a = np.zeros(K2)
+    comp = 0.0
+    for t in range(nch):
+        A += accA[t]
+        a += acca[t]
+        comp += accC[t]
+    return comp, A, a
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def separation_kernel(mu, active, phi, margin, eps):
+    """``(sum_{k<l} phi(s_kl), dLsep/dmu)`` over pairs of active clusters, without the
+    ``2/(K(K-1))`` factor, ``s_kl = ||mu_k - mu_l||^2`` from exact differences (no GEMM
+    cancellation when centroids nearly coincide). ``phi``: identity ``s``, log
+    ``log(s + eps)``, hinge ``-max(0, margin - s)`` (derivative 0 at ``s == margin``).
+    Returns the derivative as ``sum_l phi'(s_kl) 2 (mu_k - mu_l)`` (K x D)."""
+    K, D = mu.shape
+    grad = np.zeros((K, D))
+    part = np.zeros(K)
+    for k in prange(K):
+        if active[k]:
+            for l in range(K):
+                if l != k and active[l]:
+                    s = 0.0
+                    for j in range(D):
+                        v = mu[k, j] - mu[l, j]
+                        s += v * v
+                    if phi == PHI_LOG:
+                        f = math.log(s + eps)
+                        fp = 1.0 / (s + eps)
+                    elif phi == PHI_HINGE:
+                        if s < margin:
+                            f = s - margin
+                            fp = 1.0
+                        else:
+                            f = 0.0
+                            fp = 0.0
+                    else:
+                        f = s
+                        fp = 1.0
+                    if l > k:
+                        part[k] += f
+                    if fp != 0.0:
+                        for j in range(D):
+                            grad[k, j] += 2.0 * fp * (mu[k, j] - mu[l, j])
+    total = 0.0
+    for k in range(K):
+        total += part[k]
+    return total, grad

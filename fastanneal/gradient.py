@@ -1,0 +1,255 @@
+"""The differentiable separation objective and its exact gradient (THEORY.md section 5).
+
+:func:`value_and_grad` returns the loss ``L = L_comp - lam * L_sep`` of a set of free
+centers at temperature ``T``, its gradients with respect to the centers and to the
+embeddings, and the parts the adaptive temperature schedule feeds back on (entropy and the
+separation-gradient norm), from two blockwise passes over the rows.
+"""
+import numbers
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from . import _config
+from . import _grad_kernels as G_
+from ._moments import blas_single_thread
+from ._validation import as_float_matrix, as_weights, check_temperature, metric_code
+
+_PHIS = {"identity": G_.PHI_IDENTITY, "log": G_.PHI_LOG, "hinge": G_.PHI_HINGE}
+_RESPS = {"softmax": 0, "entmax15": 1}
+
+#: Largest allowed deviation of a row norm from 1 with ``metric="cosine"``.
+COSINE_NORM_TOL = 1e-2
+
+#: Default ``eps`` of ``phi="log"``: ``phi(s) = log(s + eps)``.
+LOG_EPS_DEFAULT = 1e-12
+
+
+class Loss(NamedTuple):
+    """Result of :func:`value_and_grad`; a tuple, so ``L, gC, gX = result[:3]`` works."""
+    value: float                  #: ``L = L_comp - lam * L_sep``
+    grad_centers: np.ndarray      #: ``dL/dC`` (K, D), float64
+    grad_X: np.ndarray            #: ``dL/dX`` (n, D), the dtype of ``X``
+    entropy: float                #: ``sum_i w_i H_i / W`` (nats; Tsallis-1.5 for entmax15)
+    compactness: float            #: ``L_comp``
+    separation: float             #: ``L_sep`` (not multiplied by ``lam``)
+    separation_grad_norm: float   #: ``||dL_sep/dC||_F`` (not multiplied by ``lam``)
+    empty: np.ndarray             #: bool (K,): clusters with ``N_k == 0``, left out of L_sep
+
+
+def _check_real(value, name):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return value
+
+
+def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=None,
+                   weights=None, metric="euclidean", responsibilities="softmax"):
+    r"""Separation objective of soft centroids, with exact gradients w.r.t. centers and data.
+
+    With ``d_ik`` the squared distance of row ``x_i`` to center ``c_k``, responsibilities
+    ``r_i = softmax(-d_i / T)`` (or ``entmax15`` of the same logits), soft counts
+    ``N_k = sum_i w_i r_ik``, soft centroids ``mu_k = sum_i w_i r_ik x_i / N_k`` and
+    ``W = sum_i w_i``:
+
+    * compactness ``L_comp = sum_i w_i sum_k r_ik ||x_i - mu_k||^2 / W``,
+    * separation ``L_sep = 2 / (K (K - 1)) sum_{k<l} phi(||mu_k - mu_l||^2)``,
+    * loss ``L = L_comp - lam * L_sep``.
+
+    Parameters
+    ----------
+    X : array (n, D)
+        Embeddings, float32 or float64 (float32 stays float32 for ``grad_X``; everything is
+        computed and accumulated in float64). Other dtypes become float64.
+    centers : array (K, D)
+        The free centers ``C`` (any float dtype; used in float64).
+    T : float > 0
+        Temperature of the logits ``z_ik = -d_ik / T``.
+    lam : float, default 1.0
+        Weight of the separation term (``lam > 0`` rewards separated centroids).
+    phi : {"identity", "log", "hinge"}, default "identity"
+        Monotone increasing transform of the squared centroid distance ``s``:
+        ``"identity"``: ``phi(s) = s``;
+        ``"log"``: ``phi(s) = log(s + eps)``;
+        ``"hinge"``: ``phi(s) = -max(0, margin - s)``, so ``-lam * L_sep`` is ``lam`` times the
+        mean hinge penalty of the pairs closer than ``margin`` and pairs beyond the margin
+        contribute nothing (at ``s == margin`` the derivative 0 is used).
+    margin : float > 0, required with ``phi="hinge"`` (an error otherwise)
+        Margin on the *squared* centroid distance (the units of ``d``).
+    eps : float > 0, only with ``phi="log"``; default ``1e-12``
+        Offset in ``log(s + eps)``, in squared-distance units. Pure ``log s`` diverges where
+        centroids coincide, e.g. at the collapsed start of annealing (all centers at the
+        mean); there ``phi'(s) = 1 / eps`` is still huge, so raise ``eps`` to a small
+        fraction of the data variance for a softer barrier.
+    weights : array (n,), optional
+        Non-negative sample weights (weights equal repetition); ``sum w`` must be > 0.
+    metric : {"euclidean", "cosine"}, default "euclidean"
+        ``"euclidean"``: ``d = ||x - c||^2``. ``"cosine"``: ``d = 2 - 2 x.c`` for the vectors
+        *as given* (see Notes); rows of ``X`` and ``centers`` must be unit-normalized (norms
+        within ``1e-2`` of 1, else ``ValueError``).
+    responsibilities : {"softmax", "entmax15"}, default "softmax"
+        Soft assignments; entmax-1.5 gives exactly sparse rows (THEORY.md section 4).
+
+    Returns
+    -------
+    Loss
+        NamedTuple ``(value, grad_centers, grad_X, entropy, compactness, separation,
+        separation_grad_norm, empty)``:
+
+        - ``value`` (float): ``L``.
+        - ``grad_centers`` (K, D) float64: ``dL/dC``.
+        - ``grad_X`` (n, D), dtype of ``X``: ``dL/dX`` (total derivative: through ``d``, the
+          responsibilities, ``mu`` and ``L_comp``).
+        - ``entropy`` (float): ``sum_i w_i H_i / W`` (Shannon, nats, for softmax; Tsallis-1.5
+          for entmax15, as in :class:`fastanneal.Moments`).
+        - ``compactness``, ``separation`` (float): ``L_comp`` and ``L_sep`` (``L_sep``
+          without ``lam``).
+        - ``separation_grad_norm`` (float): Frobenius norm of ``dL_sep/dC`` (without
+          ``lam``), the ``g_t`` of the adaptive temperature rule (THEORY.md section 5).
+        - ``empty`` (K,) bool: clusters with ``N_k == 0`` (see Notes).
+
+        ``loss, gC, gX = value_and_grad(...)[:3]`` unpacks the first three.
+
+    Raises
+    ------
+    ValueError
+        Shape mismatch, NaN or infinity in ``X``, ``centers`` or ``weights``, negative
+        weights or ``sum w == 0``, ``T <= 0``, unknown ``phi``, ``metric`` or
+        ``responsibilities``, ``margin`` missing (hinge) or given (other ``phi``), ``eps``
+        given without ``phi="log"`` or ``<= 0``, non-unit rows with ``metric="cosine"``.
+    TypeError
+        ``T``, ``lam``, ``margin`` or ``eps`` not a real number.
+
+    Notes
+    -----
+    Gradient (all in float64). With ``G_k = dL_sep/dmu_k = 2/(K(K-1)) sum_{l != k}
+    phi'(s_kl) 2 (mu_k - mu_l)`` and ``dL_comp/dmu_k = 0`` at ``mu = S/N``:
+    ``dL/dr_ik = w_i (||x_i - mu_k||^2 / W - lam G_k . (x_i - mu_k) / N_k)``, pulled back
+    through the softmax Jacobian ``dL/dz_ik = r_ik (dL/dr_ik - sum_j r_ij dL/dr_ij)`` or the
+    entmax-1.5 Jacobian ``diag(s) - s s^T / sum s`` (``s = sqrt(r)``); then
+    ``dz_ik/dc_k = 2 (x_i - c_k) / T``, ``dz_ik/dx_i = -2 (x_i - c_k) / T``, and ``X`` also
+    enters directly: ``dL/dx_i += 2 w_i / W (x_i - sum_k r_ik mu_k) - lam w_i sum_k r_ik
+    G_k / N_k``. Two blockwise passes over the rows (soft counts, then the backward pass),
+    never an ``n x K`` matrix; per-thread partial sums with a static row split, so a fixed
+    thread count gives bit-identical results.
+
+    Cosine convention: ``X`` and ``centers`` are taken as given and the gradients are those
+    of ``d = 2 - 2 x.c`` (no normalization Jacobian), i.e. the derivatives in the ambient
+    space ``R^D``. To move on the unit sphere, project a row gradient ``g`` of a unit
+    vector ``v`` onto the tangent space, ``g - (g . v) v``, and renormalize after the step.
+    ``dz_ik/dc_k = 2 x_i / T`` and ``dz_ik/dx_i = 2 c_k / T``; ``mu`` and ``L_comp`` are the
+    Euclidean ones of the given vectors.
+
+    Empty clusters: a cluster with ``N_k == 0`` (entmax-1.5 at low ``T``, underflow of
+    ``exp`` for a center far from all data, or zero weights) has no soft centroid. Its pairs
+    are left out of ``L_sep`` (the normalization stays ``2/(K(K-1))``), it contributes
+    nothing to ``L_comp``, and its row of ``grad_centers`` is 0 (the loss is locally constant
+    in it). ``K == 1`` gives ``L_sep = 0``.
+
+    ``phi="hinge"`` and entmax-1.5 are piecewise smooth: the gradient is exact where the set
+    of pairs inside the margin and the supports are locally constant.
+
+    References
+    ----------
+    .. [1] B. Peters, V. Niculae, A. F. T. Martins, "Sparse Sequence-to-Sequence Models",
+       ACL 2019 (entmax-1.5 and its Jacobian).
+    .. [2] K. Rose, "Deterministic annealing for clustering, compression, classification,
+       regression, and related optimization problems", Proc. IEEE 86(11), 1998.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastanneal.gradient import value_and_grad
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(100, 3)); C = X[:4].copy()
+    >>> res = value_and_grad(X, C, T=1.0, lam=0.5)
+    >>> loss, gC, gX = res[:3]
+    >>> gC.shape, gX.shape, res.empty.any()
+    ((4, 3), (100, 3), False)
+    """
+    X = as_float_matrix(X, "X", allow_empty=False)
+    C = as_float_matrix(centers, "centers", dtype=np.float64, allow_empty=False)
+    if C.shape[1] != X.shape[1]:
+        raise ValueError(f"centers have {C.shape[1]} features but X has {X.shape[1]}")
+    T = check_temperature(T)
+    lam = _check_real(lam, "lam")
+    mc = metric_code(metric)
+    try:
+        rc = _RESPS[responsibilities]
+    except (KeyError, TypeError):
+        raise ValueError("responsibilities must be 'softmax' or 'entmax15' (hard assignments "
+                         f"have no gradient); got {responsibilities!r}") from None
+    try:
+        pc = _PHIS[phi]
+    except (KeyError, TypeError):
+        raise ValueError(f"phi must be one of 'identity', 'log', 'hinge'; got {phi!r}") from None
+    if pc == G_.PHI_HINGE:
+        if margin is None:
+            raise ValueError("phi='hinge' needs a margin > 0 (on the squared centroid distance)")
+        margin = _check_real(margin, "margin")
+        if margin <= 0:
+            raise ValueError(f"margin must be > 0; got {margin}")
+    elif margin is not None:
+        raise ValueError(f"margin applies only to phi='hinge'; got phi={phi!r}")
+    if pc == G_.PHI_LOG:
+        eps = LOG_EPS_DEFAULT if eps is None else _check_real(eps, "eps")
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0 (phi(s) = log(s + eps)); got {eps}")
+    elif eps is not None:
+        raise ValueError(f"eps applies only to phi='log'; got phi={phi!r}")
+    w = as_weights(weights, X.shape[0], "weights")
+    W = float(w.sum())
+    if not W > 0:
+        raise ValueError("the weights sum to 0; the objective needs a positive total weight")
+    if mc == 1:
+        for name, A in (("X", X), ("centers", C)):
+            dev = np.abs(np.sqrt(np.einsum("ij,ij->i", A, A, dtype=np.float64)) - 1.0)
+            if dev.max() > COSINE_NORM_TOL:
+                raise ValueError(
+                    f"metric='cosine' needs unit-norm rows; {name} row {int(dev.argmax())} "
+                    f"has norm {1.0 + dev.max():.6g} (off by {dev.max():.3g}). Normalize the "
+                    "rows first: the gradient is that of d = 2 - 2 x.c for the given vectors")
+    return _value_and_grad(X, C, T, lam, pc, float(margin or 0.0), float(eps or 0.0), w, W,
+                           mc, rc)
+
+
+def _value_and_grad(X, C, T, lam, pc, margin, eps, w, W, mc, rc):
+    """Fast path: validated ``X`` (C-contiguous float32/64), float64 ``C`` and ``w``."""
+    K, D = C.shape
+    csq = np.einsum("ij,ij->i", C, C)
+    block = int(_config.CPU_BLOCK_ROWS)
+    sort_max = int(_config.ENTMAX_SORT_MAX)
+    nth = int(numba.get_num_threads())
+    with blas_single_thread():
+        N, S, Hsum = G_.grad_forward_kernel(X, w, np.ascontiguousarray(C.T), csq, T, mc, rc,
+                                            block, sort_max, nth)
+    empty = ~(N > 0)
+    mu = np.zeros((K, D))
+    np.divide(S, N[:, None], out=mu, where=~empty[:, None])
+    if K > 1:
+        pair = 2.0 / (K * (K - 1))
+        sep, Gmu = G_.separation_kernel(mu, ~empty, pc, margin, eps)
+        sep *= pair
+        Gmu *= pair
+    else:
+        sep, Gmu = 0.0, np.zeros((K, D))
+    B = np.ascontiguousarray(np.concatenate([C, mu, Gmu]))
+    musq = np.einsum("ij,ij->i", mu, mu)
+    gmu = np.einsum("ij,ij->i", Gmu, mu)
+    gX = np.empty_like(X)
+    with blas_single_thread():
+        comp, A, a = G_.grad_backward_kernel(X, w, B, np.ascontiguousarray(B.T), csq, musq,
+                                             gmu, N, 1.0 / W, lam, T, mc, rc, block, sort_max,
+                                             nth, gX)
+    gC = A[:K] if mc == 1 else A[:K] - C * a[:K, None]
+    gS = A[K:] if mc == 1 else A[K:] - C * a[K:, None]
+    gC *= 2.0 / T
+    gS *= 2.0 / T
+    comp /= W
+    return Loss(value=float(comp - lam * sep), grad_centers=gC, grad_X=gX,
+                entropy=float(Hsum / W), compactness=float(comp), separation=float(sep),
+                separation_grad_norm=float(np.linalg.norm(gS)), empty=empty)
