@@ -1,0 +1,343 @@
+"""The CUDA moment source: rows held on the GPU, moments computed by numba.cuda kernels.
+
+Importing this module does not import ``numba.cuda``; constructing a :class:`CudaSource`
+(or calling :func:`cuda_moments`) does, and raises a clear :class:`RuntimeError` when no
+usable GPU (nor the numba-cuda simulator, ``NUMBA_ENABLE_CUDASIM=1``) is present.
+
+Tunables are read from :mod:`fastanneal._config` at every call:
+``CUDA_THREADS_PER_BLOCK`` (rounded down to a power of two in [8, 1024]; the GEMM kernels
+use at most 256 of them), ``CUDA_ROWS_PER_BLOCK``, and, when present, ``CUDA_CHUNK_ROWS``
+(rows per device pass, default 65536) and ``CUDA_SPARSE_FRACTION`` (a chunk whose non-zero
+responsibilities are at most this fraction of ``rows * K`` is accumulated by the sparse
+scatter instead of the dense ``G^T X`` GEMM; default 1/32).
+"""
+import numpy as np
+
+from .. import _config
+from .._kernels import (N_SCALARS, RESP_HARD, S_ENTROPY, S_FREE, S_HARD, S_MARGIN, S_NNZ,
+                        S_ROWS, S_SOFT_DIST, S_WEIGHT)
+from .._moments import _METRIC_NAMES, _RESP_NAMES, Moments, _prepare, log_eps_for
+from .._sources import power_iteration_eigs
+from .._validation import as_weights, check_temperature, resp_code
+
+DEFAULT_CHUNK_ROWS = 65536
+DEFAULT_SPARSE_FRACTION = 1.0 / 32.0
+#: Cap on the ``chunk x K`` responsibility buffer (bytes); the chunk shrinks for large K.
+MAX_BUFFER_BYTES = 1 << 29
+
+_NO_GPU = ("fastanneal.cuda: no usable CUDA GPU ({why}): install numba-cuda and a driver, "
+           "or use backend='cpu'")
+
+
+def is_available():
+    """True when numba.cuda can run kernels here (a GPU with a driver, or the simulator)."""
+    try:
+        from numba import cuda
+    except Exception:           # numba-cuda missing or broken
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:
+        return False
+
+
+def _require_cuda():
+    """The kernels module, or a RuntimeError naming what is missing."""
+    if not is_available():
+        try:
+            import numba.cuda  # noqa: F401
+            why = "numba.cuda.is_available() is False: no GPU or no driver was found"
+        except Exception as exc:  # pragma: no cover - depends on the installation
+            why = f"numba.cuda cannot be imported: {exc}"
+        raise RuntimeError(_NO_GPU.format(why=why))
+    from . import _kernels
+    return _kernels
+
+
+def _launch_params(kern):
+    """(threads per row block, rows per block, (bx, by) of the GEMM blocks), from _config."""
+    tpb = int(_config.CUDA_THREADS_PER_BLOCK)
+    tpb = 1 << max(3, min(10, tpb.bit_length() - 1))
+    rows = max(1, int(_config.CUDA_ROWS_PER_BLOCK))
+    return tpb, rows, kern.gemm_block_shape(min(tpb, 256))
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _sm_count():
+    from numba import cuda
+    try:
+        return max(1, int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    except Exception:           # the simulator's device has no attributes
+        return 1
+
+
+class CudaSource:
+    """Moment source whose rows live on the GPU (see :mod:`fastanneal._sources`).
+
+    Parameters
+    ----------
+    X : ndarray (n, D), C-contiguous float32 or float64 (unit rows for cosine). Copied to
+        the device once; every call after that moves only centers and results.
+    w : ndarray (n,), float64 non-negative weights.
+    metric : int, 0 euclidean, 1 cosine.
+
+    Raises
+    ------
+    RuntimeError
+        When no usable CUDA GPU (or the simulator) is present.
+    """
+
+    def __init__(self, X, w, metric):
+        self._k = _require_cuda()
+        from numba import cuda
+        self._cuda = cuda
+        X = np.asarray(X)
+        if X.ndim != 2 or X.dtype not in (np.float32, np.float64):
+            raise ValueError(f"X must be a 2-D float32/float64 array; got {X.dtype} with "
+                             f"shape {X.shape}")
+        X = np.ascontiguousarray(X)
+        w = np.ascontiguousarray(w, dtype=np.float64)
+        if w.shape != (X.shape[0],):
+            raise ValueError(f"w must have shape ({X.shape[0]},); got {w.shape}")
+        if metric not in (0, 1):
+            raise ValueError(f"metric must be 0 (euclidean) or 1 (cosine); got {metric!r}")
+        self.metric = int(metric)
+        self.n_rows, self.n_features = X.shape
+        self.dtype = X.dtype
+        self.total_weight = float(w.sum())
+        self._w_host = w
+        self._buffers = None
+        if self.n_rows:
+            self._X = cuda.to_device(X)
+            self._w = cuda.to_device(w)
+            xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
+            self._xsq = cuda.to_device(xsq)
+        else:
+            self._X = self._w = self._xsq = None
+
+    # ------------------------------------------------------------------ helpers
+    def _chunk_rows(self, K, BM):
+        c = int(getattr(_config, "CUDA_CHUNK_ROWS", DEFAULT_CHUNK_ROWS))
+        c = min(c, max(BM, MAX_BUFFER_BYTES // (K * self.dtype.itemsize)))
+        c = min(c, 65535 * BM, self.n_rows)     # grid.y limit of the distance kernel
+        return max(1, c)
+
+    def _chunk_buffers(self, chunk, K):
+        """The ``chunk x K`` distance/responsibility buffer and ``chunk`` labels (reused)."""
+        key = (chunk, K)
+        if self._buffers is None or self._buffers[0] != key:
+            self._buffers = None        # free the old ones first
+            cuda = self._cuda
+            self._buffers = (key, cuda.device_array((chunk, K), dtype=self.dtype),
+                             cuda.device_array(chunk, dtype=np.int32))
+        return self._buffers[1], self._buffers[2]
+
+    def _centers(self, centers):
+        C = np.ascontiguousarray(centers, dtype=self.dtype)
+        if C.ndim != 2 or C.shape[1] != self.n_features or C.shape[0] < 1:
+            raise ValueError(f"centers must have shape (K >= 1, {self.n_features}); "
+                             f"got {C.shape}")
+        csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
+        return C, csq
+
+    def _distances(self, kern, G, r0, m, dC, dcsq, bx, by):
+        K = dC.shape[0]
+        grid = (_cdiv(K, kern.MICRO * bx), _cdiv(m, kern.MICRO * by))
+        shm = kern.gemm_shared_bytes(bx, by, self.dtype.itemsize)
+        kern.distance_kernel[grid, (bx, by), 0, shm](self._X, self._xsq, r0, m, dC, dcsq,
+                                                     self.metric, G)
+
+    # ------------------------------------------------------------------ interface
+    def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
+        """One pass over all rows: the :class:`~fastanneal.Moments` of the data (NumPy)."""
+        kern = self._k
+        cuda = self._cuda
+        C, csq = self._centers(centers)
+        K, D = C.shape
+        T = float(T)
+        resp = int(resp)
+        hard_sums = bool(hard_sums)
+        if self.n_rows == 0:
+            return Moments.zeros(K, D, T, _RESP_NAMES[resp], _METRIC_NAMES[self.metric],
+                                 hard_sums)
+        use_prior = log_prior is not None
+        logp = (np.ascontiguousarray(log_prior, dtype=np.float64) if use_prior
+                else np.zeros(K))
+        tpb, R, (bx, by) = _launch_params(kern)
+        BM = kern.MICRO * by
+        chunk = self._chunk_rows(K, BM)
+        frac = float(getattr(_config, "CUDA_SPARSE_FRACTION", DEFAULT_SPARSE_FRACTION))
+        log_eps = float(log_eps_for(self.dtype))
+        n_sm = _sm_count()
+
+        dC = cuda.to_device(C)
+        dcsq = cuda.to_device(csq)
+        dlogp = cuda.to_device(logp)
+        dN = cuda.to_device(np.zeros(K))
+        dS = cuda.to_device(np.zeros((K, D)))
+        dHN = cuda.to_device(np.zeros(K))
+        dHS = cuda.to_device(np.zeros((K, D))) if hard_sums else None
+        dscal = cuda.to_device(np.zeros(N_SCALARS))
+        dmn = cuda.to_device(np.full(1, np.inf))
+        G, labels = self._chunk_buffers(chunk, K)
+
+        row_shm = kern.ROW_SLOTS * tpb * 8
+        flush_tiles = max(1, R // kern.TILE)
+        BD = kern.MICRO * bx
+        BK = kern.MICRO * by
+        tiles = _cdiv(D, BD) * _cdiv(K, BK)
+        gemm_shm = kern.gemm_shared_bytes(bx, by, self.dtype.itemsize)
+        nnz_before = 0.0
+        for r0 in range(0, self.n_rows, chunk):
+            m = min(chunk, self.n_rows - r0)
+            self._distances(kern, G, r0, m, dC, dcsq, bx, by)
+            kern.rows_kernel[_cdiv(m, R), tpb, 0, row_shm](
+                G, m, self._w, r0, dlogp, use_prior, T, resp, log_eps, R, labels, dHN,
+                dscal, dmn)
+            nnz_now = float(dscal.copy_to_host()[S_NNZ])
+            nnz = nnz_now - nnz_before
+            nnz_before = nnz_now
+            if nnz <= frac * m * K:
+                kern.accum_sparse_kernel[(_cdiv(m, R), _cdiv(D, tpb)), tpb, 0, 2 * tpb * 8](
+                    G, self._X, r0, m, R, dS, dN)
+            else:
+                splits = max(1, min(_cdiv(8 * n_sm, tiles), _cdiv(m, kern.TILE * flush_tiles)))
+                per = _cdiv(_cdiv(m, splits), kern.TILE) * kern.TILE
+                splits = _cdiv(m, per)
+                kern.accum_dense_kernel[(_cdiv(D, BD), _cdiv(K, BK), splits), (bx, by), 0,
+                                        gemm_shm](G, self._X, r0, m, per, flush_tiles, dS, dN)
+            if hard_sums:
+                kern.scatter_rows_kernel[(_cdiv(m, R), _cdiv(D, tpb)), tpb](
+                    self._X, r0, m, labels, 0, self._w, r0, R, dHS)
+        sc = dscal.copy_to_host()
+        return Moments(
+            N=dN.copy_to_host(), S=dS.copy_to_host(), soft_distortion=float(sc[S_SOFT_DIST]),
+            entropy=float(sc[S_ENTROPY]), free_energy=float(sc[S_FREE]),
+            hard_distortion=float(sc[S_HARD]), hard_counts=dHN.copy_to_host(),
+            hard_sums=dHS.copy_to_host() if hard_sums else None, weight=float(sc[S_WEIGHT]),
+            rows=int(sc[S_ROWS]), margin_sum=float(sc[S_MARGIN]),
+            min_margin=float(dmn.copy_to_host()[0]), nnz=int(sc[S_NNZ]), temperature=T,
+            responsibilities=_RESP_NAMES[resp], metric=_METRIC_NAMES[self.metric])
+
+    def _assign_device(self, centers):
+        kern = self._k
+        cuda = self._cuda
+        C, csq = self._centers(centers)
+        K = C.shape[0]
+        tpb, R, (bx, by) = _launch_params(kern)
+        chunk = self._chunk_rows(K, kern.MICRO * by)
+        dC = cuda.to_device(C)
+        dcsq = cuda.to_device(csq)
+        labels = cuda.device_array(self.n_rows, dtype=np.int64)
+        dmin = cuda.device_array(self.n_rows, dtype=np.float64)
+        margin = cuda.device_array(self.n_rows, dtype=np.float64)
+        G, _ = self._chunk_buffers(chunk, K)
+        for r0 in range(0, self.n_rows, chunk):
+            m = min(chunk, self.n_rows - r0)
+            self._distances(kern, G, r0, m, dC, dcsq, bx, by)
+            kern.argmin_kernel[_cdiv(m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
+                G, m, R, r0, labels, dmin, margin)
+        return labels, dmin, margin
+
+    def assign(self, centers):
+        """``(labels, d_min, margin)`` of every row (NumPy; ``margin = d_(2) - d_(1)``)."""
+        if self.n_rows == 0:
+            return (np.empty(0, np.int64), np.empty(0), np.empty(0))
+        labels, dmin, margin = self._assign_device(centers)
+        return labels.copy_to_host(), dmin.copy_to_host(), margin.copy_to_host()
+
+    def _weighted_row_sums(self, labels, use_labels, wts, K):
+        """``out[k] = sum_{labels_i = k} wts_i x_i`` (K x D, float64) on the device."""
+        kern = self._k
+        tpb, R, _ = _launch_params(kern)
+        out = self._cuda.to_device(np.zeros((K, self.n_features)))
+        kern.scatter_rows_kernel[(_cdiv(self.n_rows, R), _cdiv(self.n_features, tpb)), tpb](
+            self._X, 0, self.n_rows, labels, 0 if use_labels else -1, wts, 0, R, out)
+        return out.copy_to_host()
+
+    def mean(self):
+        """Weighted mean of the rows (float64)."""
+        if self.n_rows == 0:
+            return np.full(self.n_features, np.nan)
+        dummy = self._cuda.to_device(np.zeros(1, dtype=np.int64))
+        return self._weighted_row_sums(dummy, False, self._w, 1)[0] / self.total_weight
+
+    def sample(self, n, rng):
+        """``(rows, weights)``: ``n`` rows drawn without replacement (all rows if n >= n_rows)."""
+        if n >= self.n_rows:
+            if self.n_rows == 0:
+                return np.empty((0, self.n_features), self.dtype), self._w_host
+            return self._X.copy_to_host(), self._w_host
+        idx = np.sort(rng.choice(self.n_rows, size=n, replace=False))
+        out = self._cuda.device_array((n, self.n_features), dtype=self.dtype)
+        if n:
+            total = n * self.n_features
+            self._k.gather_rows_kernel[_cdiv(total, 256), 256](
+                self._X, self._cuda.to_device(idx.astype(np.int64)), out)
+        return out.copy_to_host(), self._w_host[idx]
+
+    def cluster_top_eigenvalues(self, centers, n_iter, rng):
+        """``lambda_max`` of each hard cluster's weighted covariance (1/W_k), by power
+        iteration with a device matvec (:func:`~fastanneal._sources.power_iteration_eigs`)."""
+        kern = self._k
+        cuda = self._cuda
+        centers = np.asarray(centers, dtype=np.float64)
+        K = centers.shape[0]
+        if self.n_rows == 0:
+            return np.zeros(K)
+        if K == 1:
+            use_labels = False
+            dlabels = cuda.to_device(np.zeros(1, dtype=np.int64))
+            labels = np.zeros(self.n_rows, dtype=np.int64)
+        else:
+            use_labels = True
+            dlabels = self._assign_device(centers)[0]
+            labels = dlabels.copy_to_host()
+        wk = np.bincount(labels, weights=self._w_host, minlength=K)
+        tpb, R, _ = _launch_params(kern)
+        s = cuda.device_array(self.n_rows, dtype=np.float64)
+
+        def matvec(mu, V):
+            dmu = cuda.to_device(np.ascontiguousarray(mu, dtype=np.float64))
+            dV = cuda.to_device(np.ascontiguousarray(V, dtype=np.float64))
+            kern.rowdot_kernel[_cdiv(self.n_rows, R), tpb, 0, tpb * 8](
+                self._X, self.n_rows, dlabels, use_labels, dmu, dV, self._w, R, s)
+            sx = self._weighted_row_sums(dlabels, use_labels, s, K)
+            ssum = np.bincount(labels, weights=s.copy_to_host(), minlength=K)
+            return sx - mu * ssum[:, None]
+        return power_iteration_eigs(matvec, centers, wk, n_iter, rng)
+
+
+def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibilities="softmax",
+                 log_prior=None, hard_sums=True):
+    """Moments of the rows ``X`` on the GPU: the CUDA twin of :func:`fastanneal.moments`.
+
+    Same parameters, validation and result (a :class:`~fastanneal.Moments` of NumPy arrays)
+    as :func:`fastanneal.moments`; ``X`` is copied to the device for this one call (hold the
+    data with :class:`CudaSource` to keep it there across calls).
+
+    Raises
+    ------
+    RuntimeError
+        When no usable CUDA GPU (or the numba-cuda simulator) is present.
+    """
+    _require_cuda()
+    X, C, mc = _prepare(X, centers, metric)
+    if C.shape[0] < 1:
+        raise ValueError("at least one center is required")
+    rc = resp_code(responsibilities)
+    T = check_temperature(T, allow_zero=(rc == RESP_HARD))
+    w = as_weights(weights, X.shape[0], "weights")
+    if log_prior is not None:
+        log_prior = np.asarray(log_prior, dtype=np.float64)
+        if log_prior.shape != (C.shape[0],):
+            raise ValueError(f"log_prior must have shape ({C.shape[0]},); got {log_prior.shape}")
+        if np.isnan(log_prior).any() or (log_prior == np.inf).any():
+            raise ValueError("log_prior contains NaN or +inf")
+    return CudaSource(X, w, mc).moments(C, T, rc, log_prior, hard_sums)
+
+
+__all__ = ["CudaSource", "cuda_moments", "is_available"]
