@@ -76,7 +76,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     schedule : {"geometric", "linear", "constant", "critical", "adaptive"} or Schedule
         ``"critical"`` is deterministic annealing from just above ``T_c = 2 lambda_max(C)``
         with all centers at the mean (clusters split at their critical temperatures).
-    n_steps : int, default=12
+    n_steps : int, default=20
         Temperatures of the geometric / linear / constant schedules.
     init : {"k-means++", "mean", "random"} or array (K, D), default="k-means++"
     n_init : int, default=1
@@ -93,9 +93,12 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         Soft-Lloyd iterations per temperature (stops earlier when centers move < tol).
     tol : float, default=1e-4
         Relative to the mean feature variance of the data (as scikit-learn).
-    mass_constrained : bool, default=True
+    mass_constrained : bool or "auto", default="auto"
         Responsibilities weighted by cluster masses ``p_k`` (deterministic annealing):
-        coincident centers act as one cluster instead of splitting its points.
+        coincident centers act as one cluster instead of splitting its points. "auto": on for
+        the critical schedule (where all centers start coincident), off otherwise (measured on
+        CLINC150 with ``benchmarks/bench_quality.py``: the auto start temperature already keeps
+        seeds apart, and plain responsibilities reached a lower final J).
     polish : bool, default=True
         Lloyd refinement at ``T = 0`` after annealing.
     max_polish_iter : int, default=300
@@ -128,9 +131,9 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     """
 
     def __init__(self, n_clusters=8, *, metric="euclidean", responsibilities="softmax",
-                 schedule="geometric", n_steps=12, init="k-means++", n_init=1,
+                 schedule="geometric", n_steps=20, init="k-means++", n_init=1,
                  temperature_start="auto", temperature_end_ratio=0.05,
-                 auto_start_fraction=0.5, max_iter=4, tol=1e-4, mass_constrained=True,
+                 auto_start_fraction=0.5, max_iter=4, tol=1e-4, mass_constrained="auto",
                  polish=True, max_polish_iter=300, backend=None, random_state=None,
                  diagnostics="summary", verbose=0, progress=False):
         self.n_clusters = n_clusters
@@ -185,6 +188,9 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         elif not (isinstance(ts, numbers.Real) and math.isfinite(ts) and ts > 0):
             raise ValueError(f"temperature_start must be 'auto', 'critical' or a positive "
                              f"number; got {ts!r}")
+        if not (isinstance(self.mass_constrained, bool) or self.mass_constrained == "auto"):
+            raise ValueError(f"mass_constrained must be True, False or 'auto'; got "
+                             f"{self.mass_constrained!r}")
         if self.diagnostics not in ("summary", "full"):
             raise ValueError(f"diagnostics must be 'summary' or 'full'; got {self.diagnostics!r}")
         if self.backend not in (None, "cpu", "cuda", "dask"):
@@ -361,7 +367,10 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         T_end = float(self.temperature_end_ratio) * T0
         if isinstance(schedule, CriticalSchedule) and ts == "auto":
             T_end = max(T_end, 0.0)
-        cfg = EngineConfig(n_clusters=K, resp=rc, mass_constrained=bool(self.mass_constrained),
+        mc = self.mass_constrained
+        mc = critical if isinstance(mc, str) and mc == "auto" else bool(mc)
+        self._mass_constrained = mc
+        cfg = EngineConfig(n_clusters=K, resp=rc, mass_constrained=mc,
                            max_iter=int(self.max_iter), tol=float(self.tol),
                            polish=bool(self.polish), max_polish_iter=int(self.max_polish_iter),
                            diagnostics=self.diagnostics, verbose=int(self.verbose))
@@ -412,7 +421,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             raise ValueError(f"temperature must be finite and > 0; got {temperature!r}")
         from ._moments import responsibilities as _resp
         logp = None
-        if self.mass_constrained and self.responsibilities == "softmax":
+        if getattr(self, "_mass_constrained", False) and self.responsibilities == "softmax":
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
         C = self.cluster_centers_
         return _resp(X, C, T, metric=self.metric, kind=self.responsibilities, log_prior=logp)
