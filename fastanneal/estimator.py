@@ -104,6 +104,9 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     max_polish_iter : int, default=300
     backend : {"cpu", "cuda", "dask"} or None, default=None
         None: ``"dask"`` for Dask collections, else ``"cpu"``.
+    scheduler : str, distributed.Client or None
+        Dask backend only: a scheduler address (``"tcp://..."``) or a Client. None uses the
+        current default client, else starts an embedded LocalCluster and closes it after fit.
     random_state : int, RandomState, Generator or None
     diagnostics : {"summary", "full"}, default="summary"
         ``"summary"``: one trace record per temperature; ``"full"``: one per iteration.
@@ -134,7 +137,8 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                  schedule="geometric", n_steps=20, init="k-means++", n_init=1,
                  temperature_start="auto", temperature_end_ratio=0.05,
                  auto_start_fraction=0.5, max_iter=4, tol=1e-4, mass_constrained="auto",
-                 polish=True, max_polish_iter=300, backend=None, random_state=None,
+                 polish=True, max_polish_iter=300, backend=None, scheduler=None,
+                 random_state=None,
                  diagnostics="summary", verbose=0, progress=False):
         self.n_clusters = n_clusters
         self.metric = metric
@@ -152,6 +156,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.polish = polish
         self.max_polish_iter = max_polish_iter
         self.backend = backend
+        self.scheduler = scheduler
         self.random_state = random_state
         self.diagnostics = diagnostics
         self.verbose = verbose
