@@ -302,12 +302,16 @@ def test_single_center_and_unit_weights(gpu, rng):
 
 
 def test_launch_parameters_do_not_change_results(gpu, rng, monkeypatch):
-    """Other block sizes (16 threads, 3 rows, one chunk) give the same record."""
+    """Sparse path with tiny blocks == dense path with 16 threads, 48 rows per block (the
+    float64 flush every 3 row tiles is left with a remainder: 25 rows = 2 tiles) and one
+    chunk."""
     X, C, w = data(rng, 25, 6, 5, np.float64)
     T = 0.5 * typical_scale(X, C)[0]
+    monkeypatch.setattr(_config, "CUDA_SPARSE_FRACTION", 2.0, raising=False)
     a = gpu.cuda_moments(X, C, T, weights=w)
+    monkeypatch.setattr(_config, "CUDA_SPARSE_FRACTION", -1.0, raising=False)
     monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 16)
-    monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 3)
+    monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 48)
     monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 10 ** 6, raising=False)
     b = gpu.cuda_moments(X, C, T, weights=w)
     assert_moments_close(a, b, 1e-12, T, 5, "launch parameters")

@@ -515,7 +515,7 @@ def accum_dense_kernel(G, X, r0, m, rows_per_split, flush_tiles, S, N):
                 j = j0 + tx + b * bx
                 if j < D:
                     cuda.atomic.add(S, (k, j), acc64[a * MICRO + b]
-)
+                                    + float64(acc[a * MICRO + b]))
     if do_n and k0 + tid < K:
         cuda.atomic.add(N, k0 + tid, nacc)
 
