@@ -1,8 +1,41 @@
-"""fastanneal: annealed soft k-means for dense embeddings, Numba-compiled and CPU-first."""
+"""fastanneal: annealed soft k-means for dense embeddings, Numba-compiled and CPU-first.
+
+Public names: :func:`moments` (the moments contract), :class:`Moments`,
+:func:`value_and_grad`, :class:`AnnealedKMeans`, the schedules, and the helpers
+:func:`responsibilities`, :func:`pairwise_distances`, :func:`assign`, :func:`entmax15`.
+Heavy modules (the estimator pulls in scikit-learn) load on first use, so that
+``import fastanneal`` stays fast.
+"""
 __version__ = "0.1.0"
 
 from ._moments import (Moments, assign, entmax15, moments, pairwise_distances,  # noqa: F401
                        responsibilities)
-from .estimator import AnnealedKMeans, AnnealingWarning  # noqa: F401,E402
-from .schedules import (ConstantSchedule, CriticalSchedule, GeometricSchedule,  # noqa: F401,E402
-                        LinearSchedule, Schedule)
+
+_LAZY = {
+    "AnnealedKMeans": ("estimator", "AnnealedKMeans"),
+    "AnnealingWarning": ("_engine", "AnnealingWarning"),
+    "Schedule": ("schedules", "Schedule"),
+    "ConstantSchedule": ("schedules", "ConstantSchedule"),
+    "GeometricSchedule": ("schedules", "GeometricSchedule"),
+    "LinearSchedule": ("schedules", "LinearSchedule"),
+    "CriticalSchedule": ("schedules", "CriticalSchedule"),
+    "AdaptiveSchedule": ("adaptive", "AdaptiveSchedule"),
+    "value_and_grad": ("gradient", "value_and_grad"),
+}
+
+__all__ = ["Moments", "assign", "entmax15", "moments", "pairwise_distances",
+           "responsibilities", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{mod}", __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fastanneal' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
