@@ -1,0 +1,795 @@
+"""Core CPU kernels against the independent float64 reference (``tests/reference.py``) and
+the oracles of THEORY.md (sections 1, 3, 4).
+
+Error measure used throughout ("norm-wise relative error"): for a computed array ``a`` and the
+reference ``b``, ``err = ||a - b||_2 / ||b||_2`` over all entries of the array (``||a||_2``
+when ``b`` is all zero). The scalar energies of a record are checked together as one vector
+``(D, T*H, F, J)`` -- they share the unit of a squared distance, and a free energy that
+happens to be near 0 is not divided by itself. ``min_margin`` is a difference of two
+distances, so its error is measured relative to the largest reference distance.
+Tolerances: ``1e-5`` for float32 input, ``1e-12`` for float64 input.
+
+float32 comparisons use temperatures of at least ``0.3 x`` the median distance: the kernel
+computes float32 distances (GEMM form), whose absolute error ``~1e-7 * scale`` becomes a
+relative error ``~1e-7 * scale / T`` in ``exp(-d / T)``; at colder T a 1e-5 agreement with
+the float64 reference is not what float32 can promise (float64 is tested down to 1e-2).
+"""
+import functools
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+
+import fastanneal as fa
+from fastanneal import Moments, _config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reference as ref  # noqa: E402
+
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+T_MULTS = {np.float32: (0.3, 1.0, 10.0, 1e3), np.float64: (1e-2, 0.1, 1.0, 10.0, 1e3)}
+DTYPES = (np.float32, np.float64)
+RESPS = ("softmax", "entmax15", "hard")
+METRICS = ("euclidean", "cosine")
+
+
+# ----------------------------------------------------------------------------- helpers
+def rel_err(a, b):
+    """Norm-wise relative error ``||a - b||_2 / ||b||_2`` (absolute when ``b == 0``)."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    nb = np.linalg.norm(b)
+    diff = np.linalg.norm(a - b)
+    return diff / nb if nb > 0 else diff
+
+
+def make_data(rng, n=120, D=5, K=6, dtype=np.float64, metric="euclidean"):
+    """Gaussian blobs (off the origin) and centers near, but not at, the blob means."""
+    means = rng.normal(size=(K, D)) * 2.0 + (3.0 if metric == "euclidean" else 0.5)
+    lab = rng.integers(0, K, n)
+    X = means[lab] + 0.7 * rng.normal(size=(n, D))
+    C = means + 0.5 * rng.normal(size=(K, D))
+    return X.astype(dtype), C
+
+
+def scale_of(X, C, metric="euclidean"):
+    return float(np.median(ref.distances(X, C, metric)))
+
+
+def record_dict(m):
+    return {f: getattr(m, f) for f in ref.FIELDS}
+
+
+def energies(r, T):
+    g = r.get if isinstance(r, dict) else functools.partial(getattr, r)
+    return np.array([g("soft_distortion"), T * g("entropy"), g("free_energy"),
+                     g("hard_distortion")])
+
+
+def record_errors(got, want, T, dmax):
+    """Norm-wise errors of every field of ``got`` (Moments or dict) against ``want`` (dict)."""
+    g = got if isinstance(got, dict) else record_dict(got)
+    errs = {f: rel_err(g[f], want[f]) for f in ("N", "S", "hard_counts", "weight",
+                                                 "margin_sum")}
+    if want.get("hard_sums") is not None:
+        errs["hard_sums"] = rel_err(g["hard_sums"], want["hard_sums"])
+    errs["energies"] = rel_err(energies(g, T), energies(want, T))
+    a, b = g["min_margin"], want["min_margin"]
+    if math.isinf(b) or math.isinf(a):
+        errs["min_margin"] = 0.0 if a == b else math.inf
+    else:
+        errs["min_margin"] = abs(a - b) / dmax
+    return errs
+
+
+def assert_record_close(got, want, T, tol, dmax, what=""):
+    errs = record_errors(got, want, T, dmax)
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"{what}: norm-wise relative errors above {tol:g}: {bad}"
+    g = got if isinstance(got, dict) else record_dict(got)
+    assert g["rows"] == want["rows"]
+
+
+def assert_finite_record(m):
+    for f in ref.FIELDS:
+        v = getattr(m, f)
+        if f == "min_margin":
+            assert not np.isnan(v), f
+            continue
+        if v is None:
+            continue
+        assert np.all(np.isfinite(v)), f"{f} = {v}"
+
+
+@pytest.fixture
+def config(monkeypatch):
+    """Set block size / sparse fraction / entmax sort limit for one test."""
+    def set_(block=None, sparse=None, sort_max=None):
+        if block is not None:
+            monkeypatch.setattr(_config, "CPU_BLOCK_ROWS", block)
+        if sparse is not None:
+            monkeypatch.setattr(_config, "SPARSE_FRACTION", sparse)
+        if sort_max is not None:
+            monkeypatch.setattr(_config, "ENTMAX_SORT_MAX", sort_max)
+    return set_
+
+
+def random_log_prior(rng, K):
+    p = rng.dirichlet(np.ones(K))
+    return np.log(p)
+
+
+# ----------------------------------------------------------------------------- distances
+@pytest.mark.parametrize("block", [7, 512, 10 ** 6])
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairwise_distances_match_reference(rng, config, dtype, metric, block):
+    config(block=block)
+    for n in (1, 6, 7, 8, 53):
+        X, C = make_data(rng, n=n, dtype=dtype, metric=metric)
+        got = fa.pairwise_distances(X, C, metric=metric)
+        assert got.dtype == dtype and got.shape == (n, C.shape[0])
+        want = ref.distances(X, C, metric)
+        assert rel_err(got, want) <= TOL[dtype], (n, rel_err(got, want))
+        assert (got >= 0).all()
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_assign_matches_reference(rng, dtype, metric):
+    X, C = make_data(rng, n=200, dtype=dtype, metric=metric)
+    labels, dmin, margin = fa.assign(X, C, metric=metric)
+    d = ref.distances(X, C, metric)
+    want_lab = ref.hard_labels(d)
+    ds = np.sort(d, axis=1)
+    # a label may only differ where the two best distances tie within the dtype's error
+    differ = labels != want_lab
+    assert np.all(ds[differ, 1] - ds[differ, 0] <= TOL[dtype] * d.max())
+    assert rel_err(dmin, ds[:, 0]) <= TOL[dtype]
+    assert np.max(np.abs(margin - (ds[:, 1] - ds[:, 0]))) <= TOL[dtype] * d.max()
+
+
+# ----------------------------------------------------------------------------- responsibilities
+@pytest.mark.parametrize("prior", [False, True])
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("kind", RESPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_responsibilities_match_reference(rng, config, dtype, kind, metric, prior):
+    config(block=7)
+    X, C = make_data(rng, n=60, dtype=dtype, metric=metric)
+    K = C.shape[0]
+    lp = random_log_prior(rng, K) if prior else None
+    s = scale_of(X, C, metric)
+    for mult in T_MULTS[dtype]:
+        T = mult * s
+        got = fa.responsibilities(X, C, T, metric=metric, kind=kind, log_prior=lp)
+        assert got.dtype == dtype and got.shape == (60, K)
+        want = ref.responsibilities(X, C, T, metric=metric, kind=kind,
+                                    log_prior=None if kind == "hard" else lp)
+        e = rel_err(got, want)
+        assert e <= TOL[dtype], f"T = {mult} x scale: error {e:.3g}"
+        assert np.max(np.abs(got.sum(axis=1, dtype=np.float64) - 1.0)) <= 10 * TOL[dtype]
+        assert (got >= 0).all()
+
+
+def test_responsibilities_prior_with_zero_mass_cluster(rng):
+    X, C = make_data(rng, n=40)
+    lp = random_log_prior(rng, C.shape[0])
+    lp[2] = -np.inf
+    T = scale_of(X, C)
+    for kind in ("softmax", "entmax15"):
+        got = fa.responsibilities(X, C, T, kind=kind, log_prior=lp)
+        assert np.all(got[:, 2] == 0.0)
+        assert rel_err(got, ref.responsibilities(X, C, T, kind=kind, log_prior=lp)) <= 1e-12
+        m = fa.moments(X, C, T, responsibilities=kind, log_prior=lp)
+        assert m.N[2] == 0.0
+        assert_record_close(m, ref.moments(X, C, T, responsibilities=kind, log_prior=lp),
+                            T, 1e-12, ref.sqeuclidean(X, C).max(), kind)
+
+
+# ----------------------------------------------------------------------------- moments
+@pytest.mark.parametrize("opts", ["plain", "weights", "prior", "weights+prior"])
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("resp", RESPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moments_match_reference(rng, dtype, resp, metric, opts):
+    n = 150
+    X, C = make_data(rng, n=n, dtype=dtype, metric=metric)
+    K = C.shape[0]
+    w = rng.uniform(0.1, 3.0, n) if "weights" in opts else None
+    lp = random_log_prior(rng, K) if "prior" in opts else None
+    s = scale_of(X, C, metric)
+    dmax = ref.distances(X, C, metric).max()
+    for mult in T_MULTS[dtype]:
+        T = mult * s
+        m = fa.moments(X, C, T, weights=w, metric=metric, responsibilities=resp,
+                       log_prior=lp)
+        assert m.temperature == T and m.responsibilities == resp and m.metric == metric
+        assert m.S.dtype == np.float64 and m.N.dtype == np.float64
+        want = ref.moments(X, C, T, weights=w, metric=metric, responsibilities=resp,
+                           log_prior=lp)
+        assert_record_close(m, want, T, TOL[dtype], dmax, f"T = {mult} x scale")
+        assert 0 < m.nnz <= n * K
+
+
+@pytest.mark.parametrize("resp", RESPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moments_blocks_and_accumulation_paths(rng, config, dtype, resp):
+    """Ragged blocks (7 rows), one block for everything, dense vs sparse accumulation."""
+    K = 6
+    lp = random_log_prior(rng, K)
+    for n in (1, 6, 7, 8, 50, 301):
+        X, C = make_data(rng, n=n, K=K, dtype=dtype)
+        w = rng.uniform(0.0, 2.0, n)
+        T = scale_of(X, C) * (0.3 if dtype == np.float32 else 0.05)
+        want = ref.moments(X, C, T, weights=w, responsibilities=resp, log_prior=lp)
+        dmax = ref.sqeuclidean(X, C).max()
+        got = {}
+        for block in (7, 10 ** 6):
+            for sparse in (0.0, 1.0):
+                config(block=block, sparse=sparse)
+                m = fa.moments(X, C, T, weights=w, responsibilities=resp, log_prior=lp)
+                assert_record_close(m, want, T, TOL[dtype], dmax,
+                                    f"n={n} block={block} sparse={sparse}")
+                got[block, sparse] = m
+        base = got[7, 0.0]
+        for key, m in got.items():
+            assert_record_close(m, record_dict(base), T, TOL[dtype], dmax, f"{key} vs dense")
+            assert m.nnz == base.nnz
+
+
+@pytest.mark.parametrize("resp", ["softmax", "entmax15"])
+def test_entmax_sort_and_bisect_paths_in_kernel(rng, config, resp):
+    """K = 80 at a hot T: > 48 entmax candidates (the bisection path); force each path."""
+    X, C = make_data(rng, n=70, K=80, D=4)
+    T = 5.0 * scale_of(X, C)
+    while np.min((ref.responsibilities(X, C, T, kind="entmax15") > 0).sum(axis=1)) <= 48:
+        T *= 2.0                                          # make the case really large
+    want = ref.moments(X, C, T, responsibilities=resp)
+    wantR = ref.responsibilities(X, C, T, kind=resp)
+    dmax = ref.sqeuclidean(X, C).max()
+    for sort_max in (0, 48, 10 ** 6):
+        for block in (7, 10 ** 6):
+            config(block=block, sort_max=sort_max)
+            m = fa.moments(X, C, T, responsibilities=resp)
+            assert_record_close(m, want, T, 1e-12, dmax, f"sort_max={sort_max}")
+            R = fa.responsibilities(X, C, T, kind=resp)
+            assert rel_err(R, wantR) <= 1e-12
+
+
+@pytest.mark.parametrize("resp", RESPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_cluster(rng, config, dtype, resp):
+    config(block=7)
+    X, _ = make_data(rng, n=30, dtype=dtype)
+    C = X[:1].astype(np.float64) + 0.1
+    w = rng.uniform(0.5, 2.0, 30)
+    T = scale_of(X, C)
+    m = fa.moments(X, C, T, weights=w, responsibilities=resp)
+    want = ref.moments(X, C, T, weights=w, responsibilities=resp)
+    assert_record_close(m, want, T, TOL[dtype], ref.sqeuclidean(X, C).max(), "K = 1")
+    assert m.min_margin == math.inf and m.margin_sum == 0.0
+    assert np.allclose(m.N, w.sum(), rtol=TOL[dtype])
+    assert m.entropy == 0.0
+    # K = 1: T W log K = 0, so the certificate forces F == J (up to rounding here; the
+    # exact claim is test_softmax_certificate_lower_bound_is_exact)
+    assert abs(m.hard_distortion - m.free_energy) <= 1e-14 * abs(m.hard_distortion)
+    R = fa.responsibilities(X, C, T, kind=resp)
+    assert np.all(R == 1.0)
+
+
+def test_empty_block_is_the_zero_record(rng):
+    X, C = make_data(rng, n=10)
+    for resp in RESPS:
+        m = fa.moments(X[:0], C, 1.0, responsibilities=resp)
+        z = Moments.zeros(C.shape[0], C.shape[1], 1.0, responsibilities=resp)
+        for f in ref.FIELDS + ("nnz",):
+            assert np.array_equal(getattr(m, f), getattr(z, f)), f
+
+
+# ----------------------------------------------------------------------------- dtype, threads
+@pytest.mark.parametrize("dtype, out", [(np.float32, np.float32), (np.float64, np.float64),
+                                        (np.int64, np.float64), (np.float16, np.float64)])
+def test_output_dtypes(rng, dtype, out):
+    X = (rng.normal(size=(9, 3)) * 4).astype(dtype)
+    X[:, 0] = 3                                  # no all-zero row (cosine) after the cast
+    C = rng.normal(size=(4, 3))
+    for metric in METRICS:
+        assert fa.pairwise_distances(X, C, metric=metric).dtype == out
+        for kind in RESPS:
+            assert fa.responsibilities(X, C, 2.0, metric=metric, kind=kind).dtype == out
+    assert fa.moments(X, C, 2.0).S.dtype == np.float64
+
+
+def test_bitwise_reproducible_at_fixed_thread_count(rng):
+    X, C = make_data(rng, n=3000)
+    for dtype in DTYPES:
+        for resp in RESPS:
+            a = fa.moments(X.astype(dtype), C, 3.0, responsibilities=resp)
+            b = fa.moments(X.astype(dtype), C, 3.0, responsibilities=resp)
+            for f in ref.FIELDS + ("nnz",):
+                assert np.array_equal(getattr(a, f), getattr(b, f)), (dtype, resp, f)
+
+
+_THREAD_SCRIPT = textwrap.dedent("""
+    import sys
+    import numba
+    import numpy as np
+    import fastanneal as fa
+    d = np.load(sys.argv[1])
+    out = {"threads": numba.get_num_threads()}
+    for dt in ("f32", "f64"):
+        for resp in ("softmax", "entmax15", "hard"):
+            m = fa.moments(d["X" + dt], d["C"], float(d["T"]), weights=d["w"],
+                           responsibilities=resp)
+            for f in ("N", "S", "soft_distortion", "entropy", "free_energy",
+                      "hard_distortion", "hard_counts", "hard_sums", "weight", "rows",
+                      "margin_sum", "min_margin", "nnz"):
+                out[f"{dt}_{resp}_{f}"] = getattr(m, f)
+    np.savez(sys.argv[2], **out)
+""")
+
+
+def test_no_drift_with_thread_count(rng, tmp_path):
+    """NUMBA_NUM_THREADS=1 (subprocess) vs the default thread count (here).
+
+    Only the association of the sums changes: float64 input agrees to 1e-12 norm-wise; float32
+    input also changes which rows share a float32 GEMM block, so it agrees to 1e-5.
+    """
+    X, C = make_data(rng, n=3000)
+    w = rng.uniform(0.0, 2.0, 3000)
+    T = scale_of(X, C)
+    np.savez(tmp_path / "in.npz", Xf32=X.astype(np.float32), Xf64=X, C=C, w=w, T=T)
+    env = dict(os.environ, NUMBA_NUM_THREADS="1")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.run([sys.executable, "-c", _THREAD_SCRIPT, str(tmp_path / "in.npz"),
+                    str(tmp_path / "out.npz")], check=True, env=env, cwd=root, timeout=300)
+    one = np.load(tmp_path / "out.npz")
+    assert int(one["threads"]) == 1
+    if numba.get_num_threads() == 1:
+        pytest.skip("only one thread available: nothing to compare")  # pragma: no cover
+    dmax = ref.sqeuclidean(X, C).max()
+    for dt, Xd in (("f32", X.astype(np.float32)), ("f64", X)):
+        tol = 1e-5 if dt == "f32" else 1e-12
+        for resp in RESPS:
+            m = fa.moments(Xd, C, T, weights=w, responsibilities=resp)
+            other = {f: one[f"{dt}_{resp}_{f}"][()] for f in ref.FIELDS}
+            assert_record_close(m, other, T, tol, dmax, f"{dt} {resp} 1 vs "
+                                f"{numba.get_num_threads()} threads")
+            assert m.nnz == int(one[f"{dt}_{resp}_nnz"])
+            assert m.min_margin == other["min_margin"]
+
+
+# ----------------------------------------------------------------------------- THEORY oracles
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_certificate_over_twelve_decades(rng, dtype, metric):
+    """0 <= J - F <= T W log K for T from 1e-4 to 1e4 times the median distance, no NaN/inf."""
+    X, C = make_data(rng, n=200, K=7, dtype=dtype, metric=metric)
+    w = rng.uniform(0.0, 3.0, 200)
+    s = scale_of(X, C, metric)
+    for T in s * np.logspace(-4, 4, 17):
+        m = fa.moments(X, C, T, weights=w, metric=metric)
+        assert_finite_record(m)
+        gap = m.hard_distortion - m.free_energy
+        # rounding slack: a few ulps of J; the exact claim is tested deterministically below
+        slack = 1e-14 * (abs(m.hard_distortion) + T * m.weight)
+        assert -slack <= gap <= T * m.weight * math.log(7) + slack, (T / s, gap)
+        o = m.objectives()
+        assert math.isfinite(o["entropy"]) and 0.0 <= o["entropy"] <= math.log(7) + 1e-12
+        R = fa.responsibilities(X, C, T, metric=metric)
+        assert np.all(np.isfinite(R))
+
+
+def test_softmax_certificate_lower_bound_is_exact():
+    """The docstring of ``fastanneal.moments`` promises ``0 <= J - F`` *exactly*. Here the
+    distance is exact (d = 15 from integer coordinates), the second center is far, so
+    mathematically F = J; with T = 0.11328125, fl(fl(d / T) * T) = 15.000000000000002 > d."""
+    X = np.array([[3.0, 2.0, 1.0, 1.0]])
+    C = np.array([[0.0, 0.0, 0.0, 0.0], [1000.0, 0.0, 0.0, 0.0]])
+    T = 0.11328125
+    for K in (1, 2):
+        m = fa.moments(X, C[:K], T)
+        assert m.hard_distortion == 15.0
+        assert m.hard_distortion - m.free_energy >= 0.0, (K, m.free_energy)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entmax_certificate_over_twelve_decades(rng, dtype, metric):
+    """0 <= J - F <= (4/3) T W (1 - K^-1/2) with the Tsallis-1.5 entropy."""
+    K = 7
+    X, C = make_data(rng, n=200, K=K, dtype=dtype, metric=metric)
+    w = rng.uniform(0.0, 3.0, 200)
+    s = scale_of(X, C, metric)
+    for T in s * np.logspace(-4, 4, 17):
+        m = fa.moments(X, C, T, weights=w, metric=metric, responsibilities="entmax15")
+        assert_finite_record(m)
+        gap = m.hard_distortion - m.free_energy
+        bound = (4.0 / 3.0) * T * m.weight * (1.0 - K ** -0.5)
+        # rounding slack: a few ulps of J (the bound itself is exact mathematics)
+        slack = 1e-14 * (abs(m.hard_distortion) + T * m.weight)
+        assert -slack <= gap <= bound + slack, (T / s, gap, bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_free_energy_equals_distortion_minus_T_entropy(rng, dtype):
+    """F = D - T H for softmax (no prior) and entmax15 (by definition of F^ent)."""
+    X, C = make_data(rng, n=100, dtype=dtype)
+    w = rng.uniform(0.0, 2.0, 100)
+    s = scale_of(X, C)
+    for resp in ("softmax", "entmax15"):
+        for T in s * np.logspace(-3, 3, 7):
+            m = fa.moments(X, C, T, weights=w, responsibilities=resp)
+            lhs = m.free_energy
+            rhs = m.soft_distortion - T * m.entropy
+            assert abs(lhs - rhs) <= 1e-12 * (abs(m.soft_distortion) + T * abs(m.entropy)), \
+                (resp, T / s, lhs, rhs)
+
+
+def test_softmax_soft_to_hard_bound(rng):
+    """THEORY 3: 1 - r_i,c(i) <= (K - 1) exp(-Delta_i / T)."""
+    X, C = make_data(rng, n=300, K=5)
+    K = C.shape[0]
+    d = ref.sqeuclidean(X, C)
+    lab = ref.hard_labels(d)
+    ds = np.sort(d, axis=1)
+    delta = ds[:, 1] - ds[:, 0]
+    s = scale_of(X, C)
+    for T in s * np.array([1e-3, 1e-2, 0.05, 0.2, 1.0, 10.0]):
+        R = fa.responsibilities(X, C, T)
+        lhs = 1.0 - R[np.arange(300), lab]
+        bound = (K - 1) * np.exp(-delta / T)
+        assert np.all(lhs <= bound * (1 + 1e-9) + 1e-15), T / s
+
+
+def test_entmax_equals_hard_labels_below_half_min_margin(rng, config):
+    """THEORY 4: T <= Delta_min / 2  =>  entmax responsibilities are exactly the hard labels;
+    just above, the point(s) at the minimum margin are no longer one-hot."""
+    X, C = make_data(rng, n=250, K=5)
+    w = rng.uniform(0.5, 2.0, 250)
+    d = ref.sqeuclidean(X, C)
+    lab = ref.hard_labels(d)
+    ds = np.sort(d, axis=1)
+    delta = ds[:, 1] - ds[:, 0]
+    dmin = delta.min()
+    onehot = np.zeros_like(d)
+    onehot[np.arange(250), lab] = 1.0
+    T = dmin / 2 * (1 - 1e-9)
+    R = fa.responsibilities(X, C, T, kind="entmax15")
+    assert np.array_equal(R, onehot)
+    assert np.array_equal(R, fa.responsibilities(X, C, T, kind="hard"))
+    config(sparse=1.0)           # the sparse path adds w * x row by row, as the hard sums do
+    m = fa.moments(X, C, T, weights=w, responsibilities="entmax15")
+    assert np.array_equal(m.N, m.hard_counts)
+    assert np.array_equal(m.S, m.hard_sums)
+    assert m.entropy == 0.0
+    assert m.soft_distortion == m.hard_distortion == m.free_energy
+    # just above Delta_min / 2 the closest call gets a second non-zero entry
+    R = fa.responsibilities(X, C, dmin / 2 * (1 + 1e-4), kind="entmax15")
+    i = np.argmin(delta)
+    assert np.count_nonzero(R[i]) == 2
+    assert np.array_equal(R[delta > 2 * dmin], onehot[delta > 2 * dmin])
+
+
+def test_entmax_sort_equals_bisection(rng):
+    cases = [
+        rng.normal(size=(200, 7)) * 3,
+        rng.normal(size=(50, 40)) * 0.5,
+        rng.uniform(0, 0.1, size=(5, 2000)),                 # huge K, huge support
+        rng.normal(size=(5, 2000)) * 3,                      # huge K, small support
+        rng.integers(0, 4, size=(30, 2000)) * 0.5,           # huge K, many ties
+        rng.integers(0, 3, size=(100, 9)).astype(float),     # ties in the support
+        np.zeros((3, 2000)),                                 # all tied
+        np.array([[0.0, 0.0, -2.0, -2.0, -7.5], [1.0, 1.0, 1.0, -1.0, -1.0]]),
+    ]
+    for Z in cases:
+        a = fa.entmax15(Z, method="sort")
+        b = fa.entmax15(Z, method="bisect")
+        want = ref.entmax15(Z)
+        assert np.max(np.abs(a - b)) <= 1e-12, Z.shape
+        assert np.max(np.abs(a - want)) <= 1e-12, Z.shape
+        assert np.max(np.abs(ref.entmax15_bisect(Z) - want)) <= 1e-12
+        assert np.max(np.abs(a.sum(axis=1) - 1.0)) <= 1e-12
+    z = rng.normal(size=6)
+    assert fa.entmax15(z).shape == (6,)
+    assert np.max(np.abs(fa.entmax15(z) - ref.entmax15(z))) <= 1e-12
+
+
+def test_entmax_gap_two_one_hot_rule(rng):
+    """One-hot iff the top-two logit gap is >= 2."""
+    K = 6
+    for _ in range(300):
+        z = rng.normal(size=K) * 2
+        top = np.argmax(z)
+        gap = rng.uniform(0.0, 4.0)
+        if abs(gap - 2.0) < 1e-9:
+            continue
+        others = np.delete(np.arange(K), top)
+        z[others] = np.minimum(z[others], z[top] - gap)   # second best now exactly below
+        z[others[0]] = z[top] - gap
+        true_gap = z[top] - np.max(z[others])
+        for method in ("sort", "bisect"):
+            p = fa.entmax15(z, method=method)
+            if true_gap >= 2.0:
+                assert np.count_nonzero(p) == 1 and p[top] == 1.0, (true_gap, p)
+            else:
+                assert np.count_nonzero(p) >= 2, (true_gap, p)
+    # exactly 2 (integer logits: the gap is exact)
+    for method in ("sort", "bisect"):
+        p = fa.entmax15(np.array([5.0, 3.0, 1.0, 3.0]), method=method)
+        assert np.array_equal(p, [1.0, 0.0, 0.0, 0.0])
+
+
+def test_entmax_two_entry_closed_form(rng):
+    """h = gap/2 < 1:  p = ((sqrt(2 - h^2) +- h) / 2)^2."""
+    for _ in range(100):
+        h = rng.uniform(0.0, 0.999)
+        a = rng.normal() * 5
+        K = int(rng.integers(2, 8))
+        z = np.full(K, a - 2 * h - 10.0)      # everything else far below the pair
+        z[0], z[1] = a, a - 2 * h
+        h_true = (z[0] - z[1]) / 2
+        r = math.sqrt(2 - h_true ** 2)
+        for method in ("sort", "bisect"):
+            p = fa.entmax15(z, method=method)
+            assert abs(p[0] - ((r + h_true) / 2) ** 2) <= 1e-12
+            assert abs(p[1] - ((r - h_true) / 2) ** 2) <= 1e-12
+            assert np.all(p[2:] == 0.0)
+
+
+# ----------------------------------------------------------------------------- weights
+@pytest.mark.parametrize("resp", RESPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weights_equal_repetition(rng, config, dtype, resp):
+    config(block=7)
+    X, C = make_data(rng, n=80, dtype=dtype)
+    w = rng.integers(1, 4, 80)
+    T = scale_of(X, C) * 0.5
+    lp = random_log_prior(rng, C.shape[0])
+    a = fa.moments(X, C, T, weights=w, responsibilities=resp, log_prior=lp)
+    b = fa.moments(np.repeat(X, w, axis=0), C, T, responsibilities=resp, log_prior=lp)
+    wa = record_dict(a)
+    wa["rows"] = int(w.sum())
+    assert_record_close(wa, record_dict(b), T, TOL[dtype], ref.sqeuclidean(X, C).max(),
+                        "weights vs repetition")
+    # a scalar weight is a constant weight
+    c = fa.moments(X, C, T, weights=2.5, responsibilities=resp)
+    d = fa.moments(X, C, T, weights=np.full(80, 2.5), responsibilities=resp)
+    for f in ref.FIELDS:
+        assert np.array_equal(getattr(c, f), getattr(d, f)), f
+
+
+@pytest.mark.parametrize("resp", RESPS)
+def test_zero_weight_rows_equal_absent_rows(rng, resp):
+    """Weight 0 = repeated 0 times: the record must not see the row at all. The zero-weight
+    row sits half-way between two centers (margin 0 up to rounding)."""
+    X, C = make_data(rng, n=40, K=4)
+    C[1] = C[0] + np.array([2.0, 0.0, 0.0, 0.0, 0.0])
+    tie = (C[0] + C[1]) / 2
+    Xw = np.vstack([X, tie[None, :]])
+    w = np.append(np.ones(40), 0.0)
+    T = scale_of(X, C)
+    a = fa.moments(Xw, C, T, weights=w, responsibilities=resp)
+    b = fa.moments(X, C, T, responsibilities=resp)
+    ra = record_dict(a)
+    ra["rows"] = 40
+    assert_record_close(ra, record_dict(b), T, 1e-12, ref.sqeuclidean(X, C).max(),
+                        "zero-weight row vs no row")
+
+
+# ----------------------------------------------------------------------------- merge, finalize
+def _splits(rng, n, parts):
+    cuts = np.sort(rng.integers(0, n + 1, parts - 1))
+    cuts = np.concatenate([[0], cuts, [0, n]])          # includes an empty block
+    cuts.sort()
+    return [(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)]
+
+
+@pytest.mark.parametrize("resp", RESPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_of_splits_equals_whole(rng, dtype, resp):
+    X, C = make_data(rng, n=157, dtype=dtype)
+    w = rng.uniform(0.0, 2.0, 157)
+    T = scale_of(X, C) * 0.7
+    whole = fa.moments(X, C, T, weights=w, responsibilities=resp)
+    dmax = ref.sqeuclidean(X, C).max()
+    for parts in (1, 2, 5, 12):
+        recs = [fa.moments(X[a:b], C, T, weights=w[a:b], responsibilities=resp)
+                for a, b in _splits(rng, 157, parts)]
+        assert any(r.rows == 0 for r in recs)
+        for merged in (functools.reduce(Moments.merge, recs), sum(recs),
+                       sum(recs[::-1], Moments.zeros(C.shape[0], C.shape[1], T, resp))):
+            assert_record_close(merged, record_dict(whole), T, TOL[dtype], dmax,
+                                f"{parts} parts")
+            assert merged.nnz == whole.nnz and merged.rows == whole.rows
+            assert merged.min_margin == whole.min_margin
+
+
+def test_zeros_is_the_identity(rng):
+    X, C = make_data(rng, n=30)
+    for resp in RESPS:
+        for metric in METRICS:
+            m = fa.moments(X, C, 1.3, responsibilities=resp, metric=metric)
+            z = Moments.zeros(C.shape[0], C.shape[1], 1.3, responsibilities=resp,
+                              metric=metric)
+            for r in (m + z, z + m, m.merge(z), sum([m])):
+                for f in ref.FIELDS + ("nnz", "temperature", "responsibilities", "metric"):
+                    assert np.array_equal(getattr(r, f), getattr(m, f)), f
+    z = Moments.zeros(3, 2, 1.0, hard_sums=False)
+    assert z.hard_sums is None
+    m = fa.moments(X[:, :2], C[:3, :2], 1.0)
+    assert (m + z).hard_sums is None
+
+
+def test_merging_incompatible_records_raises(rng):
+    X, C = make_data(rng, n=20)
+    m = fa.moments(X, C, 1.0)
+    bad = [fa.moments(X, C, 2.0),
+           fa.moments(X, C, 1.0, responsibilities="entmax15"),
+           fa.moments(X, C, 1.0, metric="cosine"),
+           fa.moments(X, C[:-1], 1.0),
+           fa.moments(X[:, :-1], C[:, :-1], 1.0)]
+    for b in bad:
+        with pytest.raises(ValueError, match="cannot merge"):
+            m.merge(b)
+        with pytest.raises(ValueError, match="cannot merge"):
+            b + m
+    with pytest.raises(TypeError):
+        m + 1
+    with pytest.raises(TypeError):
+        m + np.ones(3)
+
+
+def test_finalize(rng):
+    X, C = make_data(rng, n=100, K=4)
+    C[3] = 1e4                                       # nobody near: an empty cluster
+    T = scale_of(X, C[:3], "euclidean") * 0.5
+    m = fa.moments(X, C, T)
+    assert m.N[3] == 0.0 and m.hard_counts[3] == 0.0
+    up = m.finalize(previous_centers=C)
+    assert np.array_equal(up.empty, [False, False, False, True])
+    assert np.allclose(up.centers[:3], m.S[:3] / m.N[:3, None], rtol=1e-15, atol=0)
+    assert np.array_equal(up.centers[3], C[3])
+    want = ref.moments(X, C, T)
+    assert rel_err(up.centers[:3], want["S"][:3] / want["N"][:3, None]) <= 1e-12
+    up = m.finalize()
+    assert np.all(np.isnan(up.centers[3])) and np.all(np.isfinite(up.centers[:3]))
+    up = m.finalize(previous_centers=C, hard=True)
+    assert np.allclose(up.centers[:3], m.hard_sums[:3] / m.hard_counts[:3, None],
+                       rtol=1e-15, atol=0)
+    assert np.array_equal(up.centers[3], C[3]) and up.empty[3]
+    o = up.objectives
+    assert o["entropy"] == m.entropy / m.weight and o["weight"] == m.weight
+    assert o["certificate_gap"] == m.hard_distortion - m.free_energy
+    assert o["certificate_bound"] == T * m.weight * math.log(4)
+    with pytest.raises(ValueError, match="hard sums"):
+        fa.moments(X, C, T, hard_sums=False).finalize(hard=True)
+    # cosine: the update is projected back on the sphere
+    mc = fa.moments(X, C[:3], 0.5, metric="cosine")
+    uc = mc.finalize()
+    assert np.allclose(np.linalg.norm(uc.centers, axis=1), 1.0, rtol=1e-14)
+    S = mc.S / mc.N[:, None]
+    assert rel_err(uc.centers, S / np.linalg.norm(S, axis=1, keepdims=True)) <= 1e-14
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad_inputs():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(10, 4))
+    C = rng.normal(size=(3, 4))
+    Xnan = X.copy()
+    Xnan[2, 1] = np.nan
+    Xinf = X.copy()
+    Xinf[4, 0] = np.inf
+    Cnan = C.copy()
+    Cnan[1, 1] = np.nan
+    Xzero = X.copy()
+    Xzero[3] = 0.0
+    Czero = C.copy()
+    Czero[2] = 0.0
+    w = np.ones(10)
+    wneg = w.copy()
+    wneg[5] = -1.0
+    wnan = w.copy()
+    wnan[6] = np.nan
+    mo, re, pd, asg = fa.moments, fa.responsibilities, fa.pairwise_distances, fa.assign
+    cases = {
+        "X NaN": (lambda: mo(Xnan, C, 1.0), ValueError, r"X contains NaN .*row 2"),
+        "X inf": (lambda: mo(Xinf, C, 1.0), ValueError, r"X contains infinity .*row 4"),
+        "centers NaN": (lambda: mo(X, Cnan, 1.0), ValueError, "centers contains NaN"),
+        "X 1-D": (lambda: mo(X[0], C, 1.0), ValueError, "X must be 2-D"),
+        "X 3-D": (lambda: mo(X[None], C, 1.0), ValueError, "X must be 2-D"),
+        "centers 1-D": (lambda: mo(X, C[0], 1.0), ValueError, "centers must be 2-D"),
+        "centers wrong D": (lambda: mo(X, C[:, :3], 1.0), ValueError,
+                            "centers have 3 features but X has 4"),
+        "no centers": (lambda: mo(X, C[:0], 1.0), ValueError, "centers has 0 samples"),
+        "X 0 features": (lambda: mo(X[:, :0], C[:, :0], 1.0), ValueError, "0 features"),
+        "X object": (lambda: mo(np.array([[1, "a"]], dtype=object), C[:, :2], 1.0),
+                     ValueError, "dtype object"),
+        "negative weight": (lambda: mo(X, C, 1.0, weights=wneg), ValueError,
+                            r"negative weights .*row 5"),
+        "NaN weight": (lambda: mo(X, C, 1.0, weights=wnan), ValueError,
+                       r"weights contains NaN .*row 6"),
+        "weights wrong length": (lambda: mo(X, C, 1.0, weights=w[:9]), ValueError,
+                                 r"weights must have shape \(10,\)"),
+        "T = 0": (lambda: mo(X, C, 0.0), ValueError, "temperature T must be finite and > 0"),
+        "T < 0": (lambda: mo(X, C, -1.0), ValueError, "temperature T must be finite and > 0"),
+        "T NaN": (lambda: mo(X, C, float("nan")), ValueError, "temperature T"),
+        "T inf": (lambda: mo(X, C, float("inf")), ValueError, "temperature T"),
+        "T < 0 hard": (lambda: mo(X, C, -1.0, responsibilities="hard"), ValueError,
+                       "temperature T"),
+        "T string": (lambda: mo(X, C, "1.0"), TypeError, "temperature T must be a real"),
+        "T None": (lambda: mo(X, C, None), TypeError, "temperature T must be a real"),
+        "metric": (lambda: mo(X, C, 1.0, metric="manhattan"), ValueError,
+                   "metric must be one of .*'manhattan'"),
+        "responsibilities": (lambda: mo(X, C, 1.0, responsibilities="sparsemax"), ValueError,
+                             "responsibilities must be one of .*'sparsemax'"),
+        "cosine zero row": (lambda: mo(Xzero, C, 1.0, metric="cosine"), ValueError,
+                            r"X has all-zero rows \(first at row 3\)"),
+        "cosine zero center": (lambda: mo(X, Czero, 1.0, metric="cosine"), ValueError,
+                               r"centers has all-zero rows \(first at row 2\)"),
+        "log_prior shape": (lambda: mo(X, C, 1.0, log_prior=np.zeros(4)), ValueError,
+                            r"log_prior must have shape \(3,\)"),
+        "log_prior NaN": (lambda: mo(X, C, 1.0, log_prior=[0.0, np.nan, 0.0]), ValueError,
+                          "log_prior contains NaN"),
+        "log_prior all -inf": (lambda: mo(X, C, 1.0, log_prior=np.full(3, -np.inf)),
+                               ValueError, "log_prior"),
+        "resp X NaN": (lambda: re(Xnan, C, 1.0), ValueError, "X contains NaN"),
+        "resp centers wrong D": (lambda: re(X, C[:, :3], 1.0), ValueError,
+                                 "centers have 3 features but X has 4"),
+        "resp T": (lambda: re(X, C, 0.0), ValueError, "temperature T"),
+        "resp kind": (lambda: re(X, C, 1.0, kind="argmax"), ValueError,
+                      "must be one of 'softmax', 'entmax15', 'hard'; got 'argmax'"),
+        "resp metric": (lambda: re(X, C, 1.0, metric="l1"), ValueError, "metric must be one"),
+        "resp cosine zero row": (lambda: re(Xzero, C, 1.0, metric="cosine"), ValueError,
+                                 "all-zero rows"),
+        "resp log_prior shape": (lambda: re(X, C, 1.0, log_prior=np.zeros(5)), ValueError,
+                                 "log_prior must have shape"),
+        "resp log_prior NaN": (lambda: re(X, C, 1.0, log_prior=[0.0, np.nan, 0.0]),
+                               ValueError, "log_prior contains NaN"),
+        "dist X inf": (lambda: pd(Xinf, C), ValueError, "X contains infinity"),
+        "dist wrong D": (lambda: pd(X, C[:, :2]), ValueError, "centers have 2 features"),
+        "dist metric": (lambda: pd(X, C, metric="hamming"), ValueError, "metric must be one"),
+        "dist cosine zero row": (lambda: pd(Xzero, C, metric="cosine"), ValueError,
+                                 "all-zero rows"),
+        "assign X NaN": (lambda: asg(Xnan, C), ValueError, "X contains NaN"),
+        "assign wrong D": (lambda: asg(X, C[:, :1]), ValueError, "centers have 1 features"),
+        "entmax NaN": (lambda: fa.entmax15([0.0, np.nan]), ValueError, "Z contains NaN"),
+        "entmax method": (lambda: fa.entmax15([0.0, 1.0], method="newton"), ValueError,
+                          "method must be 'sort' or 'bisect'"),
+        "entmax 3-D": (lambda: fa.entmax15(np.zeros((2, 2, 2))), ValueError, "1-D or 2-D"),
+    }
+    return cases
+
+
+_BAD = _bad_inputs()
+
+
+@pytest.mark.parametrize("name", list(_BAD))
+def test_bad_input_names_the_problem(name):
+    fn, exc, match = _BAD[name]
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_valid_edge_inputs_are_accepted(rng):
+    X, C = make_data(rng, n=10)
+    m = fa.moments(X, C, 0.0, responsibilities="hard")       # T = 0 is fine for hard
+    assert_record_close(m, ref.moments(X, C, 0.0, responsibilities="hard"), 0.0, 1e-12,
+                        ref.sqeuclidean(X, C).max(), "hard T = 0")
+    assert np.array_equal(fa.responsibilities(X, C, 0.0, kind="hard"),
+                          ref.responsibilities(X, C, 0.0, kind="hard"))
+    for T in (np.float32(1.5), np.float64(1.5), 2):
+        fa.moments(X, C, T)
+    fa.moments(X.tolist(), C.tolist(), 1.0)                  # lists are arrays
+    fa.moments(np.asfortranarray(X), C, 1.0)                 # any memory layout
+    fa.moments(X[::2], C, 1.0)
