@@ -278,6 +278,24 @@ def test_hard_and_margins(gpu, rng, dtype):
     assert got.margin_sum > 0
 
 
+def test_ties_go_to_the_first_center(gpu, rng):
+    """Duplicated centers (in different threads: 1 and 2; in the same thread: 3 and 11 with
+    8 threads) tie exactly: the label is the first index, as on the CPU, margins are 0."""
+    X, C, w = data(rng, 15, 4, 12, np.float32)
+    C[2] = C[1]
+    C[11] = C[3]
+    X[:4] = C[[1, 3, 1, 3]] + 0.01
+    got = gpu.cuda_moments(X, C, 1.0, weights=w, responsibilities="hard")
+    cpu = fastanneal.moments(X, C, 1.0, weights=w, responsibilities="hard")
+    np.testing.assert_array_equal(got.hard_counts, cpu.hard_counts)
+    assert got.hard_counts[2] == 0 and got.hard_counts[11] == 0
+    assert got.hard_counts[1] > 0 and got.hard_counts[3] > 0
+    assert got.min_margin == 0.0
+    lab, _, marg = gpu.CudaSource(X, w, 0).assign(C)
+    np.testing.assert_array_equal(lab[:4], [1, 3, 1, 3])
+    assert np.all(marg[:4] == 0.0)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cosine(gpu, rng, dtype):
     X, C, w = data(rng, 20, 9, 6, dtype)
