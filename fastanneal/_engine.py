@@ -87,7 +87,7 @@ def _project(C, metric):
 
 
 def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0=None,
-           state_hook=None):
+           state_hook=None, n_iter0=0, step0=0):
     """Run the schedule from ``C0`` and polish; returns :class:`EngineResult`.
 
     ``scale`` is the data scale (mean squared distance to the mean): tolerances and
@@ -105,8 +105,8 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
     logp = np.full(K, -math.log(K)) if cfg.mass_constrained and cfg.resp == 0 else None
     schedule.start(T_start, T_end)
     T = float(T_start)
-    step = 0
-    n_iter = 0
+    step = step0
+    n_iter = n_iter0
     relocations_total = 0
     m = None
     converged = False
@@ -152,7 +152,7 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
         if cfg.verbose:
             log.info("step %d T=%.4g F=%.6g J=%.6g H=%.3f distinct=%d", step, T, m.free_energy,
                      m.hard_distortion, ent, n_distinct)
-        state = ScheduleState(step=step, T=T, T_start=T_start, T_end=T_end, entropy=ent,
+        state = ScheduleState(step=step - step0, T=T, T_start=T_start, T_end=T_end, entropy=ent,
                               n_distinct=n_distinct, n_clusters=K)
         if state_hook is not None:
             state_hook(step, C, logp, T)
@@ -211,3 +211,99 @@ def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, d
                  coincident=coincident, n_distinct=K - coincident,
                  margin_sum=ob["margin_sum"], grad_norm=math.nan,
                  wall_time=time.perf_counter() - t0)
+
+
+def anneal_critical(source, mean, schedule, T_start, T_end, cfg, rng, scale, trace=None,
+                    t0=None):
+    """Deterministic annealing with phase transitions (THEORY.md section 2).
+
+    Starts with one effective cluster at the mean, represented by two perturbed duplicate
+    codevectors that share its mass (mass-constrained responsibilities make coincident
+    codevectors act as one cluster). At each temperature, EM runs to convergence; a pair
+    whose members moved apart has passed its cluster's critical temperature and splits into
+    two effective clusters (each with a new duplicate), the others are merged back and
+    re-perturbed. Cooling is geometric (``schedule.cooling``) until ``K`` clusters exist
+    and ``T <= T_end``. Returns the same :class:`EngineResult` as :func:`anneal`, after the
+    polish of :func:`anneal` (run with the K effective centers and no further annealing).
+    """
+    t0 = time.perf_counter() if t0 is None else t0
+    trace = Trace() if trace is None else trace
+    K = cfg.n_clusters
+    D = mean.shape[0]
+    tol_abs = cfg.tol * scale / max(D, 1)
+    delta = 1e-3 * math.sqrt(scale)
+    split2 = (20.0 * delta) ** 2
+    eff = np.array(mean, dtype=np.float64)[None, :]     # effective clusters
+    mass = np.ones(1)
+    T = float(T_start)
+    step = 0
+    n_iter = 0
+    m = None
+    cooling = getattr(schedule, "cooling", 0.85)
+    max_steps = getattr(schedule, "max_steps", 200)
+    while True:
+        ke = eff.shape[0]
+        dup = ke < K
+        if dup:
+            u = rng.standard_normal((ke, D))
+            u *= delta / np.linalg.norm(u, axis=1, keepdims=True)
+            C = np.concatenate([eff + u, eff - u])
+            p = np.concatenate([mass, mass]) / 2.0
+        else:
+            C = eff.copy()
+            p = mass.copy()
+        C = _project(C, source.metric)
+        for _ in range(max(1, cfg.max_iter)):
+            logp = np.log(np.maximum(p, 1e-300))
+            m = source.moments(C, T, cfg.resp, logp if cfg.resp == 0 else None, hard_sums=False)
+            upd = m.finalize(previous_centers=C)
+            shift = float(np.max(np.einsum("ij,ij->i", upd.centers - C, upd.centers - C)))
+            C = upd.centers
+            p = m.N / max(m.weight, 1e-300)
+            n_iter += 1
+            if shift <= tol_abs:
+                break
+        if dup:
+            a, b = C[:ke], C[ke:]
+            pa, pb = p[:ke], p[ke:]
+            sep = np.einsum("ij,ij->i", a - b, a - b)
+            order = np.argsort(-sep)
+            split = [j for j in order if sep[j] > split2][:K - ke]
+            keep = np.ones(ke, dtype=bool)
+            keep[split] = False
+            tot = np.maximum(pa + pb, 1e-300)
+            merged = (a * pa[:, None] + b * pb[:, None]) / tot[:, None]
+            eff = np.concatenate([merged[keep], a[split], b[split]])
+            mass = np.concatenate([tot[keep], pa[split], pb[split]])
+            eff = _project(eff, source.metric)
+        else:
+            eff, mass = C, p
+            split = []
+        dmin, _ = min_center_distance(eff)
+        ke = eff.shape[0]
+        _record(trace, step, n_iter, T, m, eff, shift, 0, K - ke, K, t0, dmin)
+        if cfg.progress is not None:
+            cfg.progress(step, T, trace[-1])
+        if cfg.verbose:
+            log.info("critical step %d T=%.4g clusters=%d (+%d)", step, T, ke, len(split))
+        step += 1
+        if (ke >= K and T <= T_end) or step >= max_steps:
+            break
+        if ke >= K or T > T_end * cooling ** 6:
+            T *= cooling
+        elif len(split) == 0:
+            # far below T_end and still short of K clusters (clusters with no spread left
+            # to split): split the heaviest clusters directly
+            while eff.shape[0] < K:
+                j = int(np.argmax(mass))
+                v = rng.standard_normal(D)
+                v *= delta / np.linalg.norm(v)
+                eff = np.concatenate([eff, (eff[j] + v)[None]])
+                eff[j] -= v
+                mass = np.concatenate([mass, [mass[j] / 2]])
+                mass[j] /= 2
+            eff = _project(eff, source.metric)
+    # K effective clusters: polish (and any final plain iterations) through the main loop
+    from .schedules import ConstantSchedule
+    return anneal(source, eff[:K], ConstantSchedule(1), T, T, cfg, rng, scale, trace, t0,
+                  n_iter0=n_iter, step0=step)

@@ -9,7 +9,8 @@ from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from . import _kernels as K_
-from ._engine import AnnealingWarning, EngineConfig, anneal, min_center_distance
+from ._engine import (AnnealingWarning, EngineConfig, anneal, anneal_critical,
+                      min_center_distance)
 from ._moments import assign as _assign
 from ._moments import blas_single_thread, log_eps_for
 from ._sources import InMemorySource
@@ -387,7 +388,12 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         trace = Trace()
         try:
             with warnings.catch_warnings():
-                result = anneal(source, C, schedule, T0, T_end, cfg, rng, scale, trace, t0)
+                if isinstance(schedule, CriticalSchedule):
+                    result = anneal_critical(source, C[0], schedule, T0, T_end, cfg, rng,
+                                             scale, trace, t0)
+                else:
+                    result = anneal(source, C, schedule, T0, T_end, cfg, rng, scale, trace,
+                                    t0)
         finally:
             if bar is not None:
                 bar.close()

@@ -1,0 +1,213 @@
+"""Kernel benchmark: seconds per full moments pass, as a ratio to one GEMM ``X @ C.T``.
+
+    python benchmarks/bench_kernels.py            # N=200,000, D=384, K in {64, 256, 1024}
+    python benchmarks/bench_kernels.py --quick    # N=20,000, K in {64, 256}
+
+Prints a table and writes JSON (default ``benchmarks/results/bench_kernels.json``).
+Rows: fastanneal softmax at high T (dense), softmax at low T (sparse), entmax15 at low T,
+a hard (Lloyd) pass, the GEMM alone, a straightforward NumPy soft iteration, and
+scikit-learn's Lloyd iteration (``KMeans(init=C, n_init=1, algorithm="lloyd")``, time per
+iteration as the difference of max_iter=6 and max_iter=1 fits, divided by 5). Also the
+first-call compile time (cold Numba cache), import + first call with a warm cache, and the
+peak extra memory of one pass at N=1,000,000, K=1024 (``--memory``), each in a subprocess.
+Timing rules of ``../shared/BENCHMARKING.md``: BLAS warmed up first, interleaved repeats,
+medians, ratios to the GEMM timed in the same run.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def mixture(n, d, k, rng, dtype=np.float32):
+    means = rng.standard_normal((k, d)) * 2.0
+    lab = rng.integers(0, k, n)
+    X = means[lab] + rng.standard_normal((n, d))
+    return np.ascontiguousarray(X, dtype=dtype), means
+
+
+def numpy_soft_iteration(X, C, T):
+    G = X @ C.T
+    d = (X * X).sum(1)[:, None] - 2 * G + (C * C).sum(1)[None, :]
+    z = -d / T
+    z -= z.max(1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(1, keepdims=True)
+    N = z.sum(0)
+    S = z.T @ X
+    return S / N[:, None]
+
+
+def sklearn_lloyd_per_iter(X, C):
+    from sklearn.cluster import KMeans
+    import warnings
+    times = {}
+    for it in (1, 6):
+        km = KMeans(n_clusters=C.shape[0], init=C, n_init=1, max_iter=it, tol=0.0,
+                    algorithm="lloyd")
+        t = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            km.fit(X)
+        times[it] = time.perf_counter() - t
+    return (times[6] - times[1]) / 5.0
+
+
+def timed(fn, repeats):
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def subprocess_compile_times():
+    """Cold-cache compile of all kernels for one dtype, and warm import + first call."""
+    code = (
+        "import time; t=time.perf_counter(); import numpy as np; import fastanneal as fa; "
+        "ti=time.perf_counter()-t; X=np.random.rand(300,8).astype(np.float32); "
+        "C=X[:5].copy(); t=time.perf_counter(); "
+        "[fa.moments(X,C,0.5,responsibilities=r) for r in ('softmax','entmax15','hard')]; "
+        "fa.assign(X,C); fa.responsibilities(X,C,0.5); fa.pairwise_distances(X,C); "
+        "print(ti, time.perf_counter()-t)")
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=True).stdout.split()
+        warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=True).stdout.split()
+    return {"cold_import_s": float(cold[0]), "cold_first_calls_s": float(cold[1]),
+            "warm_import_s": float(warm[0]), "warm_first_calls_s": float(warm[1]),
+            "warm_import_plus_first_call_s": float(warm[0]) + float(warm[1])}
+
+
+def subprocess_memory(n, k, d=384):
+    """Peak RSS growth of one moments pass beyond X itself (MB), in a fresh process."""
+    code = f"""
+import resource, numpy as np, fastanneal as fa
+rng = np.random.default_rng(0)
+X = rng.standard_normal(({n}, {d}), dtype=np.float32)
+C = X[:{k}].copy()
+fa.moments(X[:2000], C, 1.0)          # compile / warm
+import gc; gc.collect()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m = fa.moments(X, C, 10.0)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(base / 1024, peak / 1024, X.nbytes / 2**20)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    base, peak, xmb = map(float, out)
+    return {"n": n, "k": k, "x_mb": xmb, "rss_before_mb": base, "rss_peak_mb": peak,
+            "extra_mb": peak - base, "extra_fraction_of_X": (peak - base) / xmb}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--n", type=int, default=None)
+    ap.add_argument("--ks", type=str, default=None, help="comma-separated K values")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--memory", action="store_true", help="also measure N=1e6, K=1024 memory")
+    ap.add_argument("--no-sklearn", action="store_true")
+    ap.add_argument("--json", default=str(HERE / "results" / "bench_kernels.json"))
+    args = ap.parse_args(argv)
+    n = args.n or (20_000 if args.quick else 200_000)
+    ks = [int(k) for k in args.ks.split(",")] if args.ks else ([64, 256] if args.quick
+                                                               else [64, 256, 1024])
+    d = 384
+    compile_info = subprocess_compile_times()
+    import fastanneal as fa
+    from threadpoolctl import threadpool_info
+    rng = np.random.default_rng(0)
+    # BLAS warm-up: one GEMM with >= 384 output columns
+    W = rng.standard_normal((4096, 384), dtype=np.float32)
+    _ = W @ W.T
+    rows = []
+    for k in ks:
+        X, means = mixture(n, d, k, rng)
+        C = np.ascontiguousarray(means + 0.1 * rng.standard_normal(means.shape), np.float32)
+        dist = fa.pairwise_distances(X[:2000], C)
+        scale = float(np.median(dist))
+        srt = np.sort(dist, axis=1)
+        margin = float(np.median(srt[:, 1] - srt[:, 0]))
+        T_high = scale            # every responsibility non-zero
+        T_low = 0.02 * margin     # nearly one-hot
+        fa.moments(X[:1000], C, T_high)          # compile / warm
+        fa.moments(X[:1000], C, T_low, responsibilities="entmax15")
+        fa.moments(X[:1000], C, T_low, responsibilities="hard")
+        cases = {
+            "gemm X@C.T": lambda: X @ C.T,
+            "fastanneal softmax high T (dense)": lambda: fa.moments(X, C, T_high,
+                                                                    hard_sums=False),
+            "fastanneal softmax low T (sparse)": lambda: fa.moments(X, C, T_low,
+                                                                   hard_sums=False),
+            "fastanneal entmax15 low T": lambda: fa.moments(X, C, T_low,
+                                                           responsibilities="entmax15",
+                                                           hard_sums=False),
+            "fastanneal hard (Lloyd pass)": lambda: fa.moments(X, C, T_low,
+                                                              responsibilities="hard"),
+            "numpy soft iteration": lambda: numpy_soft_iteration(X, C, T_high),
+        }
+        res = {name: [] for name in cases}
+        res["sklearn Lloyd iteration"] = []
+        nnz = {"high": fa.moments(X[:5000], C, T_high).nnz / (5000 * k),
+               "low": fa.moments(X[:5000], C, T_low).nnz / (5000 * k)}
+        for _ in range(args.repeats):          # interleaved repeats
+            for name, fn in cases.items():
+                res[name] += timed(fn, 1)
+            if not args.no_sklearn:
+                res["sklearn Lloyd iteration"].append(sklearn_lloyd_per_iter(X, C))
+        gemm = float(np.median(res["gemm X@C.T"]))
+        for name, ts in res.items():
+            if not ts:
+                continue
+            med = float(np.median(ts))
+            rows.append({"K": k, "case": name, "seconds": med, "ratio_to_gemm": med / gemm,
+                         "all_seconds": ts})
+        rows.append({"K": k, "case": "density (nnz / (N K)) high/low T",
+                     "seconds": float("nan"), "ratio_to_gemm": float("nan"),
+                     "density_high": nnz["high"], "density_low": nnz["low"]})
+        del X
+    memory = subprocess_memory(1_000_000, 1024) if args.memory else None
+    print(f"\nfastanneal kernel benchmark: N={n}, D={d}, float32, "
+          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
+    print(f"{'K':>5}  {'case':<40} {'seconds':>9} {'x GEMM':>8}")
+    for r in rows:
+        if r["case"].startswith("density"):
+            print(f"{r['K']:>5}  {'  density high T / low T':<40} "
+                  f"{r['density_high']:>9.3f} {r['density_low']:>8.4f}")
+        else:
+            print(f"{r['K']:>5}  {r['case']:<40} {r['seconds']:>9.4f} {r['ratio_to_gemm']:>8.2f}")
+    print("\ncompile / import (s):", json.dumps(compile_info))
+    if memory:
+        print("memory N=1e6 K=1024:", json.dumps(memory))
+    out = {"n": n, "d": d, "ks": ks, "rows": rows, "compile": compile_info, "memory": memory,
+           "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
+                       "python": sys.version.split()[0], "numpy": np.__version__,
+                       "numba": __import__("numba").__version__,
+                       "blas": [(i.get("internal_api"), i.get("version"),
+                                 i.get("architecture")) for i in threadpool_info()]},
+           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
