@@ -135,8 +135,10 @@ def entmax15_tau_bisect(v, n):
 
 
 @njit(cache=True, nogil=True)
-def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max):
-    """Turn the distance row ``G[i]`` into weighted responsibilities ``w * r_i`` in place.
+def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max,
+                          Nacc):
+    """Turn the distance row ``G[i]`` into weighted responsibilities ``w * r_i`` in place,
+    adding them to the soft counts ``Nacc`` (fused here to save a pass over the block).
 
     Returns (soft_dist, entropy, free, d1, d2, kmin, nnz) for the row (unweighted).
     """
@@ -164,6 +166,7 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
         for k in range(K):
             G[i, k] = 0.0
         G[i, kmin] = w
+        Nacc[kmin] += w
         return d1, 0.0, d1, d1, d2, kmin, 1
     if resp == RESP_SOFTMAX:
         s = 0.0
@@ -185,7 +188,9 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
                 G[i, k] = e
         scale = w / s
         for k in range(K):
-            G[i, k] = G[i, k] * scale
+            r = G[i, k] * scale
+            G[i, k] = r
+            Nacc[k] += r
         soft = sed / s
         ent = math.log(s) - sez / s
         free = -T * (zmax + math.log(s))
@@ -223,6 +228,7 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
     for j in range(n):
         if cand[j] > 0.0:
             G[i, cidx[j]] = w * cand[j]
+            Nacc[cidx[j]] += w * cand[j]
             nnz += 1
     ent = (4.0 / 3.0) * (1.0 - p15)
     free = soft - T * ent
@@ -271,7 +277,8 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
             for i in range(m):
                 wi = w[b0 + i]
                 soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
-                    Gb, i, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max)
+                    Gb, i, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max,
+                    accN[t])
                 blk_nnz += nnz
                 accSc[t, S_SOFT_DIST] += wi * soft
                 accSc[t, S_ENTROPY] += wi * ent
@@ -295,13 +302,9 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                     for k in range(K):
                         r = np.float64(Gb[i, k])
                         if r != 0.0:
-                            accN[t, k] += r
                             for j in range(D):
                                 accS[t, k, j] += r * np.float64(Xb[i, j])
             else:
-                for i in range(m):
-                    for k in range(K):
-                        accN[t, k] += Gb[i, k]
                 np.dot(Gb.T, Xb, Sb)
                 for k in range(K):
                     for j in range(D):
@@ -338,9 +341,10 @@ def responsibilities_kernel(X, C, csq, logp, use_prior, T, metric, resp, block, 
         _block_distances(X[b0:b1], Ct, csq, metric, Gb)
         cand = np.empty(K)
         cidx = np.empty(K, np.int64)
+        dummy = np.zeros(K)
         for i in range(b1 - b0):
             _row_responsibilities(Gb, i, logp, use_prior, T, resp, log_eps, 1.0, cand, cidx,
-                                  sort_max)
+                                  sort_max, dummy)
 
 
 @njit(parallel=True, cache=True, nogil=True)
