@@ -53,6 +53,21 @@ def log(*a):
     print(*a, flush=True)
 
 
+_OUT = {"path": None}
+
+
+def save(result):
+    """Write the JSON now (after every measurement, so a timeout keeps what was done)."""
+    if _OUT["path"] is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(_OUT["path"])), exist_ok=True)
+        with open(_OUT["path"], "w") as fh:
+            json.dump(result, fh, indent=1, default=float)
+    except Exception as exc:
+        log(f"could not write {_OUT['path']}: {exc!r}")
+
+
 # ----------------------------------------------------------------------------- data
 def gaussian_mixture(rng, n, D, n_comp, dtype=np.float32, chunk=200_000):
     """Rows around ``n_comp`` well-spread means (unit noise), generated chunk by chunk."""
@@ -164,6 +179,8 @@ def section_correctness(fa, fcuda, cfg, rng, result):
                 mark = "" if verdict[f] else "   <-- FAIL"
                 log(f"      {f:16s} gpu-vs-f64 {e_gpu[f]:.2e}  cpu32-vs-f64 {e_cpu[f]:.2e}"
                     f"  gpu-vs-cpu32 {e_gc[f]:.2e}{mark}")
+            result["correctness"] = report
+            save(result)
             report["cases"].append({"responsibilities": resp, "T": T, "which_T": tname,
                                     "nnz_fraction": g.nnz / (n * K), "gpu_seconds": tg,
                                     "err_gpu_vs_f64": e_gpu, "err_cpu32_vs_f64": e_cpu,
@@ -342,6 +359,8 @@ def section_timing(fa, fcuda, cfg, rng, result, repeats):
                     rec["stages_error"] = repr(exc)
                     log(f"      stage breakdown failed: {exc!r}")
                 entry["modes"][name] = rec
+                result["timing"] = rows + [entry]
+                save(result)
             except Exception as exc:
                 ok = False
                 entry["modes"][name] = {"error": repr(exc)}
@@ -354,6 +373,7 @@ def section_timing(fa, fcuda, cfg, rng, result, repeats):
 
 def main(argv=None):
     args = parse_args(argv)
+    _OUT["path"] = args.out
     if args.sim:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     if os.getcwd() not in sys.path:
@@ -361,7 +381,7 @@ def main(argv=None):
     result = {"meta": {"argv": sys.argv[1:], "tiny": args.tiny, "python": sys.version,
                        "platform": platform.platform(),
                        "simulator": os.environ.get("NUMBA_ENABLE_CUDASIM", "0")},
-              "errors": []}
+              "errors": [], "status": "RUNNING"}
     status = True
     try:
         import numba
@@ -412,13 +432,8 @@ def main(argv=None):
         result["errors"].append(f"setup: {exc!r}")
         traceback.print_exc()
     result["status"] = "PASS" if status else "FAIL"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1, default=float)
-        log(f"\nwrote {args.out}")
-    except Exception as exc:
-        log(f"could not write {args.out}: {exc!r}")
+    save(result)
+    log(f"\nwrote {args.out}")
     log(f"gpu_check: {result['status']}")
     return 0 if status else 1
 
