@@ -1,0 +1,506 @@
+"""Readers and writers of the ``fastanneal`` command: tables in, tables out.
+
+Inputs: CSV / TSV (optionally ``.gz`` / ``.bz2`` / ``.zst``), Parquet (a file or a dataset
+folder) and JSON Lines. Outputs follow the extension of the output path (``.csv``, ``.tsv``,
+``.parquet``, ``.jsonl``) and are written atomically: into a temporary file next to the target,
+then ``os.replace`` -- a reader never sees half a file, and a failed run leaves nothing behind.
+
+Every problem with the input raises :class:`InputError` with a one-line message that names
+the file, the column and (where there is one) the first offending row. Rows are counted from 1,
+not counting a header line.
+"""
+import codecs
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["InputError", "input_format", "output_format", "read_table", "embedding_matrix",
+           "weight_vector", "text_list", "check_ids", "check_writable", "OutputSet",
+           "write_table", "atomic_write_bytes", "atomic_save_npz", "sidecar"]
+
+_COMPRESSED = (".gz", ".bz2", ".zst", ".zstd", ".lz4")
+_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".parquet": "parquet",
+            ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+OUTPUT_FORMATS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet",
+                  ".jsonl": "jsonl", ".ndjson": "jsonl"}
+
+
+class InputError(ValueError):
+    """A problem with the user's input or output paths: reported in one line, exit code 2."""
+
+
+def _suffix(path):
+    """The format suffix of ``path``, ignoring a compression suffix (``a.csv.gz`` -> ``.csv``)."""
+    p = Path(path)
+    suffixes = [s.lower() for s in p.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSED:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def input_format(path):
+    p = Path(path)
+    if p.is_dir():
+        return "parquet"
+    fmt = _FORMATS.get(_suffix(p))
+    if fmt is None:
+        raise InputError(f"{path}: unknown input format {_suffix(p) or '(no extension)'!r}; "
+                         "expected .csv, .tsv, .parquet (file or folder) or .jsonl")
+    return fmt
+
+
+def output_format(path):
+    fmt = OUTPUT_FORMATS.get(Path(path).suffix.lower())
+    if fmt is None:
+        raise InputError(f"{path}: unknown output format {Path(path).suffix or '(no extension)'!r};"
+                         " expected .csv, .tsv, .parquet or .jsonl")
+    return fmt
+
+
+def sidecar(output, kind, ext):
+    """``out.parquet`` -> ``out.<kind><ext>`` next to it (``out.clusters.csv``)."""
+    p = Path(output)
+    return p.with_name(f"{p.stem}.{kind}{ext}")
+
+
+# --------------------------------------------------------------------------- reading
+def _check_utf8(path, chunk=1 << 20):
+    """Stream-decode a text file; raise InputError at the first invalid byte (with its line)."""
+    dec = codecs.getincrementaldecoder("utf-8")("strict")
+    line = 1
+    offset = 0
+    with pa.input_stream(str(path), compression="detect") as f:
+        while True:
+            data = f.read(chunk)
+            final = not data
+            try:
+                dec.decode(data, final)
+            except UnicodeDecodeError as e:
+                pos = e.start
+                line += data.count(b"\n", 0, pos)
+                raise InputError(f"{path}: not valid UTF-8 text (byte 0x{data[pos]:02x} at offset "
+                                 f"{offset + pos}, line {line}); re-encode the file as UTF-8"
+                                 ) from None
+            if final:
+                return
+            line += data.count(b"\n")
+            offset += len(data)
+
+
+def _arrow_message(e):
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return msg
+
+
+def read_table(path, fmt=None, string_columns=()):
+    """Read the whole input as a ``pyarrow.Table`` (row order preserved).
+
+    ``string_columns``: columns read as text whatever they look like (CSV / TSV only: the ids
+    and the queries, so that ``007`` stays ``007``).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{path}: no such file or folder")
+    fmt = fmt or input_format(p)
+    if p.is_file() and p.stat().st_size == 0:
+        raise InputError(f"{path}: the file is empty")
+    try:
+        if fmt in ("csv", "tsv"):
+            import pyarrow.csv as pacsv
+            _check_utf8(p)
+            types = {c: pa.string() for c in string_columns if c}
+            table = pacsv.read_csv(
+                str(p),
+                parse_options=pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
+                                                 newlines_in_values=True),
+                convert_options=pacsv.ConvertOptions(column_types=types))
+        elif fmt == "jsonl":
+            import pyarrow.json as pajson
+            _check_utf8(p)
+            table = pajson.read_json(str(p))
+        elif fmt == "parquet":
+            import pyarrow.parquet as pq
+            if p.is_dir():
+                import pyarrow.dataset as ds
+                files = [f for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_"))]
+                if not files:
+                    raise InputError(f"{path}: the Parquet dataset folder holds no files")
+                table = ds.dataset(str(p), format="parquet", partitioning="hive").to_table()
+            else:
+                table = pq.read_table(str(p))
+        else:  # pragma: no cover - input_format guards this
+            raise InputError(f"{path}: unknown format {fmt}")
+    except InputError:
+        raise
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, OSError) as e:
+        msg = _arrow_message(e)
+        if "Empty" in msg and "file" in msg:
+            raise InputError(f"{path}: the file is empty") from None
+        raise InputError(f"{path}: cannot read as {fmt.upper()}: {msg}") from None
+    if table.num_columns == 0:
+        raise InputError(f"{path}: no columns")
+    if table.num_rows == 0:
+        raise InputError(f"{path}: no rows (only a header or an empty dataset)")
+    return table
+
+
+def require_column(table, name, path, what="column"):
+    if name not in table.column_names:
+        cols = ", ".join(table.column_names[:12]) + (", ..." if table.num_columns > 12 else "")
+        raise InputError(f"{path}: {what} {name!r} not found (columns: {cols})")
+    return table.column(name)
+
+
+def _first_null(col):
+    mask = pc.is_null(col).to_numpy(zero_copy_only=False)
+    return int(np.argmax(mask)) if mask.any() else None
+
+
+def text_list(table, name, path, allow_null=True):
+    """The text column as a list of ``str`` (None for nulls when ``allow_null``)."""
+    col = require_column(table, name, path, "text column")
+    t = col.type
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        vals = col.to_pylist()
+        out = []
+        for i, v in enumerate(vals):
+            if v is None:
+                out.append(None)
+                continue
+            try:
+                out.append(v.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise InputError(f"{path}: text column {name!r} is not valid UTF-8 at row "
+                                 f"{i + 1}") from None
+        vals = out
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        vals = col.to_pylist()
+    elif pa.types.is_null(t):
+        vals = [None] * len(col)
+    else:
+        vals = [None if v is None else str(v) for v in col.to_pylist()]
+    if not allow_null:
+        first = next((i for i, v in enumerate(vals) if v is None), None)
+        if first is not None:
+            raise InputError(f"{path}: text column {name!r} has a missing value at row "
+                             f"{first + 1}")
+    return vals
+
+
+def _float_dtype(arrow_type):
+    return np.float32 if (pa.types.is_float32(arrow_type) or pa.types.is_float16(arrow_type)) \
+        else np.float64
+
+
+def _parse_vector_strings(vals, name, path):
+    rows = []
+    dim = None
+    for i, s in enumerate(vals):
+        if s is None:
+            raise InputError(f"{path}: embedding column {name!r} has a missing value at row {i + 1}")
+        body = s.strip().strip("[]()").replace(",", " ").split()
+        try:
+            v = np.array(body, dtype=np.float64)
+        except ValueError:
+            raise InputError(f"{path}: embedding column {name!r} is not a list of numbers at "
+                             f"row {i + 1}") from None
+        if dim is None:
+            dim = v.shape[0]
+        elif v.shape[0] != dim:
+            raise InputError(f"{path}: ragged embeddings in column {name!r}: row {i + 1} has "
+                             f"{v.shape[0]} values, row 1 has {dim}")
+        rows.append(v)
+    return np.vstack(rows)
+
+
+def embedding_matrix(table, name, path):
+    """The embedding column as a C-contiguous (n, D) float32/float64 matrix, checked: no
+    missing rows, equal lengths (ragged rows are an error), finite values, D >= 1."""
+    col = require_column(table, name, path, "embedding column")
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    t = col.type
+    n = len(col)
+    first = _first_null(col)
+    if first is not None:
+        raise InputError(f"{path}: embedding column {name!r} has a missing value at row {first + 1}")
+    if pa.types.is_fixed_size_list(t):
+        D = t.list_size
+        vt = t.value_type
+        values = col.flatten()
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        D = int(lengths[0])
+        bad = np.nonzero(lengths != D)[0]
+        if bad.size:
+            i = int(bad[0])
+            raise InputError(f"{path}: ragged embeddings in column {name!r}: row {i + 1} has "
+                             f"{int(lengths[i])} values, row 1 has {D}")
+        vt = t.value_type
+        values = col.flatten()
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        X = _parse_vector_strings(col.to_pylist(), name, path)
+        D, vt, values = X.shape[1], pa.float64(), None
+    else:
+        raise InputError(f"{path}: embedding column {name!r} has type {t}; expected a list of "
+                         "numbers per row")
+    if values is not None:
+        if not (pa.types.is_floating(vt) or pa.types.is_integer(vt)):
+            raise InputError(f"{path}: embedding column {name!r} holds {vt}, not numbers")
+        if values.null_count:
+            i = int(np.argmax(pc.is_null(values).to_numpy(zero_copy_only=False))) // max(D, 1)
+            raise InputError(f"{path}: embedding column {name!r} has a missing number at row "
+                             f"{i + 1}")
+        X = values.to_numpy(zero_copy_only=False).astype(_float_dtype(vt), copy=False)
+        X = X.reshape(n, D) if D else X.reshape(n, 0)
+    if D == 0:
+        raise InputError(f"{path}: embedding column {name!r} has empty vectors")
+    X = np.ascontiguousarray(X)
+    finite = np.isfinite(X).all(axis=1)
+    if not finite.all():
+        i = int(np.argmin(finite))
+        kind = "NaN" if np.isnan(X[i]).any() else "infinity"
+        raise InputError(f"{path}: embedding column {name!r} contains {kind} at row {i + 1}")
+    return X
+
+
+def weight_vector(table, name, path):
+    """The weight column as float64, checked: numeric, no missing values, finite, >= 0, sum > 0."""
+    col = require_column(table, name, path, "weight column")
+    t = col.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        try:
+            col = pc.cast(col, pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            raise InputError(f"{path}: weight column {name!r} is not numeric") from None
+    elif not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)):
+        raise InputError(f"{path}: weight column {name!r} has type {t}; expected numbers")
+    first = _first_null(col)
+    if first is not None:
+        raise InputError(f"{path}: weight column {name!r} has a missing value at row {first + 1}")
+    w = np.asarray(pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+    bad = ~np.isfinite(w) | (w < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise InputError(f"{path}: weight column {name!r} has an invalid weight {w[i]!r} at row "
+                         f"{i + 1} (weights must be finite and >= 0)")
+    if not w.sum() > 0:
+        raise InputError(f"{path}: weight column {name!r} sums to zero")
+    return np.ascontiguousarray(w)
+
+
+def check_ids(table, name, path):
+    """Ids must be present and unique."""
+    col = require_column(table, name, path, "id column")
+    first = _first_null(col)
+    if first is not None:
+        raise InputError(f"{path}: id column {name!r} has a missing value at row {first + 1}")
+    if len(pc.unique(col)) != len(col):
+        seen = {}
+        for i, v in enumerate(col.to_pylist()):
+            if v in seen:
+                raise InputError(f"{path}: duplicate id {v!r} in column {name!r} (rows "
+                                 f"{seen[v] + 1} and {i + 1})")
+            seen[v] = i
+
+
+# --------------------------------------------------------------------------- writing
+def check_writable(path, create_parent=False):
+    """Fail early (before any work) when ``path`` cannot be written: missing or non-folder
+    parent, a folder in the way, or no permission (tried with a real temporary file)."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise InputError(f"cannot write {path}: it is a folder")
+    if create_parent and not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"cannot create the output folder {parent}: {e.strerror}") from None
+    if not parent.exists():
+        raise InputError(f"cannot write {path}: the folder {parent} does not exist")
+    if not parent.is_dir():
+        raise InputError(f"cannot write {path}: {parent} is not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _tmp_path(final):
+    """A new temporary file next to ``final`` (same file system: ``os.replace`` is atomic),
+    with the permissions a plain ``open(final, "w")`` would give (mkstemp's are 0600)."""
+    final = Path(final)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent or ".")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    except OSError:  # pragma: no cover
+        pass
+    os.close(fd)
+    return Path(tmp)
+
+
+def _fsync_replace(tmp, final):
+    try:
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError:  # pragma: no cover - fsync is best effort
+        pass
+    os.replace(tmp, final)
+
+
+def atomic_write_bytes(path, data):
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        _fsync_replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def atomic_save_npz(path, **arrays):
+    """``np.savez`` into ``path`` atomically (the checkpoint and the embedding cache)."""
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        _fsync_replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def atomic_save_npy(path, array):
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        _fsync_replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _unlink(p):
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+
+
+class OutputSet:
+    """Several output files committed together: each is written to a temporary file next to
+    its target; :meth:`commit` renames them all into place; leaving the ``with`` block by an
+    exception (or :meth:`discard`) removes the temporary files, so nothing partial is left."""
+
+    def __init__(self):
+        self._pending = []
+
+    def temp_for(self, final):
+        tmp = _tmp_path(final)
+        self._pending.append((tmp, Path(final)))
+        return tmp
+
+    def commit(self):
+        for tmp, final in self._pending:
+            _fsync_replace(tmp, final)
+        self._pending = []
+
+    def discard(self):
+        for tmp, _ in self._pending:
+            _unlink(tmp)
+        self._pending = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.discard()
+        return False
+
+
+def _vector_strings(col):
+    """A list column as JSON-like strings ``[0.1, 0.2]`` (for CSV / TSV output)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    t = col.type
+    vt = t.value_type
+    if (pa.types.is_fixed_size_list(t) and (pa.types.is_floating(vt) or pa.types.is_integer(vt))
+            and col.null_count == 0):
+        M = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), t.list_size)
+        fmt = "%.9g" if M.dtype == np.float32 else ("%.17g" if M.dtype.kind == "f" else "%d")
+        S = np.char.mod(fmt, M)
+        return pa.array(["[" + ", ".join(r) + "]" for r in S], type=pa.string())
+    return pa.array([None if v is None else json.dumps(v, default=str) for v in col.to_pylist()],
+                    type=pa.string())
+
+
+def _csv_ready(table):
+    cols = []
+    for name in table.column_names:
+        col = table.column(name)
+        t = col.type
+        if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+                or pa.types.is_struct(t) or pa.types.is_map(t)):
+            col = _vector_strings(col)
+        elif pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            col = pa.array([None if v is None else v.hex() for v in col.to_pylist()], pa.string())
+        elif pa.types.is_dictionary(t):
+            col = pc.cast(col, t.value_type)
+        cols.append(col)
+    return pa.table(cols, names=table.column_names)
+
+
+def _json_value(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (bytes, bytearray)):
+        return v.hex()
+    if isinstance(v, list):
+        return [_json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _json_value(x) for k, x in v.items()}
+    return v
+
+
+def _write_jsonl(table, f):
+    for batch in table.to_batches(max_chunksize=8192):
+        lines = []
+        for row in batch.to_pylist():
+            row = {k: _json_value(v) for k, v in row.items()}
+            lines.append(json.dumps(row, ensure_ascii=False, default=str))
+        if lines:
+            f.write(("\n".join(lines) + "\n").encode("utf-8"))
+
+
+def write_table(table, path, fmt=None):
+    """Write ``table`` to ``path`` in ``fmt`` (default: from the extension), not atomically:
+    callers write into a temporary path from :class:`OutputSet`."""
+    fmt = fmt or output_format(path)
+    if fmt in ("csv", "tsv"):
+        import pyarrow.csv as pacsv
+        pacsv.write_csv(_csv_ready(table), str(path),
+                        write_options=pacsv.WriteOptions(delimiter="\t" if fmt == "tsv" else ","))
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+        pq.write_table(table, str(path), compression="zstd")
+    elif fmt == "jsonl":
+        with open(path, "wb") as f:
+            _write_jsonl(table, f)
+    else:  # pragma: no cover
+        raise InputError(f"unknown output format {fmt}")

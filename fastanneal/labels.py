@@ -1,0 +1,127 @@
+"""Short cluster labels by class-based TF-IDF (c-TF-IDF) over the queries.
+
+All queries of a cluster are treated as one document. A term's weight in cluster ``c`` is
+
+    w(t, c) = tf(t, c) / |c| * log(1 + A / f(t))
+
+``tf(t, c)`` the (sample-weighted) count of ``t`` in the cluster, ``|c|`` the cluster's total
+(weighted) term count, ``f(t)`` the count of ``t`` over all clusters and ``A`` the mean number
+of terms per cluster (Grootendorst 2022, BERTopic). Frequent-everywhere terms ("what", "my",
+"is") score low without a stop-word list; a small one still removes the worst of them.
+Pure Python (``collections``) + NumPy; no scikit-learn at run time.
+"""
+import math
+import re
+from collections import Counter
+
+import numpy as np
+
+__all__ = ["tokenize", "ctfidf_terms", "cluster_labels"]
+
+_TOKEN = re.compile(r"[^\W_](?:[^\W_]|['’-](?=[^\W_]))*", re.UNICODE)
+
+#: Function words that never make a useful label (English; short on purpose).
+STOP_WORDS = frozenset("""
+a about above after again all am an and any are as at be been being below between both but by
+can could did do does doing down during each few for from further had has have having he her
+here hers herself him himself his how i if in into is it its itself just me more most my myself
+no nor not now of off on once only or other our ours ourselves out over own please same she
+should so some such than that the their theirs them themselves then there these they this those
+through to too under until up very was we were what when where which while who whom why will
+with would you your yours yourself yourselves i'm i'd i've you're can't don't it's what's
+get give know let like much need tell want
+""".split())
+
+
+def tokenize(text, stop_words=STOP_WORDS):
+    """Lower-case word tokens of at least 2 characters (digits kept), minus stop words."""
+    if not text:
+        return []
+    return [t for t in _TOKEN.findall(str(text).lower())
+            if len(t) >= 2 and t not in stop_words]
+
+
+def ctfidf_terms(texts, labels, n_clusters, weights=None, top_n=8, ngram_range=(1, 2)):
+    """Top ``top_n`` c-TF-IDF terms of each cluster: a list of ``n_clusters`` lists of
+    ``(term, score)``; empty clusters (and clusters without any token) get ``[]``.
+
+    ``texts`` strings (None counts as empty), ``labels`` ints in ``[0, n_clusters)``,
+    ``weights`` optional per-text counts (query frequencies). Bigrams of consecutive kept
+    tokens are candidates next to unigrams when ``ngram_range[1] >= 2``.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    n = labels.shape[0]
+    if len(texts) != n:
+        raise ValueError(f"{len(texts)} texts but {n} labels")
+    w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+    lo, hi = ngram_range
+    per_class = [Counter() for _ in range(n_clusters)]
+    # identical texts are tokenized once (query logs repeat a lot)
+    cache = {}
+    for text, lab, wi in zip(texts, labels.tolist(), w.tolist()):
+        if wi <= 0:
+            continue
+        grams = cache.get(text)
+        if grams is None:
+            toks = tokenize(text)
+            grams = []
+            for size in range(lo, hi + 1):
+                grams.extend(" ".join(toks[i:i + size]) for i in range(len(toks) - size + 1))
+            cache[text] = grams
+        cnt = per_class[lab]
+        for g in grams:
+            cnt[g] += wi
+    total = Counter()
+    for cnt in per_class:
+        total.update(cnt)
+    sizes = [sum(cnt.values()) for cnt in per_class]
+    nonempty = [s for s in sizes if s > 0]
+    A = (sum(nonempty) / len(nonempty)) if nonempty else 0.0
+    out = []
+    for cnt, size in zip(per_class, sizes):
+        if size <= 0:
+            out.append([])
+            continue
+        scored = []
+        for term, tf in cnt.items():
+            s = tf / size * math.log1p(A / total[term])
+            # a bigram must beat being two unigrams: only keep it when it recurs
+            if " " in term and tf < 2:
+                continue
+            scored.append((s, term))
+        scored.sort(key=lambda st: (-st[0], st[1]))
+        out.append([(t, float(s)) for s, t in scored[:top_n]])
+    return out
+
+
+def cluster_labels(texts, labels, n_clusters, weights=None, n_terms=3, top_n=8):
+    """``(short_labels, term_lists)``: a short label of up to ``n_terms`` distinctive terms per
+    cluster ("pin / change pin / bank"), and the longer ``top_n`` term list as a string.
+
+    A term already covered by a chosen bigram (or a bigram made of chosen unigrams) is
+    skipped so that labels do not repeat a word.
+    """
+    terms = ctfidf_terms(texts, labels, n_clusters, weights=weights, top_n=max(top_n, 3 * n_terms))
+    short, longer = [], []
+    for tl in terms:
+        chosen = []
+        words = set()
+        for t, _ in tl:
+            parts = t.split(" ")
+            if all(p in words for p in parts):
+                continue
+            words.update(parts)
+            if len(parts) > 1:
+                # a bigram replaces the unigrams it contains ("pin" -> "change pin")
+                inside = [i for i, c in enumerate(chosen) if c in parts]
+                if inside:
+                    chosen[inside[0]] = t
+                    chosen = [c for i, c in enumerate(chosen) if i not in inside[1:]]
+                    continue
+            if len(chosen) < n_terms:
+                chosen.append(t)
+            if len(chosen) == n_terms:
+                break
+        short.append(" / ".join(chosen))
+        longer.append(", ".join(t for t, _ in tl[:top_n]))
+    return short, longer
