@@ -1,0 +1,27 @@
+"""Dask backend of fastanneal: distributed full-batch annealing, out-of-core mini-batch
+annealing and streaming label output.
+
+* :class:`DaskSource` / :func:`make_dask_source` -- the moment source that
+  ``AnnealedKMeans.fit`` uses for Dask input: chunks persisted once on the cluster, the same
+  Numba kernel mapped over them, records merged by a tree of tasks.
+* :func:`read_parquet_embeddings`, :func:`embeddings_from_dataframe` -- lazy inputs.
+* :class:`MiniBatchAnnealer` -- stochastic-EM annealing over chunks read on demand (memory
+  bounded by a few chunks); :func:`partial_fit_update` -- one such update on an in-memory
+  batch (the engine of ``AnnealedKMeans.partial_fit``).
+* :func:`write_labels` -- a streaming pass that writes hard labels as Parquet, one file per
+  chunk, into a folder published atomically.
+
+The cluster is an existing ``distributed.Client``, an address, the default client, or an
+embedded ``LocalCluster`` closed again after the fit. Fitted attributes are NumPy arrays.
+"""
+from ._cluster import ClientHandle, resolve_client  # noqa: F401
+from ._inputs import (EmbeddingArrays, as_dask_inputs, embeddings_from_dataframe,  # noqa: F401
+                      read_parquet_embeddings)
+from ._minibatch import (MiniBatchAnnealer, MiniBatchState, fit_minibatch_into,  # noqa: F401
+                         partial_fit_update, predict_labels, start_partial_fit, write_labels)
+from ._source import DaskSource, make_dask_source  # noqa: F401
+
+__all__ = ["DaskSource", "make_dask_source", "read_parquet_embeddings",
+           "embeddings_from_dataframe", "EmbeddingArrays", "as_dask_inputs", "resolve_client",
+           "MiniBatchAnnealer", "MiniBatchState", "partial_fit_update", "start_partial_fit",
+           "fit_minibatch_into", "write_labels", "predict_labels"]

@@ -1,0 +1,222 @@
+"""Worker-side functions of the Dask backend. Each runs on one chunk of rows (or merges the
+results of chunks) and calls the same Numba kernels as the in-memory source."""
+import os
+import threading
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from .. import _kernels as K_
+from .._moments import Moments, assign, compute_moments
+from .._validation import normalize_rows
+
+_lock = threading.Lock()
+
+
+@dataclass
+class Chunk:
+    """A validated chunk: C-contiguous float32/float64 rows (unit rows for cosine), float64
+    weights, its index and the global number of its first row."""
+    X: np.ndarray
+    w: np.ndarray
+    index: int
+    row0: int
+
+    @property
+    def rows(self):
+        return self.X.shape[0]
+
+    def where(self):
+        n = self.rows
+        return (f"chunk {self.index} (rows {self.row0}-{self.row0 + n - 1})" if n
+                else f"chunk {self.index} (no rows)")
+
+
+def _serialized():
+    """A lock unless Numba's threading layer is known to be thread-safe (OpenMP, TBB): the
+    workqueue layer aborts when two threads launch parallel kernels at once."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:   # no parallel kernel has run yet in this process
+        return _lock
+    return _NoLock() if layer in ("omp", "tbb") else _lock
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def set_threads(nthreads):
+    """Numba threads for the kernels this worker thread runs next."""
+    n = numba.config.NUMBA_NUM_THREADS
+    if nthreads:
+        n = max(1, min(int(nthreads), n))
+    numba.set_num_threads(n)
+    return n
+
+
+def prepare_chunk(x, w, index, row0, metric, dtype, name="X"):
+    """Validate one chunk (finite, non-negative weights, non-zero rows for cosine) and
+    return a :class:`Chunk`. Errors name the chunk and its global row range."""
+    x = np.asarray(x)
+    if x.dtype == object or not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
+        raise ValueError(f"{name} has dtype {x.dtype}; expected real numbers")
+    if x.ndim != 2:
+        raise ValueError(f"{name} chunk {index} must be 2-D; got shape {x.shape}")
+    x = np.ascontiguousarray(x, dtype=dtype)
+    n = x.shape[0]
+    where = (f"chunk {index} (rows {row0}-{row0 + n - 1})" if n
+             else f"chunk {index} (no rows)")
+    if n and not np.isfinite(x).all():
+        bad = np.argwhere(~np.isfinite(x))[0]
+        kind = "NaN" if np.isnan(x[tuple(bad)]) else "infinity"
+        raise ValueError(f"{name} contains {kind} in {where}; first at row "
+                         f"{row0 + int(bad[0])}, column {int(bad[1])}")
+    if w is None:
+        w = np.ones(n, dtype=np.float64)
+    else:
+        w = np.asarray(w, dtype=np.float64).reshape(-1)
+        if w.shape[0] != n:
+            raise ValueError(f"sample_weight of {where} has {w.shape[0]} entries for {n} rows")
+        if not np.isfinite(w).all():
+            i = int(np.argwhere(~np.isfinite(w))[0, 0])
+            raise ValueError(f"sample_weight contains NaN or infinity in {where}; first at row "
+                             f"{row0 + i}")
+        if (w < 0).any():
+            i = int(np.argwhere(w < 0)[0, 0])
+            raise ValueError(f"sample_weight contains negative weights in {where}; first at "
+                             f"row {row0 + i}")
+        w = np.ascontiguousarray(w)
+    if metric == 1 and n:
+        norms = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+        if (norms == 0).any():
+            i = int(np.argwhere(norms == 0)[0, 0])
+            raise ValueError(f"{name} has an all-zero row in {where} (row {row0 + i}); the "
+                             "cosine metric needs non-zero vectors")
+        x = normalize_rows(x, name)
+    return Chunk(x, w, int(index), int(row0))
+
+
+# ------------------------------------------------------------------------- per-chunk work
+def chunk_stats(chunk):
+    """``(rows, weight)`` of a chunk."""
+    return chunk.rows, float(chunk.w.sum())
+
+
+def chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads):
+    set_threads(nthreads)
+    with _serialized():
+        return compute_moments(chunk.X, chunk.w, C, T, metric, resp, log_prior, hard_sums)
+
+
+def merge_moments(*parts):
+    """Sum of Moments records in the given order (deterministic)."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def add_arrays(*parts):
+    out = np.array(parts[0], dtype=np.float64, copy=True)
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+def chunk_weighted_sum(chunk):
+    """``(sum_i w_i x_i, sum_i w_i)`` as one float64 vector of length D + 1."""
+    out = np.empty(chunk.X.shape[1] + 1)
+    out[:-1] = chunk.w @ chunk.X.astype(np.float64, copy=False)
+    out[-1] = chunk.w.sum()
+    return out
+
+
+def chunk_labels(chunk, C, metric, nthreads):
+    """Hard labels of the chunk's rows (int64)."""
+    set_threads(nthreads)
+    if chunk.rows == 0:
+        return np.zeros(0, dtype=np.int64)
+    with _serialized():
+        return assign(chunk.X, C, metric, _prepared=True)[0]
+
+
+def chunk_bincount(chunk, labels, K):
+    if labels is None:
+        return np.array([chunk.w.sum()] + [0.0] * (K - 1))
+    return np.bincount(labels, weights=chunk.w, minlength=K).astype(np.float64)
+
+
+def chunk_cov_matvec(chunk, labels, mu, V, nthreads):
+    """``sum_{i in k} w_i (x_i - mu_k)((x_i - mu_k) . v_k)`` over the chunk (K x D)."""
+    nth = set_threads(nthreads)
+    if chunk.rows == 0:
+        return np.zeros(mu.shape)
+    if labels is None:
+        labels = np.zeros(chunk.rows, dtype=np.int64)
+    with _serialized():
+        return K_.cluster_cov_matvec_kernel(chunk.X, chunk.w, labels, mu, V, nth)
+
+
+def chunk_take(chunk, idx):
+    """Rows ``idx`` (local indices) and their weights."""
+    if idx is None:
+        return chunk.X, chunk.w
+    return chunk.X[idx], chunk.w[idx]
+
+
+def chunk_row_hashes(chunk, v, cap):
+    """Distinct random-projection hashes of the rows with non-zero weight (at most ``cap``)."""
+    X = chunk.X[chunk.w > 0]
+    h = np.unique(X.astype(np.float64, copy=False) @ v)
+    return h[:cap]
+
+
+def union_capped(*parts, cap):
+    return np.unique(np.concatenate(parts))[:cap]
+
+
+# ------------------------------------------------------------------------- streaming passes
+def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, hard_sums,
+                 nthreads, out_dir=None, with_labels=False, name="X"):
+    """Read, validate and reduce one chunk in a streaming pass (nothing stays in memory).
+
+    Returns the chunk's Moments (``S`` dropped unless ``hard_sums``: the pass only needs the
+    scalars and hard counts). With ``out_dir``, writes ``part-{index:06d}.parquet`` with the
+    columns ``row`` (global row number), ``id`` (when ids are given) and ``label``.
+    """
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name)
+    m = chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads)
+    if not hard_sums:
+        m.S = m.S[:, :0].copy()
+    if out_dir is not None or with_labels:
+        labels = chunk_labels(chunk, C, metric, nthreads)
+    if out_dir is not None:
+        write_label_part(out_dir, index, row0, labels, ids)
+    if with_labels:
+        return m, labels
+    return m
+
+
+def write_label_part(out_dir, index, row0, labels, ids=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = labels.shape[0]
+    cols = {"row": pa.array(np.arange(row0, row0 + n, dtype=np.int64))}
+    if ids is not None:
+        ids = np.asarray(ids)
+        if ids.shape[0] != n:
+            raise ValueError(f"ids of chunk {index} have {ids.shape[0]} entries for {n} rows")
+        cols["id"] = pa.array(ids)
+    cols["label"] = pa.array(labels.astype(np.int32, copy=False))
+    path = os.path.join(out_dir, f"part-{index:06d}.parquet")
+    tmp = path + ".inprogress"
+    pq.write_table(pa.table(cols), tmp)
+    os.replace(tmp, path)
+    return n

@@ -1,0 +1,394 @@
+"""Lazy inputs of the Dask backend: Dask arrays, Dask DataFrames and Parquet datasets with an
+embedding column (fixed-size list or list of numbers), read with pyarrow one chunk at a time."""
+import glob
+import math
+import os
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+#: Target bytes of one chunk when a NumPy array is split for the Dask backend.
+DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
+
+
+class EmbeddingArrays(NamedTuple):
+    """Lazy rows and their optional weights and ids, with the same row chunks."""
+    X: object                  #: dask array (n, D), one column chunk
+    weights: Optional[object]  #: dask array (n,) float64, or None
+    ids: Optional[object]      #: dask array (n,), or None
+
+
+def is_dask_collection(x):
+    return hasattr(x, "dask") and hasattr(x, "__dask_graph__")
+
+
+def _is_dask_dataframe(x):
+    return is_dask_collection(x) and hasattr(x, "columns") and hasattr(x, "npartitions")
+
+
+# ------------------------------------------------------------------------- Parquet
+def _parquet_files(path):
+    if isinstance(path, (list, tuple)):
+        files = [os.fspath(p) for p in path]
+    else:
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            files = sorted(
+                f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                if os.path.isfile(f) and not any(
+                    part.startswith((".", "_"))
+                    for part in os.path.relpath(f, path).split(os.sep))
+                and f.endswith((".parquet", ".parq", ".pq")))
+        elif os.path.exists(path):
+            files = [path]
+        else:
+            files = sorted(glob.glob(path))
+    if not files:
+        raise FileNotFoundError(f"no Parquet files found at {path!r}")
+    return files
+
+
+def _embedding_info(field, where):
+    """(kind, D or None) of an embedding field; kind 'fixed' or 'list'."""
+    import pyarrow as pa
+    t = field.type
+    if pa.types.is_fixed_size_list(t):
+        kind, D = "fixed", t.list_size
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        kind, D = "list", None
+    else:
+        raise ValueError(f"column {field.name!r} of {where} has type {t}; an embedding column "
+                         "must be a fixed-size list or a list of numbers")
+    vt = t.value_type
+    if not (pa.types.is_floating(vt) or pa.types.is_integer(vt)):
+        raise ValueError(f"column {field.name!r} of {where} holds {vt} values; expected numbers")
+    return kind, D, vt
+
+
+def _value_dtype(vt):
+    import pyarrow as pa
+    return np.float32 if (pa.types.is_float32(vt) or pa.types.is_float16(vt)) else np.float64
+
+
+def embedding_block(arr, D, dtype, where, row0=0, column="embedding"):
+    """An Arrow (chunked) list / fixed-size-list array as an ``(n, D)`` NumPy array."""
+    import pyarrow as pa
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    n = len(arr)
+    if arr.null_count:
+        i = int(np.argwhere(arr.is_null().to_numpy(zero_copy_only=False))[0, 0])
+        raise ValueError(f"column {column!r} has a null embedding in {where}, row {row0 + i}")
+    if pa.types.is_fixed_size_list(arr.type):
+        if D is not None and arr.type.list_size != D:
+            raise ValueError(f"column {column!r} in {where} has {arr.type.list_size} dimensions; "
+                             f"expected {D}")
+        D = arr.type.list_size
+    else:
+        lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
+        if D is None:
+            D = int(lengths[0]) if n else 0
+        bad = np.argwhere(lengths != D)
+        if bad.size:
+            i = int(bad[0, 0])
+            raise ValueError(f"column {column!r} has an embedding of length {int(lengths[i])} in "
+                             f"{where}, row {row0 + i}; expected {D}")
+    values = arr.flatten()
+    vals = values.to_numpy(zero_copy_only=False)   # nulls inside become NaN (caught later)
+    return np.ascontiguousarray(vals, dtype=dtype).reshape(n, D)
+
+
+def read_parquet_piece(file, row_groups, column, D, dtype, row0=0):
+    """Read the embedding column of some row groups of one file as an ``(n, D)`` array."""
+    import pyarrow.parquet as pq
+    with pq.ParquetFile(file) as pf:
+        tab = pf.read_row_groups(row_groups, columns=[column])
+    where = f"{os.path.basename(file)} row groups {row_groups[0]}-{row_groups[-1]}"
+    return embedding_block(tab.column(0), D, dtype, where, row0, column)
+
+
+def read_parquet_values(file, row_groups, column, dtype):
+    """A scalar column (weights, ids) of some row groups of one file as a 1-D array."""
+    import pyarrow.parquet as pq
+    with pq.ParquetFile(file) as pf:
+        tab = pf.read_row_groups(row_groups, columns=[column])
+    col = tab.column(0)
+    out = col.to_numpy() if col.num_chunks else np.zeros(0)
+    return np.asarray(out, dtype=dtype) if dtype != object else np.asarray(out, dtype=object)
+
+
+def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, dtype=None,
+                            rows_per_chunk=None):
+    """Open a Parquet dataset lazily as Dask arrays of rows (+ weights and ids).
+
+    Only the metadata is read here; each chunk is read by a worker when it is needed.
+
+    Parameters
+    ----------
+    path : str, path-like, list of paths, or a glob
+        A Parquet file, a folder of Parquet files (recursively; names starting with ``.``
+        or ``_`` are skipped) or a list of files.
+    column : str, default="embedding"
+        The embedding column: ``fixed_size_list<float>`` or ``list<float>`` (every row must
+        have the same length; integers are accepted and converted).
+    weight, id : str or None
+        Optional columns of sample weights (numbers) and of row ids (any primitive type).
+    dtype : numpy dtype or None
+        Of the rows. None: float32 for float16/float32 values, float64 otherwise.
+    rows_per_chunk : int or None
+        None: one chunk per row group. An int: consecutive row groups of a file are joined
+        until a chunk has at least this many rows (a row group is never split).
+
+    Returns
+    -------
+    EmbeddingArrays
+        ``(X, weights, ids)``: ``X`` a Dask array ``(n, D)`` with one column chunk,
+        ``weights`` (float64) and ``ids`` Dask arrays with the same row chunks, or None.
+
+    Raises
+    ------
+    ValueError
+        A missing column (the message lists the columns present), or an embedding column
+        that is not a list of numbers.
+    """
+    import dask
+    import dask.array as da
+    import pyarrow.parquet as pq
+
+    files = _parquet_files(path)
+    pieces = []          # (file, [row groups], rows)
+    D = None
+    vt0 = None
+    kind0 = None
+    id_dtype = None
+    for f in files:
+        with pq.ParquetFile(f) as pf:
+            schema = pf.schema_arrow
+            names = schema.names
+            for what, col in (("embedding", column), ("weight", weight), ("id", id)):
+                if col is not None and col not in names:
+                    raise ValueError(f"{what} column {col!r} not found in {f}; available "
+                                     f"columns: {names}")
+            kind, Df, vt = _embedding_info(schema.field(column), f)
+            if weight is not None:
+                import pyarrow as pa
+                wt = schema.field(weight).type
+                if not (pa.types.is_floating(wt) or pa.types.is_integer(wt)):
+                    raise ValueError(f"weight column {weight!r} of {f} has type {wt}; expected "
+                                     "numbers")
+            if id is not None:
+                t = schema.field(id).type.to_pandas_dtype()
+                t = np.dtype(object) if t in (object, np.object_) else np.dtype(t)
+                if id_dtype is None:
+                    id_dtype = t
+                elif id_dtype != t:
+                    id_dtype = np.dtype(object)
+            if vt0 is None:
+                vt0, kind0 = vt, kind
+            if Df is not None:
+                if D is not None and Df != D:
+                    raise ValueError(f"column {column!r} of {f} has {Df} dimensions; earlier "
+                                     f"files have {D}")
+                D = Df
+            md = pf.metadata
+            group, rows = [], 0
+            for rg in range(md.num_row_groups):
+                nr = md.row_group(rg).num_rows
+                group.append(rg)
+                rows += nr
+                if rows_per_chunk is None or rows >= rows_per_chunk:
+                    pieces.append((f, group, rows))
+                    group, rows = [], 0
+            if group:
+                pieces.append((f, group, rows))
+            if D is None:
+                # list<float>: the dimension is the length of the first embedding
+                for rg in range(md.num_row_groups):
+                    if md.row_group(rg).num_rows:
+                        tab = pf.read_row_group(rg, columns=[column])
+                        first = tab.column(0).slice(0, 1).combine_chunks()
+                        if first.null_count:
+                            raise ValueError(f"column {column!r} has a null embedding in "
+                                             f"{os.path.basename(f)} row group {rg}, row 0")
+                        D = int(first.value_lengths()[0].as_py())
+                        break
+    if D is None:
+        D = 0
+    if dtype is None:
+        dtype = _value_dtype(vt0)
+    dtype = np.dtype(dtype)
+    blocks, wblocks, iblocks = [], [], []
+    row0 = 0
+    tok = dask.base.tokenize(files, column, weight, id, str(dtype), rows_per_chunk,
+                             [os.path.getmtime(f) if os.path.exists(f) else 0 for f in files])
+    for j, (f, rgs, rows) in enumerate(pieces):
+        x = dask.delayed(read_parquet_piece, pure=True)(
+            f, rgs, column, D, dtype, row0, dask_key_name=f"read-embeddings-{tok}-{j}")
+        blocks.append(da.from_delayed(x, shape=(rows, D), dtype=dtype))
+        if weight is not None:
+            wv = dask.delayed(read_parquet_values, pure=True)(
+                f, rgs, weight, np.float64, dask_key_name=f"read-weights-{tok}-{j}")
+            wblocks.append(da.from_delayed(wv, shape=(rows,), dtype=np.float64))
+        if id is not None:
+            iv = dask.delayed(read_parquet_values, pure=True)(
+                f, rgs, id, id_dtype, dask_key_name=f"read-ids-{tok}-{j}")
+            iblocks.append(da.from_delayed(iv, shape=(rows,), dtype=id_dtype))
+        row0 += rows
+    if not blocks:
+        return EmbeddingArrays(da.zeros((0, D), dtype=dtype, chunks=(1, D)),
+                               da.zeros(0, chunks=1) if weight is not None else None,
+                               da.zeros(0, chunks=1, dtype=id_dtype) if id is not None else None)
+    X = da.concatenate(blocks, axis=0)
+    W = da.concatenate(wblocks) if weight is not None else None
+    ids = da.concatenate(iblocks) if id is not None else None
+    return EmbeddingArrays(X, W, ids)
+
+
+# ------------------------------------------------------------------------- DataFrames
+def _frame_embedding(pdf, column, D, dtype, index, where_prefix="partition"):
+    import pyarrow as pa
+    s = pdf[column]
+    try:
+        arr = pa.array(s)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+        arr = pa.array([None if v is None else np.asarray(v).tolist() for v in s])
+    return embedding_block(arr, D, dtype, f"{where_prefix} {index}", 0, column)
+
+
+def _frame_values(pdf, column, dtype):
+    return np.asarray(pdf[column].to_numpy(), dtype=dtype)
+
+
+def embeddings_from_dataframe(df, column="embedding", weight=None, id=None, *, dtype=None):
+    """Dask arrays of rows (+ weights and ids) from a Dask DataFrame with an embedding column
+    (Arrow list / fixed-size list, or an object column of sequences). Without ``column`` in
+    the frame, all its numeric columns (but ``weight`` and ``id``) are the features.
+
+    Partition lengths are computed once (``len`` of each partition) so that the row chunks
+    are known.
+    """
+    import dask
+    import dask.array as da
+
+    names = list(df.columns)
+    for what, col in (("weight", weight), ("id", id)):
+        if col is not None and col not in names:
+            raise ValueError(f"{what} column {col!r} not found; available columns: {names}")
+    lengths = tuple(int(n) for n in df.map_partitions(len).compute())
+    if column is not None and column in names:
+        head = df[column].partitions[0].compute() if df.npartitions else None
+        first = next((v for v in (head if head is not None else [])), None)
+        if first is None:
+            # find the first non-empty partition
+            for p in range(df.npartitions):
+                part = df[column].partitions[p].compute()
+                if len(part):
+                    first = part.iloc[0]
+                    break
+        if first is None:
+            raise ValueError(f"column {column!r} has no rows")
+        D = len(first)
+        if dtype is None:
+            dtype = np.float32 if np.asarray(first).dtype in (np.float32, np.float16) else np.float64
+        dtype = np.dtype(dtype)
+        parts = df.to_delayed()
+        blocks = [da.from_delayed(dask.delayed(_frame_embedding, pure=True)(p, column, D, dtype, i),
+                                  shape=(n, D), dtype=dtype)
+                  for i, (p, n) in enumerate(zip(parts, lengths))]
+        X = da.concatenate(blocks, axis=0)
+    else:
+        feats = [c for c in names if c not in (weight, id)
+                 and np.issubdtype(np.dtype(df[c].dtype), np.number)]
+        if not feats:
+            raise ValueError(f"embedding column {column!r} not found and no numeric columns; "
+                             f"available columns: {names}")
+        X = df[feats].to_dask_array(lengths=lengths)
+        if dtype is not None:
+            X = X.astype(dtype)
+        X = X.rechunk({1: -1})
+    parts = df.to_delayed() if (weight is not None or id is not None) else None
+    W = ids = None
+    if weight is not None:
+        W = da.concatenate([da.from_delayed(dask.delayed(_frame_values, pure=True)(
+            p, weight, np.float64), shape=(n,), dtype=np.float64)
+            for p, n in zip(parts, lengths)])
+    if id is not None:
+        idt = np.dtype(df[id].dtype) if np.dtype(df[id].dtype).kind in "iufb" else np.dtype(object)
+        ids = da.concatenate([da.from_delayed(dask.delayed(_frame_values, pure=True)(
+            p, id, idt), shape=(n,), dtype=idt) for p, n in zip(parts, lengths)])
+    return EmbeddingArrays(X, W, ids)
+
+
+# ------------------------------------------------------------------------- coercion
+def _default_rows(n_features, itemsize):
+    return max(1, DEFAULT_CHUNK_BYTES // max(1, n_features * itemsize))
+
+
+def _as_aligned(v, chunks, name):
+    """A 1-D Dask array with the given row chunks (or None)."""
+    import dask.array as da
+    if v is None:
+        return None
+    n = sum(chunks)
+    if is_dask_collection(v):
+        if v.ndim != 1:
+            raise ValueError(f"{name} must be 1-D; got {v.ndim} dimensions")
+        if any(math.isnan(c) for c in v.chunks[0]):
+            v = v.compute_chunk_sizes()
+        if v.shape[0] != n:
+            raise ValueError(f"{name} has {v.shape[0]} entries for {n} rows")
+        return v.rechunk((chunks,)) if v.chunks[0] != tuple(chunks) else v
+    a = np.asarray(v)
+    if a.ndim == 0:
+        if a.dtype.kind not in "iuf":
+            raise ValueError(f"{name} must be numeric; got {a.dtype}")
+        return da.full(n, float(a), chunks=(chunks,))
+    if a.ndim != 1 or a.shape[0] != n:
+        raise ValueError(f"{name} must have shape ({n},); got {a.shape}")
+    return da.from_array(a, chunks=(chunks,))
+
+
+def as_dask_inputs(X, sample_weight=None, ids=None, *, chunk_rows=None, column="embedding"):
+    """Coerce the inputs of the Dask backend to :class:`EmbeddingArrays` with known row chunks
+    and a single column chunk.
+
+    ``X`` may be a Dask array, a Dask DataFrame (an ``embedding`` list column, or numeric
+    columns), a path to Parquet data (read with :func:`read_parquet_embeddings`), an
+    :class:`EmbeddingArrays`, or a NumPy array (split into chunks of ``chunk_rows`` rows,
+    default about 64 MiB).
+    """
+    import dask.array as da
+
+    w_in, id_in = None, None
+    if isinstance(X, EmbeddingArrays):
+        X, w_in, id_in = X
+    elif isinstance(X, (str, os.PathLike)) or (isinstance(X, (list, tuple)) and X
+                                               and isinstance(X[0], (str, os.PathLike))):
+        X, w_in, id_in = read_parquet_embeddings(X, column=column)
+    elif _is_dask_dataframe(X):
+        X, w_in, id_in = embeddings_from_dataframe(X, column=column)
+    if sample_weight is None:
+        sample_weight = w_in
+    if ids is None:
+        ids = id_in
+    if is_dask_collection(X):
+        if not hasattr(X, "chunks") or X.ndim != 2:
+            raise ValueError(f"X must be a 2-D Dask array; got {type(X).__name__} with "
+                             f"{getattr(X, 'ndim', '?')} dimensions")
+    else:
+        A = np.asarray(X)
+        if A.dtype == object:
+            raise ValueError("X has dtype object; expected a numeric 2-D array")
+        if A.ndim != 2:
+            raise ValueError(f"X must be 2-D (n_samples, n_features); got shape {A.shape}")
+        rows = chunk_rows or _default_rows(A.shape[1], A.dtype.itemsize)
+        X = da.from_array(A, chunks=(rows, -1))
+    if any(math.isnan(c) for c in X.chunks[0]):
+        X = X.compute_chunk_sizes()
+    if X.shape[1] == 0:
+        raise ValueError("X has 0 features; at least 1 is required")
+    if len(X.chunks[1]) != 1:
+        X = X.rechunk({1: -1})
+    chunks = X.chunks[0]
+    return EmbeddingArrays(X, _as_aligned(sample_weight, chunks, "sample_weight"),
+                           _as_aligned(ids, chunks, "ids"))

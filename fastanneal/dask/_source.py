@@ -1,0 +1,223 @@
+"""``DaskSource``: full-batch moments over persisted chunks on a Dask cluster."""
+import logging
+import warnings
+
+import numpy as np
+
+from .._sources import power_iteration_eigs
+from .._validation import metric_code
+from . import _chunks as ch
+from ._cluster import resolve_client
+from ._inputs import as_dask_inputs
+
+log = logging.getLogger("fastanneal")
+
+#: Fan-in of the tree reductions (chunks merged per task).
+SPLIT_EVERY = 8
+
+
+def _identity(x):
+    return x
+
+
+def dask_dtype(dtype):
+    """float32 stays float32; every other dtype becomes float64 (as the in-memory path)."""
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float32 else np.dtype(np.float64)
+
+
+def row_offsets(chunks):
+    off = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(chunks, out=off[1:])
+    return off
+
+
+class _Submitter:
+    """Small helpers around one client: put a value in the graph, map, tree-reduce."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.client = handle.client
+
+    def put(self, value):
+        """A future of ``value`` that the scheduler can recompute (it is in the task spec;
+        unlike ``scatter``, a worker lost mid-fit does not lose it)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Large object.*")
+            return self.client.submit(_identity, value, pure=False)
+
+    def tree(self, futures, func, **kwargs):
+        """Reduce ``futures`` with ``func(*group, **kwargs)`` in a fixed order (a tree of
+        fan-in :data:`SPLIT_EVERY`); returns one future (or None when empty)."""
+        futs = list(futures)
+        if not futs:
+            return None
+        while len(futs) > 1:
+            futs = [self.client.submit(func, *futs[i:i + SPLIT_EVERY], pure=False, **kwargs)
+                    for i in range(0, len(futs), SPLIT_EVERY)]
+        return futs[0]
+
+
+class DaskSource(_Submitter):
+    """Moment source over the row chunks of a Dask array, persisted once on the cluster.
+
+    Each chunk is validated on its worker (NaN / infinity, negative weights, zero rows for
+    cosine: the error names the chunk and its global row range) and, for cosine,
+    unit-normalized. Every moments pass maps the same Numba kernel as the in-memory source
+    over the chunks and merges the records with a tree of tasks in a fixed order, so the
+    result does not depend on which worker ran a chunk (nor on a worker lost and recomputed).
+
+    Parameters
+    ----------
+    X : dask array (n, D); w : dask array (n,) with the same row chunks, or None
+    metric : int, 0 euclidean, 1 cosine
+    handle : :class:`~fastanneal.dask._cluster.ClientHandle`
+    """
+
+    def __init__(self, X, w, metric, handle):
+        import dask
+        super().__init__(handle)
+        self.metric = int(metric)
+        self.dtype = dask_dtype(X.dtype)
+        self.n_rows, self.n_features = (int(s) for s in X.shape)
+        self.chunk_rows = tuple(int(c) for c in X.chunks[0])
+        self.offsets = row_offsets(self.chunk_rows)
+        self._nthreads = handle.task_threads()
+        xd = X.to_delayed().ravel()
+        wd = w.to_delayed().ravel() if w is not None else [None] * len(xd)
+        tasks = [dask.delayed(ch.prepare_chunk, pure=True)(x, wb, i, int(self.offsets[i]),
+                                                           self.metric, self.dtype)
+                 for i, (x, wb) in enumerate(zip(xd, wd))]
+        self._chunks = self.client.compute(tasks)
+        try:
+            stats = self.client.gather(self.client.map(ch.chunk_stats, self._chunks,
+                                                       pure=False))
+        except BaseException:
+            self._release()
+            raise
+        self.total_weight = float(sum(s[1] for s in stats))
+        if self.n_rows and not self.total_weight > 0:
+            self._release()
+            raise ValueError("sample_weight sums to zero: no row carries weight")
+
+    # ------------------------------------------------------------------ moments
+    def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
+        from .._moments import Moments
+        C = np.ascontiguousarray(centers, dtype=self.dtype)
+        lp = None if log_prior is None else np.ascontiguousarray(log_prior, dtype=np.float64)
+        cf = self.put(C)
+        parts = self.client.map(ch.chunk_moments, self._chunks, C=cf, T=float(T),
+                                metric=self.metric, resp=int(resp), log_prior=lp,
+                                hard_sums=bool(hard_sums), nthreads=self._nthreads, pure=False)
+        total = self.tree(parts, ch.merge_moments)
+        if total is None:
+            return Moments.zeros(C.shape[0], self.n_features, T, hard_sums=hard_sums)
+        return total.result()
+
+    def mean(self):
+        parts = self.client.map(ch.chunk_weighted_sum, self._chunks, pure=False)
+        tot = self.tree(parts, ch.add_arrays).result()
+        return tot[:-1] / self.total_weight
+
+    def sample(self, n, rng):
+        """``n`` rows drawn without replacement, in row order (all rows, in order, when
+        ``n >= n_rows``): the same rows as :class:`~fastanneal._sources.InMemorySource` for
+        the same generator state."""
+        if n >= self.n_rows:
+            parts = self.client.gather(self.client.map(ch.chunk_take, self._chunks,
+                                                       idx=None, pure=False))
+            return self._concat(parts)
+        idx = np.sort(rng.choice(self.n_rows, size=n, replace=False))
+        which = np.searchsorted(self.offsets, idx, side="right") - 1
+        futs = []
+        for c in np.unique(which):
+            local = idx[which == c] - self.offsets[c]
+            futs.append(self.client.submit(ch.chunk_take, self._chunks[c], local, pure=False))
+        return self._concat(self.client.gather(futs))
+
+    def _concat(self, parts):
+        if not parts:
+            return np.empty((0, self.n_features), self.dtype), np.empty(0)
+        return (np.ascontiguousarray(np.concatenate([p[0] for p in parts])),
+                np.concatenate([p[1] for p in parts]))
+
+    def labels(self, centers):
+        """Hard labels of all rows as one NumPy array (gathered: for data that fits)."""
+        futs = self._label_futures(centers)
+        parts = self.client.gather(futs)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _label_futures(self, centers):
+        C = np.ascontiguousarray(centers, dtype=self.dtype)
+        cf = self.put(C)
+        return self.client.map(ch.chunk_labels, self._chunks, C=cf, metric=self.metric,
+                               nthreads=self._nthreads, pure=False)
+
+    def cluster_top_eigenvalues(self, centers, n_iter, rng):
+        centers = np.asarray(centers, dtype=np.float64)
+        K = centers.shape[0]
+        if K == 1:
+            labs = [None] * len(self._chunks)
+        else:
+            labs = self._label_futures(centers)
+        wk = self.tree(self.client.map(ch.chunk_bincount, self._chunks, labs, K=K, pure=False),
+                       ch.add_arrays)
+        wk = wk.result() if wk is not None else np.zeros(K)
+        mu_f = self.put(np.ascontiguousarray(centers))
+
+        def matvec(mu, V):
+            vf = self.put(np.ascontiguousarray(V, dtype=np.float64))
+            parts = self.client.map(ch.chunk_cov_matvec, self._chunks, labs, mu=mu_f, V=vf,
+                                    nthreads=self._nthreads, pure=False)
+            out = self.tree(parts, ch.add_arrays)
+            return out.result() if out is not None else np.zeros((K, self.n_features))
+        return power_iteration_eigs(matvec, centers, wk, n_iter, rng)
+
+    def n_distinct_rows(self, rng, cap):
+        """Distinct rows with non-zero weight, counted up to ``cap`` (random-projection hash,
+        the same draw from ``rng`` as the in-memory check)."""
+        v = rng.standard_normal(self.n_features)
+        parts = self.client.map(ch.chunk_row_hashes, self._chunks, v=v, cap=int(cap),
+                                pure=False)
+        out = self.tree(parts, ch.union_capped, cap=int(cap))
+        return 0 if out is None else int(out.result().shape[0])
+
+    # ------------------------------------------------------------------ lifetime
+    def _release(self):
+        chunks, self._chunks = getattr(self, "_chunks", None), []
+        if chunks:
+            try:
+                self.client.cancel(chunks)
+            except Exception:  # pragma: no cover - client already closed
+                pass
+
+    def close(self):
+        """Release the persisted chunks and close what this source started."""
+        self._release()
+        if self.handle is not None:
+            self.handle.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_dask_source(estimator, X, sample_weight=None):
+    """The Dask source of :meth:`AnnealedKMeans.fit`: returns ``(source, None, None)``.
+
+    ``X`` may be a Dask array (row chunks; columns are rechunked to one chunk), a Dask
+    DataFrame, a Parquet path or a NumPy array. The cluster is ``estimator.scheduler`` (an
+    address or a Client) when set, else the default client, else an embedded LocalCluster
+    that ``source.close()`` shuts down. Sets ``estimator.n_features_in_``.
+    """
+    metric = metric_code(getattr(estimator, "metric", "euclidean"))
+    data = as_dask_inputs(X, sample_weight)
+    handle = resolve_client(getattr(estimator, "scheduler", None))
+    try:
+        source = DaskSource(data.X, data.weights, metric, handle)
+    except BaseException:
+        handle.close()
+        raise
+    estimator.n_features_in_ = source.n_features
+    return source, None, None
