@@ -18,9 +18,9 @@ Two passes:
    ``t_ik = r_ik dL/dr_ik``, ``g_ik = dL/dz_ik`` through the softmax / entmax-1.5 Jacobian,
    the rows of ``dL/dX`` and per-thread sums ``sum_i g_ik x_i``, ``sum_i g_ik`` for ``dL/dC``.
 
-Both passes call the same row routine (:func:`fastanneal._kernels._row_responsibilities`)
-with no truncation (``log_eps = -inf``), so the responsibilities of pass 2 are bit-identical
-to those behind ``N`` and ``S``.
+Both passes call the same row routine (:func:`_row_probs`: softmax without truncation of
+small entries, or entmax-1.5 with the shared exact thresholds of :mod:`fastanneal._kernels`),
+so the responsibilities of pass 2 are bit-identical to those behind ``N`` and ``S``.
 
 BLAS (``np.dot``) runs inside the parallel region: the caller pins it to one thread.
 """
@@ -29,7 +29,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._kernels import METRIC_COSINE, RESP_ENTMAX15, _row_responsibilities
+from ._kernels import (METRIC_COSINE, RESP_ENTMAX15, entmax15_tau_bisect,
+                       entmax15_tau_sort)
 
 PHI_IDENTITY = 0
 PHI_LOG = 1
@@ -65,6 +66,61 @@ def _fill_distances(P, xsq, csq, metric, K, m, G):
                 G[i, k] = d if d > 0.0 else 0.0
 
 
+@njit(cache=True, nogil=True)
+def _row_probs(G, i, T, resp, cand, cidx, sort_max):
+    """Replace the distance row ``G[i]`` by the responsibilities ``r_i`` (unweighted) of the
+    logits ``-G[i] / T``; return the row's entropy (Shannon for softmax, Tsallis-1.5 for
+    entmax-1.5, as in :class:`fastanneal.Moments`).
+
+    Softmax keeps every entry (``exp`` underflows to 0 only below ``e^-745``): the loss is
+    differentiated exactly, not the sparsified moments. Entmax-1.5 (THEORY.md section 4):
+    with ``z' = (z - max z) / 2`` only ``z' > -1`` can be in the support.
+    """
+    K = G.shape[1]
+    zmax = -np.inf
+    for k in range(K):
+        z = -G[i, k] / T
+        if z > zmax:
+            zmax = z
+    if resp != RESP_ENTMAX15:
+        s = 0.0
+        sez = 0.0
+        for k in range(K):
+            z = -G[i, k] / T - zmax
+            e = math.exp(z)
+            s += e
+            sez += e * z
+            G[i, k] = e
+        for k in range(K):
+            G[i, k] /= s
+        return math.log(s) - sez / s
+    n = 0
+    for k in range(K):
+        zp = 0.5 * (-G[i, k] / T - zmax)
+        if zp > -1.0:
+            cand[n] = zp
+            cidx[n] = k
+            n += 1
+    if n <= sort_max:
+        tau = entmax15_tau_sort(cand, n)
+    else:
+        tau = entmax15_tau_bisect(cand, n)
+    psum = 0.0
+    for j in range(n):
+        t = cand[j] - tau
+        p = t * t if t > 0.0 else 0.0
+        cand[j] = p
+        psum += p
+    for k in range(K):
+        G[i, k] = 0.0
+    p15 = 0.0
+    for j in range(n):
+        p = cand[j] / psum
+        G[i, cidx[j]] = p
+        p15 += p * math.sqrt(p)
+    return (4.0 / 3.0) * (1.0 - p15)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
     """Pass 1: ``(N, S, sum_i w_i H_i)`` of all rows of ``X``.
@@ -80,7 +136,6 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
         nch = nth
     if nch < 1:
         nch = 1
-    logp = np.zeros(K)
     accN = np.zeros((nch, K))
     accS = np.zeros((nch, K, D))
     accH = np.zeros(nch)
@@ -101,11 +156,11 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
             _fill_distances(P, xsq, csq, metric, K, m, G)
             for i in range(m):
                 wi = w[b0 + i]
-                res = _row_responsibilities(G, i, logp, False, T, resp, -np.inf, wi, cand,
-                                            cidx, sort_max)
-                accH[t] += wi * res[1]
+                accH[t] += wi * _row_probs(G, i, T, resp, cand, cidx, sort_max)
                 for k in range(K):
-                    accN[t, k] += G[i, k]
+                    wr = wi * G[i, k]
+                    G[i, k] = wr
+                    accN[t, k] += wr
             np.dot(G[:m].T, Xb[:m], Sb)
             for k in range(K):
                 for j in range(D):
@@ -151,7 +206,6 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
         nch = 1
     cosine = metric == METRIC_COSINE
     entmax = resp == RESP_ENTMAX15
-    logp = np.zeros(K)
     twoT = 2.0 / T
     accA = np.zeros((nch, K2, D))
     acca = np.zeros((nch, K2))
@@ -179,8 +233,7 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
             _fill_distances(P, xsq, csq, metric, K, m, G)
             for i in range(m):
                 wi = w[b0 + i]
-                _row_responsibilities(G, i, logp, False, T, resp, -np.inf, 1.0, cand, cidx,
-                                      sort_max)
+                _row_probs(G, i, T, resp, cand, cidx, sort_max)
                 sa = 0.0
                 sb = 0.0
                 for k in range(K):
