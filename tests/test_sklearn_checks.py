@@ -1,0 +1,34 @@
+"""scikit-learn's common estimator checks on :class:`AnnealedKMeans` (issue 3, item 5).
+
+Small settings keep the ~55 checks fast (most of the time is loading the cached Numba
+kernels for each new array type: float32, read-only memmaps).
+"""
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from fastanneal import AnnealedKMeans
+
+# Each expected failure was read and judged; none hides a defect of the estimator.
+EXPECTED_FAILED_CHECKS = {
+    # The check fits once on rows repeated by their integer weight and once on the *shuffled*
+    # weighted rows with the same random_state. k-means++ seeding consumes the generator
+    # by row position, so the two fits start from different seeds and return the same
+    # partition with permuted cluster indices (verified: ARI 1.0, inertia equal to 1e-15;
+    # without the shuffle the outputs match exactly). scikit-learn's own KMeans lists the
+    # same expected failure. Weights-equal-repetition with a fixed init array is asserted in
+    # tests/test_estimator.py::test_integer_weights_equal_repeated_rows.
+    "check_sample_weight_equivalence_on_dense_data":
+        "k-means++ seeding depends on row order and the check shuffles the weighted rows: "
+        "same partition up to a permutation of cluster indices (as sklearn's KMeans)",
+}
+
+
+def _expected_failed_checks(estimator):
+    return EXPECTED_FAILED_CHECKS
+
+
+@parametrize_with_checks(
+    [AnnealedKMeans(n_clusters=3, random_state=0, n_steps=5, max_iter=3)],
+    expected_failed_checks=_expected_failed_checks,
+)
+def test_sklearn_compatible(estimator, check):
+    check(estimator)
