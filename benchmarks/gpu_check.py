@@ -239,16 +239,16 @@ def gemm_timer(Xdev, C, repeats):
 
 
 def stage_breakdown(src, C, T, resp, repeats):
-    """Seconds of each kernel on one full chunk (synchronized wall time, median)."""
+    """Seconds of each kernel on one full chunk (synchronized wall time, median), launched
+    exactly as CudaSource.moments launches them."""
     from numba import cuda
 
-    from fastanneal._moments import log_eps_for
     from fastanneal.cuda import source as S
     kern = src._k
     C, csq = src._centers(C)
     K, D = C.shape
     tpb, R, (bx, by) = S._launch_params(kern)
-    chunk = src._chunk_rows(K, kern.MICRO * by)
+    chunk = src._chunk_rows(K, kern.MICRO_D * by)
     m = min(chunk, src.n_rows)
     dC, dcsq = cuda.to_device(C), cuda.to_device(csq)
     dlogp = cuda.to_device(np.zeros(K))
@@ -256,29 +256,13 @@ def stage_breakdown(src, C, T, resp, repeats):
     dN, dS = cuda.to_device(np.zeros(K)), cuda.to_device(np.zeros((K, D)))
     dHN, dscal = cuda.to_device(np.zeros(K)), cuda.to_device(np.zeros(8))
     dmn = cuda.to_device(np.full(1, np.inf))
-    flush = max(1, R // kern.TILE)
-    BD, BK = kern.MICRO * bx, kern.MICRO * by
-    tiles = S._cdiv(D, BD) * S._cdiv(K, BK)
-    splits = max(1, min(S._cdiv(8 * S._sm_count(), tiles), S._cdiv(m, kern.TILE * flush)))
-    per = S._cdiv(S._cdiv(m, splits), kern.TILE) * kern.TILE
-    splits = S._cdiv(m, per)
-    shm = kern.gemm_shared_bytes(bx, by, src.dtype.itemsize)
 
     def dist():
-        src._distances(kern, G, 0, m, dC, dcsq, bx, by)
+        src._launch_distances(kern, G, 0, m, dC, dcsq, bx, by)
 
     def rows():
-        kern.rows_kernel[S._cdiv(m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
-            G, m, src._w, 0, dlogp, False, float(T), resp, float(log_eps_for(src.dtype)), R,
-            labels, dHN, dscal, dmn)
-
-    def dense():
-        kern.accum_dense_kernel[(S._cdiv(D, BD), S._cdiv(K, BK), splits), (bx, by), 0, shm](
-            G, src._X, 0, m, per, flush, dS, dN)
-
-    def sparse():
-        kern.accum_sparse_kernel[(S._cdiv(m, R), S._cdiv(D, tpb)), tpb, 0, 2 * tpb * 8](
-            G, src._X, 0, m, R, dS, dN)
+        src._launch_rows(kern, G, 0, m, tpb, R, dlogp, False, float(T), resp, labels, dHN,
+                         dscal, dmn)
 
     def timed(fn, prep=None):
         ts = []
@@ -296,9 +280,12 @@ def stage_breakdown(src, C, T, resp, repeats):
     dist()
     rows()
     cuda.synchronize()
-    out["accumulate_dense"] = timed(dense)
-    out["accumulate_sparse"] = timed(sparse)
+    out["accumulate_dense"] = timed(lambda: src._launch_dense(kern, G, 0, m, R, bx, by, dS, dN))
+    out["accumulate_sparse"] = timed(lambda: src._launch_sparse(kern, G, 0, m, tpb, R, dS,
+                                                                 dN))
     out["chunks_per_pass"] = S._cdiv(src.n_rows, m)
+    out["distance_tflops"] = 2.0 * m * K * D / out["distances"] / 1e12
+    out["dense_accumulate_tflops"] = 2.0 * m * K * D / out["accumulate_dense"] / 1e12
     return out
 
 
@@ -354,7 +341,8 @@ def section_timing(fa, fcuda, cfg, rng, result, repeats):
                     log("      one chunk of {chunk_rows} rows x {chunks_per_pass} chunks: "
                         "distances {distances:.4f}s, responsibilities {responsibilities:.4f}s,"
                         " dense G^T X {accumulate_dense:.4f}s, sparse scatter "
-                        "{accumulate_sparse:.4f}s".format(**br))
+                        "{accumulate_sparse:.4f}s; GEMM rates {distance_tflops:.1f} and "
+                        "{dense_accumulate_tflops:.1f} TFLOP/s".format(**br))
                 except Exception as exc:
                     rec["stages_error"] = repr(exc)
                     log(f"      stage breakdown failed: {exc!r}")
@@ -376,6 +364,10 @@ def main(argv=None):
     _OUT["path"] = args.out
     if args.sim:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    if not hasattr(np, "row_stack"):
+        # numba-cuda (e.g. 0.2x) registers np.row_stack, which NumPy 2.4 removed: without
+        # this alias its first kernel compile fails with AttributeError.
+        np.row_stack = np.vstack
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     result = {"meta": {"argv": sys.argv[1:], "tiny": args.tiny, "python": sys.version,
