@@ -137,7 +137,8 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
         Of the rows. None: float32 for float16/float32 values, float64 otherwise.
     rows_per_chunk : int or None
         None: one chunk per row group. An int: consecutive row groups of a file are joined
-        until a chunk has at least this many rows (a row group is never split).
+        into chunks of at most this many rows (a row group is never split: a larger one is
+        a chunk of its own).
 
     Returns
     -------
@@ -194,11 +195,11 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
             group, rows = [], 0
             for rg in range(md.num_row_groups):
                 nr = md.row_group(rg).num_rows
-                group.append(rg)
-                rows += nr
-                if rows_per_chunk is None or rows >= rows_per_chunk:
+                if group and (rows_per_chunk is None or rows + nr > rows_per_chunk):
                     pieces.append((f, group, rows))
                     group, rows = [], 0
+                group.append(rg)
+                rows += nr
             if group:
                 pieces.append((f, group, rows))
             if D is None:

@@ -409,7 +409,8 @@ class _ChunkPlan(_Submitter):
                         int(self.offsets[i]), self.metric, self.dtype, out_dir=out_dir,
                         **kwargs)
                     inflight[self.client.compute(t)] = i
-                res = wait(list(inflight), return_when="FIRST_COMPLETED")
+                with self.client.as_current():
+                    res = wait(list(inflight), return_when="FIRST_COMPLETED")
                 for f in res.done:
                     i = inflight.pop(f)
                     done[i] = f.result()      # raises the chunk's error

@@ -1,0 +1,443 @@
+"""Dask backend: full batch on a real LocalCluster (2 worker processes) against the in-memory
+source, Parquet / DataFrame inputs, chunk errors, mini-batch annealing, partial_fit, the
+streaming label writer, pickling, and a worker killed (SIGKILL) mid-fit.
+
+Error measure for "same result": norm-wise relative error ``||a - b|| / ||b||`` over the whole
+array, float64 input, tolerance 1e-5 (the chunked sums differ from the in-memory sums only by
+float reassociation, ~1e-15 per pass).
+"""
+import os
+import pickle
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+import fastanneal as fa  # noqa: E402
+from fastanneal import _sources  # noqa: E402
+from fastanneal.dask import (DaskSource, MiniBatchAnnealer, partial_fit_update,  # noqa: E402
+                             read_parquet_embeddings, resolve_client, start_partial_fit,
+                             write_labels)
+
+pytestmark = pytest.mark.dask
+
+TOL = 1e-5
+
+
+def rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    nb = np.linalg.norm(b)
+    return np.linalg.norm(a - b) / (nb if nb > 0 else 1.0)
+
+
+def ari(a, b):
+    from sklearn.metrics import adjusted_rand_score
+    return adjusted_rand_score(a, b)
+
+
+def blobs(n, k, d, seed, sep=6.0, dtype=np.float64):
+    g = np.random.default_rng(seed)
+    centers = g.normal(0.0, sep, (k, d))
+    y = g.integers(0, k, n)
+    X = centers[y] + g.normal(0.0, 1.0, (n, d))
+    return X.astype(dtype), y
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, worker_dashboard_address=None,
+                                       scheduler_kwargs={"dashboard_address": ":0"})
+    c = distributed.Client(cluster, set_as_default=False)
+    try:
+        yield c
+    finally:
+        c.close()
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def data():
+    X, y = blobs(6000, 6, 8, seed=11)
+    return X, y
+
+
+def seeds_one_per_blob(X, y, k):
+    """One row of each blob: the fit never relocates or merges clusters."""
+    return np.stack([X[np.nonzero(y == j)[0][0]] for j in range(k)])
+
+
+# ------------------------------------------------------------------------------- source
+CHUNKINGS = [1000, (700, 1, 0, 2299, 0, 3000), 6000, (0, 3000, 0, 0, 3000)]
+
+
+@pytest.mark.parametrize("chunks", CHUNKINGS, ids=["even", "ragged+empty", "one", "empties"])
+@pytest.mark.parametrize("metric", [0, 1], ids=["euclidean", "cosine"])
+def test_source_matches_in_memory(client, data, chunks, metric):
+    X, y = data
+    w = np.random.default_rng(3).uniform(0.5, 2.0, X.shape[0])
+    Xd = da.from_array(X, chunks=(chunks, -1))
+    wd = da.from_array(w, chunks=(Xd.chunks[0],))
+    Xm = X if metric == 0 else fa._validation.normalize_rows(X)
+    mem = _sources.InMemorySource(Xm, w, metric)
+    src = DaskSource(Xd, wd, metric, resolve_client(client))
+    try:
+        assert (src.n_rows, src.n_features, src.dtype) == (6000, 8, np.float64)
+        assert src.total_weight == pytest.approx(w.sum(), rel=1e-12)
+        C = seeds_one_per_blob(Xm, y, 6)
+        for resp, T, hs in ((0, 2.0, False), (1, 0.5, False), (2, 1.0, True)):
+            a, b = src.moments(C, T, resp, None, hard_sums=hs), mem.moments(C, T, resp, None, hs)
+            assert rel(a.N, b.N) <= TOL and rel(a.S, b.S) <= TOL
+            assert rel([a.free_energy, a.hard_distortion, a.soft_distortion],
+                       [b.free_energy, b.hard_distortion, b.soft_distortion]) <= TOL
+            assert a.rows == b.rows == 6000
+            if hs:
+                assert rel(a.hard_sums, b.hard_sums) <= TOL
+        logp = np.log(np.arange(1, 7) / 21.0)
+        assert rel(src.moments(C, 1.0, 0, logp).S, mem.moments(C, 1.0, 0, logp).S) <= TOL
+        assert rel(src.mean(), mem.mean()) <= TOL
+        np.testing.assert_array_equal(src.labels(C), mem.assign(C)[0])
+        ea = src.cluster_top_eigenvalues(C, 30, np.random.default_rng(5))
+        eb = mem.cluster_top_eigenvalues(C, 30, np.random.default_rng(5))
+        assert rel(ea, eb) <= TOL
+        for n in (50, 6000, 10 ** 6):
+            xa, wa = src.sample(n, np.random.default_rng(7))
+            xb, wb = mem.sample(n, np.random.default_rng(7))
+            np.testing.assert_array_equal(xa, xb)
+            np.testing.assert_array_equal(wa, wb)
+        from fastanneal.estimator import _n_distinct_rows
+        assert src.n_distinct_rows(np.random.default_rng(9), 10 ** 9) == \
+            _n_distinct_rows(Xm, np.random.default_rng(9), 10 ** 9)
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("chunks", CHUNKINGS[:3], ids=["even", "ragged+empty", "one"])
+def test_fit_matches_in_memory(client, data, chunks):
+    X, y = data
+    C0 = seeds_one_per_blob(X, y, 6)
+    kw = dict(init=C0, temperature_start=4.0, random_state=0)
+    mem = fa.AnnealedKMeans(6, **kw).fit(X)
+    dsk = fa.AnnealedKMeans(6, scheduler=client, **kw).fit(da.from_array(X, chunks=(chunks, -1)))
+    assert rel(dsk.cluster_centers_, mem.cluster_centers_) <= TOL
+    assert dsk.inertia_ == pytest.approx(mem.inertia_, rel=TOL)
+    assert dsk.free_energy_ == pytest.approx(mem.free_energy_, rel=TOL)
+    assert dsk.critical_temperature_ == pytest.approx(mem.critical_temperature_, rel=1e-3)
+    np.testing.assert_array_equal(dsk.labels_, mem.labels_)
+    assert dsk.n_iter_ == mem.n_iter_
+    assert rel(dsk.trace_["hard_distortion"], mem.trace_["hard_distortion"]) <= TOL
+
+
+def test_default_pipeline_matches_in_memory(client, data, monkeypatch):
+    """k-means++ seeding from ``source.sample`` and T_start="auto": the Dask fit equals the
+    in-memory fit when both draw the same numbers from the generator. The in-memory fit
+    draws a projection for its distinct-rows check; the Dask fit draws the same one only
+    when the estimator asks ``source.n_distinct_rows`` -- otherwise the partitions must still
+    agree on these separated blobs."""
+    X, y = data
+    calls = []
+    orig = DaskSource.n_distinct_rows
+
+    def spy(self, rng, cap):
+        calls.append(cap)
+        return orig(self, rng, cap)
+    monkeypatch.setattr(DaskSource, "n_distinct_rows", spy)
+    mem = fa.AnnealedKMeans(6, random_state=1).fit(X)
+    dsk = fa.AnnealedKMeans(6, random_state=1, scheduler=client).fit(
+        da.from_array(X, chunks=((700, 0, 2300, 3000), -1)))
+    assert ari(dsk.labels_, mem.labels_) == 1.0
+    if calls:
+        assert rel(dsk.cluster_centers_, mem.cluster_centers_) <= TOL
+        assert dsk.temperature_start_ == pytest.approx(mem.temperature_start_, rel=TOL)
+
+
+def test_fitted_attributes_are_numpy_and_pickle(client, data):
+    X, y = data
+    est = fa.AnnealedKMeans(6, random_state=0, scheduler=client, n_steps=5)
+    est.fit(da.from_array(X.astype(np.float32), chunks=(1500, -1)))
+    assert est.cluster_centers_.dtype == np.float32
+    for name, v in vars(est).items():
+        if name.endswith("_") and not name.startswith("_"):
+            assert not hasattr(v, "dask"), name
+    assert isinstance(est.labels_, np.ndarray) and est.labels_.shape == (6000,)
+    assert est.n_features_in_ == 8
+    est.scheduler = None          # a live Client is not part of the fitted state
+    est2 = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(est2.predict(X[:100].astype(np.float32)), est.labels_[:100])
+    assert ari(est.labels_, y) == 1.0
+
+
+def test_scheduler_address_default_client_and_embedded(client, data):
+    X, y = data
+    Xd = da.from_array(X, chunks=(2000, -1))
+    C0 = seeds_one_per_blob(X, y, 6)
+    kw = dict(init=C0, temperature_start=4.0, random_state=0, n_steps=4)
+    a = fa.AnnealedKMeans(6, scheduler=client.scheduler.address, **kw).fit(Xd)
+    with client.as_current():
+        b = fa.AnnealedKMeans(6, **kw).fit(Xd)
+    c = fa.AnnealedKMeans(6, **kw).fit(Xd)    # embedded LocalCluster, closed after fit
+    assert rel(a.cluster_centers_, b.cluster_centers_) <= TOL
+    assert rel(c.cluster_centers_, b.cluster_centers_) <= TOL
+    with pytest.raises(ValueError):
+        distributed.default_client()
+
+
+def test_numpy_with_backend_dask(client, data):
+    X, y = data
+    C0 = seeds_one_per_blob(X, y, 6)
+    kw = dict(init=C0, temperature_start=4.0, random_state=0, n_steps=4)
+    a = fa.AnnealedKMeans(6, backend="dask", scheduler=client, **kw).fit(X)
+    b = fa.AnnealedKMeans(6, **kw).fit(X)
+    assert rel(a.cluster_centers_, b.cluster_centers_) <= TOL
+
+
+# ------------------------------------------------------------------------------- errors
+def test_nan_chunk_names_rows(client, data):
+    X, _ = data
+    Xb = X.copy()
+    Xb[3456, 2] = np.nan
+    Xd = da.from_array(Xb, chunks=(1000, -1))
+    with pytest.raises(ValueError, match=r"NaN in chunk 3 \(rows 3000-3999\); first at row "
+                                         r"3456, column 2"):
+        fa.AnnealedKMeans(6, scheduler=client).fit(Xd)
+    Xb[3456, 2] = np.inf
+    with pytest.raises(ValueError, match=r"infinity in chunk 3 \(rows 3000-3999\)"):
+        fa.AnnealedKMeans(6, scheduler=client).fit(da.from_array(Xb, chunks=(1000, -1)))
+
+
+def test_cosine_zero_row_and_weight_errors(client, data):
+    X, _ = data
+    Xb = X.copy()
+    Xb[1500] = 0.0
+    with pytest.raises(ValueError, match=r"all-zero row in chunk 1 \(rows 1000-1999\) "
+                                         r"\(row 1500\)"):
+        fa.AnnealedKMeans(6, metric="cosine", scheduler=client).fit(
+            da.from_array(Xb, chunks=(1000, -1)))
+    w = np.ones(6000)
+    w[4321] = -1.0
+    with pytest.raises(ValueError, match=r"negative weights in chunk 4 .*row 4321"):
+        fa.AnnealedKMeans(6, scheduler=client).fit(da.from_array(X, chunks=(1000, -1)),
+                                                   sample_weight=w)
+    with pytest.raises(ValueError, match="n_samples=6000 should be >= n_clusters=7000"):
+        fa.AnnealedKMeans(7000, scheduler=client).fit(da.from_array(X, chunks=(1000, -1)))
+
+
+def test_nan_chunk_writes_nothing(client, data, tmp_path):
+    X, _ = data
+    Xb = X.copy()
+    Xb[5001, 0] = np.nan
+    out = tmp_path / "labels"
+    with pytest.raises(ValueError, match=r"chunk 5 \(rows 5000-5999\); first at row 5001"):
+        write_labels(da.from_array(Xb, chunks=(1000, -1)), X[:6], out, scheduler=client)
+    with pytest.raises(ValueError, match=r"chunk 5 \(rows 5000-5999\)"):
+        MiniBatchAnnealer(6, random_state=0, scheduler=client, n_steps=3).fit(
+            da.from_array(Xb, chunks=(1000, -1)), labels_path=out)
+    assert list(tmp_path.iterdir()) == []          # no folder, no temporary left behind
+
+
+# ------------------------------------------------------------------------------- Parquet
+def _write_parquet(path, X, kind, weights=None, ids=None, row_group_size=700):
+    n, D = X.shape
+    flat = pa.array(X.reshape(-1))
+    if kind == "fixed":
+        emb = pa.FixedSizeListArray.from_arrays(flat, D)
+    else:
+        emb = pa.ListArray.from_arrays(pa.array(np.arange(0, n * D + 1, D, dtype=np.int32)), flat)
+    cols = {"embedding": emb}
+    if weights is not None:
+        cols["w"] = pa.array(weights)
+    if ids is not None:
+        cols["doc_id"] = pa.array(ids)
+    pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "list"])
+def test_read_parquet_embeddings(tmp_path, data, kind):
+    X, _ = data
+    X32 = X.astype(np.float32)
+    w = np.random.default_rng(1).uniform(0.1, 3.0, X.shape[0])
+    ids = np.array([f"doc-{i}" for i in range(X.shape[0])], dtype=object)
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    _write_parquet(folder / "a.parquet", X32[:2500], kind, w[:2500], ids[:2500])
+    _write_parquet(folder / "b.parquet", X32[2500:], kind, w[2500:], ids[2500:])
+    (folder / "_SUCCESS").write_text("")
+    Xd, wd, idd = read_parquet_embeddings(folder, weight="w", id="doc_id")
+    assert Xd.dtype == np.float32 and Xd.shape == X.shape
+    assert Xd.chunks[0][:4] == (700, 700, 700, 400)          # one chunk per row group
+    np.testing.assert_array_equal(Xd.compute(), X32)
+    np.testing.assert_array_equal(wd.compute(), w)
+    assert list(idd.compute()) == list(ids)
+    Xd2, wd2, idd2 = read_parquet_embeddings(folder / "a.parquet", rows_per_chunk=1500,
+                                             dtype=np.float64)
+    assert Xd2.chunks[0] == (1400, 1100) and Xd2.dtype == np.float64
+    assert wd2 is None and idd2 is None
+    with pytest.raises(ValueError, match=r"column 'vec' not found .*available columns: "
+                                         r"\['embedding', 'w', 'doc_id'\]"):
+        read_parquet_embeddings(folder, column="vec")
+    with pytest.raises(ValueError, match="weight column 'weight' not found"):
+        read_parquet_embeddings(folder, weight="weight")
+    with pytest.raises(ValueError, match="must be a fixed-size list or a list"):
+        read_parquet_embeddings(folder, column="w")
+    with pytest.raises(FileNotFoundError):
+        read_parquet_embeddings(tmp_path / "nothing-here")
+
+
+def test_parquet_ragged_list_error(tmp_path):
+    emb = pa.array([[1.0, 2.0], [3.0, 4.0], [5.0], [6.0, 7.0]], pa.list_(pa.float32()))
+    pq.write_table(pa.table({"embedding": emb}), tmp_path / "r.parquet")
+    Xd = read_parquet_embeddings(tmp_path / "r.parquet").X
+    with pytest.raises(ValueError, match="embedding of length 1 in r.parquet row groups 0-0, "
+                                         "row 2; expected 2"):
+        Xd.compute()
+
+
+def test_fit_from_parquet_and_dataframe(client, data, tmp_path):
+    X, y = data
+    _write_parquet(tmp_path / "x.parquet", X, "fixed", row_group_size=1000)
+    C0 = seeds_one_per_blob(X, y, 6)
+    kw = dict(init=C0, temperature_start=4.0, random_state=0, n_steps=4)
+    mem = fa.AnnealedKMeans(6, **kw).fit(X)
+    a = fa.AnnealedKMeans(6, backend="dask", scheduler=client, **kw).fit(
+        str(tmp_path / "x.parquet"))
+    assert rel(a.cluster_centers_, mem.cluster_centers_) <= TOL
+    dd = pytest.importorskip("dask.dataframe")
+    df = dd.read_parquet(str(tmp_path / "x.parquet"))
+    b = fa.AnnealedKMeans(6, backend="dask", scheduler=client, **kw).fit(df)
+    assert rel(b.cluster_centers_, mem.cluster_centers_) <= TOL
+    np.testing.assert_array_equal(b.labels_, mem.labels_)
+
+
+# ------------------------------------------------------------------------------- mini-batch
+@pytest.fixture(scope="module")
+def big_blobs():
+    return blobs(30000, 8, 16, seed=4, sep=3.0)
+
+
+def test_minibatch_close_to_full_batch(client, big_blobs, tmp_path):
+    X, y = big_blobs
+    full = fa.AnnealedKMeans(8, random_state=0).fit(X)
+    ids = np.arange(X.shape[0]) * 7 + 3
+    mb = MiniBatchAnnealer(8, random_state=0, scheduler=client, init_size=5000).fit(
+        da.from_array(X, chunks=(1500, -1)), ids=da.from_array(ids, chunks=1500),
+        labels_path=tmp_path / "labels")
+    assert isinstance(mb.cluster_centers_, np.ndarray) and mb.cluster_centers_.shape == (8, 16)
+    assert mb.inertia_ <= 1.01 * full.inertia_
+    assert mb.n_batches_ >= mb.n_steps_ == 20
+    assert 0 < mb.rows_seen_ <= 2 * X.shape[0]
+    # ``J`` of the final centers: the certificate holds at the final temperature
+    W = X.shape[0]
+    assert 0 <= mb.inertia_ - mb.free_energy_ <= mb.temperature_ * W * np.log(8) * (1 + 1e-9)
+    # streaming writer: every row once, ids preserved, labels == predict
+    assert sorted(os.listdir(tmp_path)) == ["labels"]
+    tab = pq.read_table(tmp_path / "labels")
+    assert len(os.listdir(tmp_path / "labels")) == 20          # one file per chunk
+    assert tab.num_rows == X.shape[0]
+    tab = tab.sort_by("row")
+    np.testing.assert_array_equal(tab.column("row").to_numpy(), np.arange(X.shape[0]))
+    np.testing.assert_array_equal(tab.column("id").to_numpy(), ids)
+    labels = tab.column("label").to_numpy()
+    np.testing.assert_array_equal(labels, mb.predict(X))
+    assert ari(labels, full.labels_) >= 0.95
+    assert ari(labels, y) >= 0.95
+    lazy = mb.predict(da.from_array(X, chunks=(4000, -1)))
+    assert hasattr(lazy, "dask")
+    np.testing.assert_array_equal(lazy.compute(), labels)
+    mb.scheduler = client
+    mb2 = pickle.loads(pickle.dumps(mb))
+    assert mb2.scheduler is None
+    np.testing.assert_array_equal(mb2.cluster_centers_, mb.cluster_centers_)
+
+
+def test_minibatch_from_parquet_with_ids(client, big_blobs, tmp_path):
+    X, y = big_blobs
+    X32 = X[:12000].astype(np.float32)
+    ids = np.array([f"r{i}" for i in range(X32.shape[0])], dtype=object)
+    _write_parquet(tmp_path / "d.parquet", X32, "list", ids=ids, row_group_size=1000)
+    mb = MiniBatchAnnealer(8, random_state=0, scheduler=client, batch_size=2000, n_steps=8,
+                           polish_passes=0, init_size=3000).fit(
+        read_parquet_embeddings(tmp_path / "d.parquet", id="doc_id"),
+        labels_path=tmp_path / "out")
+    assert mb.batch_chunks_ == 2 and mb.cluster_centers_.dtype == np.float32
+    tab = pq.read_table(tmp_path / "out").sort_by("row")
+    assert tab.num_rows == 12000
+    assert tab.column("id").to_pylist() == list(ids)
+    assert ari(tab.column("label").to_numpy(), y[:12000]) >= 0.95
+    with pytest.raises(FileExistsError):
+        write_labels(tmp_path / "d.parquet", mb.cluster_centers_, tmp_path / "out",
+                     scheduler=client)
+    res = write_labels(tmp_path / "d.parquet", mb.cluster_centers_, tmp_path / "out",
+                       scheduler=client, overwrite=True)
+    assert res["rows"] == 12000 and res["inertia"] == pytest.approx(mb.inertia_, rel=1e-6)
+    assert sorted(os.listdir(tmp_path)) == ["d.parquet", "out"]
+
+
+def test_partial_fit_loop(big_blobs):
+    X, y = big_blobs
+    est = fa.AnnealedKMeans(8, random_state=0, n_steps=10)
+    batches = np.array_split(np.arange(X.shape[0]), 30)
+    state = start_partial_fit(est, X[batches[0]])
+    temps = []
+    for b in batches:
+        partial_fit_update(state, X[b])
+        temps.append(state.temperature)
+    state.apply_to(est)
+    assert np.all(np.diff(temps[:10]) < 0) and len(set(temps[9:])) == 1
+    assert temps[-1] == pytest.approx(state.T_start * 0.05)
+    assert est.n_steps_ == 30 and len(est.trace_) == 30
+    assert ari(est.predict(X), y) >= 0.95
+    assert est.cluster_weights_.sum() == pytest.approx(1.0)
+    # the step-size rule
+    assert state.step_size(0) == 1.0
+    assert state.step_size(5) == pytest.approx((5 + 1.0) ** -0.6)
+    est2 = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(est2.predict(X[:50]), est.predict(X[:50]))
+    s2 = pickle.loads(pickle.dumps(state))
+    partial_fit_update(s2, X[:500], T=0.1)
+    assert s2.t == 31 and s2.temperature == 0.1
+    with pytest.raises(ValueError, match="at least n_clusters=8"):
+        start_partial_fit(est, X[:5])
+    with pytest.raises(ValueError, match="learning_decay"):
+        est.set_params(schedule="geometric")
+        est.learning_decay = 0.4
+        start_partial_fit(est, X[:100])
+
+
+# ------------------------------------------------------------------------------- faults
+def test_worker_sigkill_mid_fit(client, monkeypatch):
+    X, y = blobs(24000, 6, 16, seed=8)
+    Xd = da.from_array(X, chunks=(2000, -1))
+    C0 = seeds_one_per_blob(X, y, 6)
+    kw = dict(init=C0, temperature_start=8.0, random_state=0, n_steps=12, scheduler=client)
+    ref = fa.AnnealedKMeans(6, **kw).fit(Xd)
+    pids = client.run(os.getpid)
+    victim = sorted(pids.values())[0]
+    calls = {"n": 0}
+    killed = threading.Event()
+    orig = DaskSource.moments
+
+    def killer():
+        time.sleep(0.02)
+        os.kill(victim, signal.SIGKILL)
+        killed.set()
+
+    def moments(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            threading.Thread(target=killer, daemon=True).start()
+        return orig(self, *a, **k)
+    monkeypatch.setattr(DaskSource, "moments", moments)
+    est = fa.AnnealedKMeans(6, **kw).fit(Xd)
+    assert killed.is_set() and calls["n"] > 8
+    client.wait_for_workers(2, timeout=60)
+    assert victim not in client.run(os.getpid).values()       # the worker was replaced
+    np.testing.assert_array_equal(est.cluster_centers_, ref.cluster_centers_)
+    np.testing.assert_array_equal(est.labels_, ref.labels_)
+    assert est.inertia_ == ref.inertia_
