@@ -489,21 +489,42 @@ def accum_dense_kernel(G, X, r0, m, rows_per_split, flush_tiles, S, N):
     do_n = cuda.blockIdx.x == 0 and tid < BK      # BK <= nt since bx >= MICRO_A
     nacc = 0.0
     tiles = 0
+    # (row, column) of this thread's first element in the G and X tiles, and the step of
+    # nt elements, split once: no integer division by the runtime tile widths in the loop
+    # (64-bit division there cost more than the FMAs)
+    g_r0 = tid // BK
+    g_c0 = tid - g_r0 * BK
+    g_dr = nt // BK
+    g_dc = nt - g_dr * BK
+    x_r0 = tid // BD
+    x_c0 = tid - x_r0 * BD
+    x_dr = nt // BD
+    x_dc = nt - x_dr * BD
     for ib in range(i_start, i_end, TILE_A):
-        for idx in range(tid, TILE_A * BK, nt):
-            rr = idx // BK
-            c = idx - rr * BK
+        rr = g_r0
+        c = g_c0
+        while rr < TILE_A:
             v = 0.0
             if ib + rr < i_end and k0 + c < K:
                 v = G[uint64(ib + rr), uint64(k0 + c)]
             sh[uint32(rr * PK + c)] = v
-        for idx in range(tid, TILE_A * BD, nt):
-            rr = idx // BD
-            c = idx - rr * BD
+            rr += g_dr
+            c += g_dc
+            if c >= BK:
+                c -= BK
+                rr += 1
+        rr = x_r0
+        c = x_c0
+        while rr < TILE_A:
             v = 0.0
             if ib + rr < i_end and j0 + c < D:
                 v = X[uint64(r0 + ib + rr), uint64(j0 + c)]
             sh[uint32(OX + rr * BD + c)] = v
+            rr += x_dr
+            c += x_dc
+            if c >= BD:
+                c -= BD
+                rr += 1
         cuda.syncthreads()
         if do_n:
             for rr in range(TILE_A):
