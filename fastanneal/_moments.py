@@ -34,6 +34,9 @@ def blas_single_thread():
     if _controller is None:
         with _blas_lock:
             if _controller is None:
+                # Numba's np.dot calls scipy's BLAS, which is loaded lazily: load it before
+                # the controller takes its snapshot of the loaded libraries, or it is missed.
+                import scipy.linalg.cython_blas  # noqa: F401
                 from threadpoolctl import ThreadpoolController
                 _controller = ThreadpoolController()
     return _controller.limit(limits=1, user_api="blas")
