@@ -24,6 +24,11 @@ Each section runs in its own try/except; the JSON (``--out``, else $GPU_CHECK_OU
 benchmarks/results/gpu_check.json) records results, errors and an overall PASS/FAIL.
 ``--tiny`` shrinks every size (seconds under the simulator); ``--sim`` sets
 NUMBA_ENABLE_CUDASIM=1 (with ``--tiny``: the logic test used by the test suite).
+
+Measured on one H200 (numba 0.68.0, NumPy 2.5; see fastanneal/cuda/_kernels.py for the
+breakdown): correctness PASS (GPU errors at or below the CPU float32 kernel's); seconds per
+pass K=256: 0.065 dense softmax, 0.045 low-T softmax, 0.074 entmax15 (cuBLAS GEMM 4.1 ms);
+K=1024: 0.19, 0.10, 0.15 (GEMM 16 ms). The whole script ran in about 70 s.
 """
 import argparse
 import json
