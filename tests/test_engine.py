@@ -1,0 +1,347 @@
+"""The annealing engine against independent oracles (THEORY.md sections 1-4, 6).
+
+Oracles are plain float64 NumPy (distances from explicit differences, log-domain softmax over
+all entries, entmax-1.5 by bisection on tau) and ``numpy.linalg.eigvalsh``; nothing here
+reuses package code to compute an expected value. Every test draws fresh data from the
+``rng`` fixture (its seed is printed on failure).
+"""
+import math
+import warnings
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose, assert_array_equal
+
+import fastanneal
+from fastanneal import AnnealedKMeans, AnnealingWarning
+
+
+# ----------------------------------------------------------------------------- oracles
+def sqdist(X, C):
+    diff = np.asarray(X, np.float64)[:, None, :] - np.asarray(C, np.float64)[None, :, :]
+    return np.einsum("ikj,ikj->ik", diff, diff)
+
+
+def lse_rows(Z):
+    m = Z.max(axis=1, keepdims=True)
+    return (m + np.log(np.exp(Z - m).sum(axis=1, keepdims=True)))[:, 0]
+
+
+def softmax_np(X, C, T, log_prior=None):
+    """(r, per-row LSE, d) with ``r = softmax(log p - d / T)`` over all entries."""
+    d = sqdist(X, C)
+    Z = -d / T
+    if log_prior is not None:
+        Z = Z + log_prior[None, :]
+    L = lse_rows(Z)
+    return np.exp(Z - L[:, None]), L, d
+
+
+def free_energy_np(X, w, C, T, log_prior=None):
+    _, L, _ = softmax_np(X, C, T, log_prior)
+    return -T * float(w @ L)
+
+
+def entmax15_np(Z):
+    """entmax-1.5 rows by bisection on tau: ``p = [z/2 - tau]_+^2`` summing to 1."""
+    Zh = Z / 2.0 - (Z / 2.0).max(axis=1, keepdims=True)
+    lo = np.full(Z.shape[0], -1.0)                 # sum >= 1 at tau = max - 1
+    hi = np.zeros(Z.shape[0])                      # sum = 0 at tau = max
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        f = (np.maximum(Zh - mid[:, None], 0.0) ** 2).sum(axis=1)
+        lo = np.where(f >= 1.0, mid, lo)
+        hi = np.where(f >= 1.0, hi, mid)
+    P = np.maximum(Zh - lo[:, None], 0.0) ** 2
+    return P / P.sum(axis=1, keepdims=True)
+
+
+def entmax_free_energy_np(X, w, C, T):
+    d = sqdist(X, C)
+    P = entmax15_np(-d / T)
+    H = (4.0 / 3.0) * (1.0 - (P ** 1.5).sum(axis=1))
+    return float(w @ ((P * d).sum(axis=1) - T * H))
+
+
+def weighted_cov(X, w):
+    mu = (w @ X) / w.sum()
+    Xc = X - mu
+    return (Xc * w[:, None]).T @ Xc / w.sum(), mu
+
+
+def spread(C):
+    """Largest pairwise distance between centers."""
+    return math.sqrt(sqdist(C, C).max())
+
+
+def anisotropic(rng, n=1500, scales=(3.0, 1.2, 1.0, 0.8)):
+    """Rotated anisotropic Gaussian (clear top eigenvalue ~ 9 vs ~ 1.4) with random weights."""
+    D = len(scales)
+    Q, _ = np.linalg.qr(rng.standard_normal((D, D)))
+    X = (rng.standard_normal((n, D)) * np.asarray(scales)) @ Q.T + rng.normal(0.0, 5.0, D)
+    w = rng.uniform(0.5, 2.0, n)
+    return X, w
+
+
+@pytest.fixture
+def one_thread():
+    """Run the Numba kernels on one thread: the iterative tests below make thousands of tiny
+    kernel calls, and an OpenMP parallel region costs milliseconds on a busy 2-core machine."""
+    import numba
+    old = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(old)
+
+
+def blobs(rng, K=4, D=3, n_per=150, sep=6.0, std=1.0):
+    centers = rng.standard_normal((K, D)) * sep
+    X = np.concatenate([c + std * rng.standard_normal((n_per, D)) for c in centers])
+    perm = rng.permutation(len(X))
+    return X[perm], np.repeat(np.arange(K), n_per)[perm]
+
+
+# ----------------------------------------------------------------------------- section 2
+def test_critical_temperature_matches_eigvalsh(rng):
+    X, w = anisotropic(rng)
+    cov, _ = weighted_cov(X, w)
+    lam = np.linalg.eigvalsh(cov)
+    assert lam[-1] > 3 * lam[-2]            # the premise: a clear top eigenvalue
+    km = AnnealedKMeans(n_clusters=3, random_state=0, n_steps=3).fit(X, sample_weight=w)
+    assert km.critical_temperature_ == pytest.approx(2.0 * lam[-1], rel=1e-3)
+
+
+@pytest.mark.parametrize("factor, collapsed", [(1.02, True), (0.98, False)])
+def test_soft_lloyd_collapses_above_and_splits_below_Tc(rng, one_thread, factor, collapsed):
+    """From ``mean + 1e-3 noise``, soft Lloyd (one step = finalize of the moments) stays
+    collapsed at ``1.02 T_c`` and splits along the top eigenvector at ``0.98 T_c``."""
+    X, w = anisotropic(rng, n=600)
+    cov, mu = weighted_cov(X, w)
+    lam, V = np.linalg.eigh(cov)
+    Tc = 2.0 * lam[-1]
+    C = mu + 1e-3 * math.sqrt(lam[-1]) * rng.standard_normal((2, X.shape[1]))
+    s0 = spread(C)
+    # linear rate 2 lambda / T = 1 / factor per step: 0.98^1000 ~ 2e-9, 1.02^350 ~ 1e3
+    for _ in range(1000):
+        C = fastanneal.moments(X, C, factor * Tc, weights=w, hard_sums=False).finalize().centers
+    # the weighted mean of the centers is the data mean at every step
+    if collapsed:
+        assert spread(C) < 1e-3 * s0
+        assert_allclose(C, np.repeat(mu[None], 2, axis=0), atol=1e-6 * math.sqrt(lam[-1]))
+    else:
+        # pitchfork amplitude ~ 2 sigma sqrt(0.02) ~ 0.28 sigma for Gaussian data
+        assert spread(C) > 0.1 * math.sqrt(lam[-1])
+        u = (C[0] - C[1]) / np.linalg.norm(C[0] - C[1])
+        assert abs(u @ V[:, -1]) > 0.99
+
+
+def test_estimator_constant_schedule_around_Tc(rng, one_thread):
+    """Same oracle through AnnealedKMeans (schedule="constant", polish=False); the fixed
+    start above T_c warns, the one below does not."""
+    X, w = anisotropic(rng, n=600)
+    cov, mu = weighted_cov(X, w)
+    lam = np.linalg.eigvalsh(cov)[-1]
+    scale = float(np.trace(cov))
+    Tc = 2.0 * lam
+    C0 = mu + 1e-3 * math.sqrt(lam) * rng.standard_normal((2, X.shape[1]))
+    common = dict(n_clusters=2, schedule="constant", n_steps=1, init=C0, polish=False,
+                  max_iter=1000, tol=0.0, random_state=0)
+    with pytest.warns(AnnealingWarning, match="critical temperature"):
+        hot = AnnealedKMeans(temperature_start=1.02 * Tc, **common).fit(X, sample_weight=w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AnnealingWarning)
+        cold = AnnealedKMeans(temperature_start=0.98 * Tc, **common).fit(X, sample_weight=w)
+    # collapsed: only the engine's duplicate nudge (1e-3 sqrt(scale)) separates the centers
+    assert 0 < spread(hot.cluster_centers_) <= 2.5e-3 * math.sqrt(scale)
+    assert spread(cold.cluster_centers_) > 0.1 * math.sqrt(lam)
+
+
+def test_critical_schedule_splits_just_below_Tc(rng):
+    """schedule="critical" starts at 1.02 T_c with one effective cluster and cools by 0.85:
+    on data with a clear top eigenvalue the first cluster must split at the first or second
+    temperature below T_c (0.867 T_c or 0.737 T_c), as THEORY.md section 2 and the engine's
+    docstring ("a pair whose members moved apart has passed its cluster's critical
+    temperature") describe."""
+    X, w = anisotropic(rng, n=2000)
+    km = AnnealedKMeans(n_clusters=4, schedule="critical", random_state=0).fit(X, sample_weight=w)
+    d = km.trace_.as_dict()
+    Tc = km.critical_temperature_
+    annealing = d["temperature"] > 0
+    T = d["temperature"][annealing]
+    split = d["n_distinct"][annealing] >= 2
+    assert T[0] == pytest.approx(1.02 * Tc, rel=1e-12)
+    assert split.any()
+    first = T[np.argmax(split)]
+    assert first >= 0.7 * Tc, (
+        f"first split at T = {first / Tc:.3f} T_c; T / T_c by step: "
+        f"{np.round(T / Tc, 3).tolist()}, n_distinct: {d['n_distinct'][annealing].tolist()}")
+
+
+# ----------------------------------------------------------------------------- section 1
+@pytest.mark.parametrize("mode", ["softmax", "mass_constrained", "entmax15"])
+def test_free_energy_never_increases_at_fixed_T(rng, one_thread, mode):
+    """Soft Lloyd at fixed T is alternating minimization: F_T is monotone non-increasing.
+    With a prior, EM with ``p <- N / W`` also never increases F (it is EM on the fixed-variance
+    mixture likelihood); entmax-1.5 minimizes ``sum r d - T H_1.5`` the same way."""
+    X, _ = blobs(rng, K=3, D=3, n_per=200, sep=2.5)
+    w = rng.uniform(0.2, 3.0, len(X))
+    cov, _ = weighted_cov(X, w)
+    T = 0.3 * 2.0 * np.linalg.eigvalsh(cov)[-1]
+    K = 5
+    C = X[rng.choice(len(X), K, replace=False)]
+    logp = np.log(rng.dirichlet(np.ones(K))) if mode == "mass_constrained" else None
+    resp = "entmax15" if mode == "entmax15" else "softmax"
+    F = []
+    for _ in range(60):
+        m = fastanneal.moments(X, C, T, weights=w, responsibilities=resp, log_prior=logp,
+                               hard_sums=False)
+        if resp == "entmax15":
+            F_ref = entmax_free_energy_np(X, w, C, T)
+        else:
+            F_ref = free_energy_np(X, w, C, T, logp)
+        assert m.free_energy == pytest.approx(F_ref, rel=1e-10)
+        F.append(F_ref)
+        C = m.finalize().centers
+        if logp is not None:
+            logp = np.log(m.N / m.weight)
+    F = np.asarray(F)
+    assert np.all(np.diff(F) <= 1e-12 * np.abs(F[:-1])), np.diff(F).max()
+    assert F[-1] < F[0]
+
+
+@pytest.mark.parametrize("with_prior", [False, True])
+def test_soft_step_is_preconditioned_gradient_step(rng, with_prior):
+    """One soft-Lloyd step equals ``c - grad F / (2 N)``, ``grad_k F = 2 sum w r_ik (c_k - x_i)``;
+    the gradient formula itself is checked against central differences of F (NumPy)."""
+    X, _ = blobs(rng, K=3, D=3, n_per=80, sep=3.0)
+    n, D = X.shape
+    w = rng.uniform(0.2, 3.0, n)
+    K = 4
+    C = X[rng.choice(n, K, replace=False)] + 0.1 * rng.standard_normal((K, D))
+    cov, _ = weighted_cov(X, w)
+    scale = float(np.trace(cov))
+    T = 0.2 * scale
+    logp = np.log(rng.dirichlet(np.ones(K))) if with_prior else None
+    R, _, _ = softmax_np(X, C, T, logp)
+    Rw = R * w[:, None]
+    N = Rw.sum(axis=0)
+    grad = 2.0 * (N[:, None] * C - Rw.T @ X)
+    expected = C - grad / (2.0 * N[:, None])
+    got = fastanneal.moments(X, C, T, weights=w, log_prior=logp).finalize().centers
+    assert_allclose(got, expected, rtol=1e-10, atol=1e-10 * math.sqrt(scale))
+    # the gradient: central finite differences of the NumPy free energy
+    h = 1e-5 * math.sqrt(scale)
+    fd = np.empty_like(C)
+    for k in range(K):
+        for j in range(D):
+            Cp, Cm = C.copy(), C.copy()
+            Cp[k, j] += h
+            Cm[k, j] -= h
+            fd[k, j] = (free_energy_np(X, w, Cp, T, logp) - free_energy_np(X, w, Cm, T, logp)) / (2 * h)
+    assert_allclose(grad, fd, rtol=1e-5, atol=1e-6 * np.abs(grad).max())
+
+
+# ----------------------------------------------------------------------------- section 4
+def test_entmax_update_is_exact_at_a_lloyd_fixed_point(rng):
+    """At scikit-learn's converged Lloyd centers, ``T <= Delta_min / 2`` makes every entmax-1.5
+    responsibility one-hot: soft counts equal the hard counts exactly and the update returns the
+    same centers up to float summation order (<= 1e-12 relative; measured ~1e-15). Just above
+    the threshold the update moves (the oracle can fail)."""
+    from sklearn.cluster import KMeans
+    K = 4
+    X, _ = blobs(rng, K=K, D=3, n_per=150, sep=6.0)
+    w = rng.integers(1, 4, len(X)).astype(np.float64)    # integer weights: exact count sums
+    C0 = X[rng.choice(len(X), K, replace=False)]
+    km = KMeans(n_clusters=K, init=C0, n_init=1, algorithm="lloyd", tol=0.0,
+                max_iter=300).fit(X, sample_weight=w)
+    C = km.cluster_centers_
+    d = sqdist(X, C)
+    labels = np.argmin(d, axis=1)
+    assert_array_equal(labels, km.labels_)
+    ds = np.sort(d, axis=1)
+    dmin = float((ds[:, 1] - ds[:, 0]).min())
+    counts = np.bincount(labels, weights=w, minlength=K)
+    for T in (0.5 * dmin * (1 - 1e-6), 0.25 * dmin):
+        m = fastanneal.moments(X, C, T, weights=w, responsibilities="entmax15")
+        assert m.nnz == len(X)                              # every row exactly one-hot
+        assert_array_equal(m.N, counts)
+        err = np.abs(m.finalize().centers - C).max() / np.abs(C).max()
+        assert err <= 1e-12
+    m = fastanneal.moments(X, C, 0.6 * dmin, weights=w, responsibilities="entmax15")
+    assert m.nnz > len(X)
+    assert np.abs(m.finalize().centers - C).max() / np.abs(C).max() > 1e-9
+
+
+# ----------------------------------------------------------------------------- trace (section 6)
+def _check_trace(km, W, K, resp="softmax"):
+    tr = km.trace_
+    d = tr.as_dict()
+    n = len(tr)
+    assert n >= 2
+    assert all(isinstance(v, np.ndarray) and v.shape == (n,) for v in d.values())
+    table = tr.to_arrow()
+    import pyarrow as pa
+    assert isinstance(table, pa.Table)
+    assert table.num_rows == n and table.column_names == list(d)
+    assert_array_equal(table.column("hard_distortion").to_numpy(), d["hard_distortion"])
+    soft = d["temperature"] > 0
+    assert soft.sum() >= 1 and (~soft).sum() == 1          # one polish record at T = 0
+    J, F, T = d["hard_distortion"], d["free_energy"], d["temperature"]
+    gap = J - F
+    tol = 1e-9 * np.maximum(np.abs(J), 1.0)
+    if resp == "entmax15":
+        bound = (4.0 / 3.0) * T * W * (1.0 - K ** -0.5)
+    else:
+        bound = T * W * math.log(K)
+    bad = ~((gap >= -tol) & (gap <= bound + tol))
+    assert not bad[soft].any(), (
+        f"certificate 0 <= J - F <= bound violated on records {np.nonzero(bad)[0]}: "
+        f"J - F = {gap[bad]}, bound = {bound[bad]}")
+    assert d["certificate_ok"].all()
+    assert np.all(d["entropy"] >= -1e-12) and np.all(d["entropy"] <= math.log(K) + 1e-12)
+    assert np.all(d["hardening_gap"] >= -tol)
+    assert np.all(np.diff(d["iteration"]) > 0)
+    assert np.all(np.diff(d["wall_time"]) >= 0)
+    # the final record is the polish: its J is the fitted inertia
+    assert J[-1] == pytest.approx(km.inertia_, rel=1e-9)
+
+
+@pytest.mark.parametrize("params", [
+    dict(),
+    dict(diagnostics="full", schedule="linear"),
+    dict(responsibilities="entmax15"),
+])
+def test_trace_columns_and_certificate(rng, params):
+    K = 4
+    X, _ = blobs(rng, K=K, D=3, n_per=100, sep=3.0)
+    w = rng.uniform(0.5, 2.0, len(X))
+    km = AnnealedKMeans(n_clusters=K, random_state=0, n_steps=6, **params).fit(X, sample_weight=w)
+    _check_trace(km, w.sum(), K, params.get("responsibilities", "softmax"))
+
+
+@pytest.mark.parametrize("params", [dict(mass_constrained=True), dict(schedule="critical")])
+def test_trace_certificate_with_mass_constrained_responsibilities(rng, params):
+    """The certificate of THEORY.md section 1 (``0 <= J - F_T <= T W log K``, the trace's
+    ``certificate_ok``) must hold on every record, also when the fit uses mass-constrained
+    responsibilities (``mass_constrained=True``, and the critical schedule where it is on)."""
+    K = 4
+    X, _ = blobs(rng, K=K, D=3, n_per=100, sep=3.0)
+    w = rng.uniform(0.5, 2.0, len(X))
+    km = AnnealedKMeans(n_clusters=K, random_state=0, n_steps=6, **params).fit(X, sample_weight=w)
+    _check_trace(km, w.sum(), K)
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.mark.parametrize("fn", ["assign", "pairwise_distances", "responsibilities"])
+def test_public_helpers_accept_float32_rows_with_float64_centers(rng, fn):
+    """``fastanneal.moments`` casts the centers to the rows' dtype; the other public helpers
+    must accept the same mixed input (float32 rows, float64 centers) instead of failing
+    inside Numba."""
+    X = rng.standard_normal((50, 3)).astype(np.float32)
+    C = rng.standard_normal((4, 3))
+    args = (X, C, 1.0) if fn == "responsibilities" else (X, C)
+    ref_args = (X, C.astype(np.float32), 1.0) if fn == "responsibilities" else (X, C.astype(np.float32))
+    out = getattr(fastanneal, fn)(*args)
+    ref = getattr(fastanneal, fn)(*ref_args)
+    for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+        assert_allclose(a, b, rtol=1e-6, atol=1e-6)
