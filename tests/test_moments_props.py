@@ -1,0 +1,143 @@
+"""Property tests (hypothesis) of the Moments algebra on random splits of random data.
+
+* merge of the records of any split of the rows (empty blocks included) == record of the whole
+  (and == the independent reference), norm-wise relative error <= 1e-12 in float64 (only the
+  association of the sums differs); ``rows`` and ``nnz`` exactly; ``min_margin`` to 1e-12 of
+  the largest distance (a row's GEMM distances may round differently in another block);
+* commutativity ``a + b == b + a`` bit for bit (IEEE addition and ``min`` commute);
+* associativity ``(a + b) + c == a + (b + c)`` within 1e-12 norm-wise;
+* ``Moments.zeros`` is a two-sided identity, bit for bit.
+
+Norm-wise relative error: ``||a - b||_2 / ||b||_2`` over all entries of an array; the scalar
+energies (D, T*H, F, J) are taken together as one vector (see ``test_kernels.py``).
+"""
+import functools
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import fastanneal as fa  # noqa: E402
+from fastanneal import Moments  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reference as ref  # noqa: E402
+
+FIELDS = ref.FIELDS + ("nnz",)
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=False)
+
+
+def rel_err(a, b):
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    nb = np.linalg.norm(b)
+    d = np.linalg.norm(a - b)
+    return d / nb if nb > 0 else d
+
+
+def energies(m, T):
+    return np.array([m["soft_distortion"], T * m["entropy"], m["free_energy"],
+                     m["hard_distortion"]])
+
+
+def as_dict(m):
+    return {f: getattr(m, f) for f in FIELDS}
+
+
+def assert_close(a, b, T, tol=1e-12, exact_extremes=True, dmax=None):
+    a = a if isinstance(a, dict) else as_dict(a)
+    b = b if isinstance(b, dict) else as_dict(b)
+    errs = {f: rel_err(a[f], b[f]) for f in ("N", "S", "hard_counts", "hard_sums", "weight",
+                                             "margin_sum")}
+    errs["energies"] = rel_err(energies(a, T), energies(b, T))
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, bad
+    assert a["rows"] == b["rows"]
+    if exact_extremes:
+        assert a["nnz"] == b["nnz"]
+    if dmax is not None:
+        if math.isinf(b["min_margin"]):
+            assert a["min_margin"] == math.inf
+        else:
+            assert abs(a["min_margin"] - b["min_margin"]) <= tol * dmax
+
+
+@st.composite
+def problems(draw):
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    n = draw(st.integers(0, 60))
+    K = draw(st.integers(1, 6))
+    D = draw(st.integers(1, 4))
+    resp = draw(st.sampled_from(["softmax", "entmax15", "hard"]))
+    metric = draw(st.sampled_from(["euclidean", "cosine"]))
+    weighted = draw(st.booleans())
+    tmult = draw(st.sampled_from([1e-2, 0.1, 1.0, 100.0]))
+    cuts = sorted(draw(st.lists(st.integers(0, n), min_size=0, max_size=6)))
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, D)) + rng.normal(size=D) * 2
+    X[:, 0] += 0.5 * np.sign(X[:, 0]) + (X[:, 0] == 0)     # no zero rows (cosine)
+    C = rng.normal(size=(K, D)) * 2
+    C[:, 0] += 0.5 * np.sign(C[:, 0]) + (C[:, 0] == 0)
+    w = rng.uniform(0.0, 2.0, n) if weighted else None
+    dist = ref.distances(X, C, metric) if n else np.ones((1, 1))
+    T = tmult * max(float(np.median(dist)), 1e-3)
+    bounds = [0] + cuts + [n]
+    blocks = list(zip(bounds[:-1], bounds[1:]))
+    return X, C, w, T, resp, metric, blocks
+
+
+def record(X, C, w, T, resp, metric, a=None, b=None):
+    sl = slice(a, b)
+    return fa.moments(X[sl], C, T, weights=None if w is None else w[sl], metric=metric,
+                      responsibilities=resp)
+
+
+@SETTINGS
+@given(problems())
+def test_merge_of_any_split_equals_whole(p):
+    X, C, w, T, resp, metric, blocks = p
+    whole = record(X, C, w, T, resp, metric)
+    parts = [record(X, C, w, T, resp, metric, a, b) for a, b in blocks]
+    merged = functools.reduce(Moments.merge, parts)
+    dmax = float(ref.distances(X, C, metric).max()) if len(X) else 1.0
+    assert_close(merged, whole, T, dmax=dmax)
+    assert_close(sum(parts), whole, T, dmax=dmax)
+    want = ref.moments(X, C, T, weights=w, metric=metric, responsibilities=resp)
+    want["nnz"] = merged.nnz
+    assert_close(merged, want, T, exact_extremes=False, dmax=dmax)
+
+
+@SETTINGS
+@given(problems(), st.randoms(use_true_random=False))
+def test_merge_commutative_and_associative(p, rnd):
+    X, C, w, T, resp, metric, blocks = p
+    n = X.shape[0]
+    i, j = sorted(rnd.randint(0, n) for _ in range(2))
+    a = record(X, C, w, T, resp, metric, 0, i)
+    b = record(X, C, w, T, resp, metric, i, j)
+    c = record(X, C, w, T, resp, metric, j, n)
+    for x, y in ((a, b), (b, c), (a, c)):
+        xy, yx = as_dict(x + y), as_dict(y + x)
+        for f in FIELDS:
+            assert np.array_equal(xy[f], yx[f]), f           # bit for bit
+    abc = a + (b + c)
+    for other in ((a + b) + c, (a + c) + b):
+        assert_close(other, abc, T)
+        assert other.min_margin == abc.min_margin        # min is exactly associative
+
+
+@SETTINGS
+@given(problems())
+def test_zeros_is_two_sided_identity(p):
+    X, C, w, T, resp, metric, blocks = p
+    m = record(X, C, w, T, resp, metric)
+    z = Moments.zeros(C.shape[0], C.shape[1], T, responsibilities=resp, metric=metric)
+    for r in (m + z, z + m, sum([z, m, z])):
+        for f in FIELDS:
+            assert np.array_equal(getattr(r, f), getattr(m, f)), f
+        assert (r.temperature, r.responsibilities, r.metric) == (T, resp, metric)
