@@ -96,10 +96,10 @@ def ctfidf_terms(texts, labels, n_clusters, weights=None, top_n=8, ngram_range=(
 
 def cluster_labels(texts, labels, n_clusters, weights=None, n_terms=3, top_n=8):
     """``(short_labels, term_lists)``: a short label of up to ``n_terms`` distinctive terms per
-    cluster ("pin / change pin / bank"), and the longer ``top_n`` term list as a string.
+    cluster ("change pin / bank / card"), and the longer ``top_n`` term list as a string.
 
-    A term already covered by a chosen bigram (or a bigram made of chosen unigrams) is
-    skipped so that labels do not repeat a word.
+    Labels do not repeat a word: a bigram replaces the chosen unigrams it contains ("pin" ->
+    "change pin"), and a term whose words are already used is skipped.
     """
     terms = ctfidf_terms(texts, labels, n_clusters, weights=weights, top_n=max(top_n, 3 * n_terms))
     short, longer = [], []
@@ -110,14 +110,17 @@ def cluster_labels(texts, labels, n_clusters, weights=None, n_terms=3, top_n=8):
             parts = t.split(" ")
             if all(p in words for p in parts):
                 continue
-            words.update(parts)
             if len(parts) > 1:
                 # a bigram replaces the unigrams it contains ("pin" -> "change pin")
                 inside = [i for i, c in enumerate(chosen) if c in parts]
                 if inside:
                     chosen[inside[0]] = t
                     chosen = [c for i, c in enumerate(chosen) if i not in inside[1:]]
+                    words.update(parts)
                     continue
+                if any(p in words for p in parts):
+                    continue          # would repeat a word of a chosen bigram
+            words.update(parts)
             if len(chosen) < n_terms:
                 chosen.append(t)
             if len(chosen) == n_terms:

@@ -198,6 +198,8 @@ def _fmt(v):
     if isinstance(v, float):
         if not math.isfinite(v):
             return ""
+        if v.is_integer() and abs(v) < 1e15:
+            return f"{int(v):,}"
         return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
     if isinstance(v, (int, np.integer)):
         return f"{v:,}"
