@@ -134,9 +134,83 @@ def entmax15_tau_bisect(v, n):
     return M - math.sqrt(q if q > 0.0 else 0.0)
 
 
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.6931471803691238        # fdlibm split of log(2)
+_LN2_LO = 1.9082149292705877e-10
+_MAGIC = 6755399441055744.0         # 2^52 + 2^51: adding it puts round(x) in the low bits
+_MAGIC_BITS = 0x4338000000000000
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
+def _softmax_row(G, i, logp, use_prior, T, log_eps, w, zmax, zrow, ybuf, ebits, ebuf, Nacc):
+    """Softmax of the distance row ``G[i]`` (logits ``log p_k - d_k / T - zmax <= 0``),
+    written back as ``w * r_ik``; returns ``(s, sum e d, sum e z, nnz)`` with ``e = exp(z)``.
+
+    ``exp`` is a branch-free Cody-Waite reduction with a degree-13 Taylor polynomial
+    (relative error < 2e-16 on [-60, 0]) assembled through integer views of scratch rows,
+    so every loop vectorises (``np.exp`` does not inside Numba). Entries with
+    ``z < log_eps`` are exact zeros. Only re-association flags are set: no ``nnan``/``ninf``.
+    """
+    K = G.shape[1]
+    invT = 1.0 / T
+    ybits = ybuf.view(np.int64)
+    for k in range(K):
+        z = -np.float64(G[i, k]) * invT - zmax
+        if use_prior:
+            z += logp[k]
+        zrow[k] = z
+        zc = z if z > -60.0 else -60.0
+        kf = np.floor(zc * _LOG2E + 0.5)
+        r = (zc - kf * _LN2_HI) - kf * _LN2_LO
+        p = 1.0 / 6227020800.0
+        p = p * r + 1.0 / 479001600.0
+        p = p * r + 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r + 1.0
+        p = p * r + 1.0
+        ebuf[k] = p
+        ybuf[k] = kf + _MAGIC
+    for k in range(K):
+        ebits[k] = (ybits[k] - _MAGIC_BITS + 1023) << 52
+    # ``ebits`` viewed as float64 is 2^kf
+    return _softmax_row_finish(G, i, log_eps, w, zrow, ebuf, ebits.view(np.float64), Nacc)
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
+def _softmax_row_finish(G, i, log_eps, w, zrow, ebuf, scale2, Nacc):
+    K = G.shape[1]
+    s = 0.0
+    sed = 0.0
+    sez = 0.0
+    nnz = 0
+    for k in range(K):
+        z = zrow[k]
+        keep = z >= log_eps
+        e = ebuf[k] * scale2[k] if keep else 0.0
+        nnz += 1 if keep else 0
+        s += e
+        sed += e * np.float64(G[i, k])
+        sez += e * z if keep else 0.0          # z may be -inf (log p_k = -inf)
+        ebuf[k] = e
+    sc = w / s
+    for k in range(K):
+        r = ebuf[k] * sc
+        G[i, k] = r
+        Nacc[k] += r
+    return s, sed, sez, nnz
+
+
 @njit(cache=True, nogil=True)
 def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max,
-                          Nacc):
+                          Nacc, scratch, ibits):
     """Turn the distance row ``G[i]`` into weighted responsibilities ``w * r_i`` in place,
     adding them to the soft counts ``Nacc`` (fused here to save a pass over the block).
 
@@ -155,45 +229,24 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
             kmin = k
         elif d < d2:
             d2 = d
-        if resp != RESP_HARD:
-            z = -d / T
-            if use_prior:
-                z += logp[k]
+        if resp != RESP_HARD and use_prior:
+            z = logp[k] - d / T
             if z > zmax:
                 zmax = z
+    if not use_prior and resp != RESP_HARD:
+        zmax = -d1 / T
     nnz = 0
     if resp == RESP_HARD:
-        for k in range(K):
-            G[i, k] = 0.0
-        G[i, kmin] = w
+        # the caller accumulates the single entry (row i, kmin) directly; G is left as is
         Nacc[kmin] += w
         return d1, 0.0, d1, d1, d2, kmin, 1
     if resp == RESP_SOFTMAX:
-        s = 0.0
-        sed = 0.0
-        sez = 0.0
-        for k in range(K):
-            d = np.float64(G[i, k])
-            z = -d / T - zmax
-            if use_prior:
-                z += logp[k]
-            if z < log_eps:
-                G[i, k] = 0.0
-            else:
-                e = math.exp(z)
-                nnz += 1
-                s += e
-                sed += e * d
-                sez += e * z
-                G[i, k] = e
-        scale = w / s
-        for k in range(K):
-            r = G[i, k] * scale
-            G[i, k] = r
-            Nacc[k] += r
+        s, sed, sez, nnz = _softmax_row(G, i, logp, use_prior, T, log_eps, w, zmax, cand,
+                                        scratch[0], ibits, scratch[1], Nacc)
         soft = sed / s
         ent = math.log(s) - sez / s
-        free = -T * (zmax + math.log(s))
+        # without a prior -T * zmax is d1 exactly: keeps F <= J exact for K = 1
+        free = (d1 if not use_prior else -T * zmax) - T * math.log(s)
         return soft, ent, free, d1, d2, kmin, nnz
     # entmax-1.5: z' = (z - zmax) / 2; only z' > -1 can be in the support
     n = 0
@@ -267,6 +320,8 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
         Sb = np.empty((K, D), X.dtype)
         cand = np.empty(K)
         cidx = np.empty(K, np.int64)
+        scratch = np.empty((2, K))
+        ibits = np.empty(K, np.int64)
         for b0 in range(r0, r1, block):
             b1 = min(b0 + block, r1)
             m = b1 - b0
@@ -278,7 +333,7 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                 wi = w[b0 + i]
                 soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
                     Gb, i, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max,
-                    accN[t])
+                    accN[t], scratch, ibits)
                 blk_nnz += nnz
                 accSc[t, S_SOFT_DIST] += wi * soft
                 accSc[t, S_ENTROPY] += wi * ent
@@ -286,7 +341,7 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                 accSc[t, S_HARD] += wi * d1
                 accSc[t, S_WEIGHT] += wi
                 accSc[t, S_ROWS] += 1.0
-                if K > 1:
+                if K > 1 and wi > 0.0:
                     marg = d2 - d1
                     if marg < accMin[t]:
                         accMin[t] = marg
@@ -296,7 +351,12 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                 if hard_sums:
                     for j in range(D):
                         accHS[t, kmin, j] += wi * np.float64(Xb[i, j])
+                if resp == RESP_HARD:
+                    for j in range(D):
+                        accS[t, kmin, j] += wi * np.float64(Xb[i, j])
             accSc[t, S_NNZ] += blk_nnz
+            if resp == RESP_HARD:
+                continue
             if blk_nnz <= sparse_fraction * m * K:
                 for i in range(m):
                     for k in range(K):
@@ -342,9 +402,15 @@ def responsibilities_kernel(X, C, csq, logp, use_prior, T, metric, resp, block, 
         cand = np.empty(K)
         cidx = np.empty(K, np.int64)
         dummy = np.zeros(K)
+        scratch = np.empty((2, K))
+        ibits = np.empty(K, np.int64)
         for i in range(b1 - b0):
-            _row_responsibilities(Gb, i, logp, use_prior, T, resp, log_eps, 1.0, cand, cidx,
-                                  sort_max, dummy)
+            res = _row_responsibilities(Gb, i, logp, use_prior, T, resp, log_eps, 1.0, cand,
+                                        cidx, sort_max, dummy, scratch, ibits)
+            if resp == RESP_HARD:
+                for k in range(K):
+                    Gb[i, k] = 0.0
+                Gb[i, res[5]] = 1.0
 
 
 @njit(parallel=True, cache=True, nogil=True)

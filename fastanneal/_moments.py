@@ -226,7 +226,7 @@ def compute_moments(X, w, C, T, metric=0, resp=0, log_prior=None, hard_sums=True
 
 def _prepare(X, centers, metric):
     X = as_float_matrix(X, "X")
-    C = as_float_matrix(centers, "centers", allow_empty=False)
+    C = as_float_matrix(centers, "centers", dtype=X.dtype, allow_empty=False)
     if C.shape[1] != X.shape[1]:
         raise ValueError(f"centers have {C.shape[1]} features but X has {X.shape[1]}")
     mc = metric_code(metric)
@@ -272,13 +272,21 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
     rc = resp_code(responsibilities)
     T = check_temperature(T, allow_zero=(rc == 2))
     w = as_weights(weights, X.shape[0], "weights")
-    if log_prior is not None:
-        log_prior = np.asarray(log_prior, dtype=np.float64)
-        if log_prior.shape != (C.shape[0],):
-            raise ValueError(f"log_prior must have shape ({C.shape[0]},); got {log_prior.shape}")
-        if np.isnan(log_prior).any() or (log_prior == np.inf).any():
-            raise ValueError("log_prior contains NaN or +inf")
+    log_prior = _check_log_prior(log_prior, C.shape[0])
     return compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums)
+
+
+def _check_log_prior(log_prior, K):
+    if log_prior is None:
+        return None
+    log_prior = np.asarray(log_prior, dtype=np.float64)
+    if log_prior.shape != (K,):
+        raise ValueError(f"log_prior must have shape ({K},); got {log_prior.shape}")
+    if np.isnan(log_prior).any() or (log_prior == np.inf).any():
+        raise ValueError("log_prior contains NaN or +inf")
+    if not np.isfinite(log_prior).any():
+        raise ValueError("log_prior is -inf for every cluster: no cluster has mass")
+    return np.ascontiguousarray(log_prior)
 
 
 def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prior=None):
@@ -287,8 +295,9 @@ def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prio
     rc = resp_code(kind)
     T = check_temperature(T, allow_zero=(rc == 2))
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
+    log_prior = _check_log_prior(log_prior, C.shape[0])
     use_prior = log_prior is not None
-    logp = (np.asarray(log_prior, dtype=np.float64) if use_prior else np.zeros(C.shape[0]))
+    logp = log_prior if use_prior else np.zeros(C.shape[0])
     out = np.empty((X.shape[0], C.shape[0]), dtype=X.dtype)
     with blas_single_thread():
         K_.responsibilities_kernel(X, C, csq, logp, use_prior, max(T, 1e-300), mc, rc,
