@@ -19,3 +19,8 @@ ENTMAX_SORT_MAX = 48
 #: CUDA: threads per block for the row kernels, and rows per block of the tiled kernels.
 CUDA_THREADS_PER_BLOCK = 256
 CUDA_ROWS_PER_BLOCK = 64
+
+#: CUDA: rows per chunk of the device pass (the chunk x K buffer is the only N-dependent
+#: allocation), and the non-zero fraction below which a chunk is accumulated sparsely.
+CUDA_CHUNK_ROWS = 65536
+CUDA_SPARSE_FRACTION = 0.08

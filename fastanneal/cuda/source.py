@@ -30,8 +30,18 @@ _NO_GPU = ("fastanneal.cuda: no usable CUDA GPU ({why}): install numba-cuda and 
            "or use backend='cpu'")
 
 
+def _numpy_compat():
+    """numba-cuda <= 0.30 registers ``np.row_stack``, which NumPy 2.5 removed: without the
+    alias the first kernel compile fails with AttributeError (seen on the H200 machine with
+    NumPy 2.5.2). Restoring the removed alias (to ``np.vstack``, what it always was) is the
+    smallest fix; it is done only when the attribute is missing."""
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+
+
 def is_available():
     """True when numba.cuda can run kernels here (a GPU with a driver, or the simulator)."""
+    _numpy_compat()
     try:
         from numba import cuda
     except Exception:           # numba-cuda missing or broken
