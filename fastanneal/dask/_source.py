@@ -152,7 +152,10 @@ class DaskSource(_Submitter):
         return self.client.map(ch.chunk_labels, self._chunks, C=cf, metric=self.metric,
                                nthreads=self._nthreads, pure=False)
 
-    def cluster_top_eigenvalues(self, centers, n_iter, rng):
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+        """``lambda_max`` of each hard cluster's weighted covariance (1/W_k) by power
+        iteration, the matvec mapped over the chunks (``cluster_cov_matvec_kernel``); with
+        ``return_vectors`` also the unit top eigenvectors ``(lam, V)``."""
         centers = np.asarray(centers, dtype=np.float64)
         K = centers.shape[0]
         if K == 1:
@@ -170,6 +173,8 @@ class DaskSource(_Submitter):
                                     nthreads=self._nthreads, pure=False)
             out = self.tree(parts, ch.add_arrays)
             return out.result() if out is not None else np.zeros((K, self.n_features))
+        if return_vectors:
+            return power_iteration_eigs(matvec, centers, wk, n_iter, rng, True)
         return power_iteration_eigs(matvec, centers, wk, n_iter, rng)
 
     def n_distinct_rows(self, rng, cap):
