@@ -55,12 +55,13 @@ def rel_err(a, b):
 
 
 def make_data(rng, n=120, D=5, K=6, dtype=np.float64, metric="euclidean"):
-    """Gaussian blobs (off the origin) and centers near, but not at, the blob means."""
+    """Gaussian blobs (off the origin) and centers near, but not at, the blob means; both in
+    ``dtype`` (mixed dtypes have their own test)."""
     means = rng.normal(size=(K, D)) * 2.0 + (3.0 if metric == "euclidean" else 0.5)
     lab = rng.integers(0, K, n)
     X = means[lab] + 0.7 * rng.normal(size=(n, D))
     C = means + 0.5 * rng.normal(size=(K, D))
-    return X.astype(dtype), C
+    return X.astype(dtype), C.astype(dtype)
 
 
 def scale_of(X, C, metric="euclidean"):
@@ -281,7 +282,7 @@ def test_entmax_sort_and_bisect_paths_in_kernel(rng, config, resp):
 def test_single_cluster(rng, config, dtype, resp):
     config(block=7)
     X, _ = make_data(rng, n=30, dtype=dtype)
-    C = X[:1].astype(np.float64) + 0.1
+    C = X[:1] + dtype(0.1)
     w = rng.uniform(0.5, 2.0, 30)
     T = scale_of(X, C)
     m = fa.moments(X, C, T, weights=w, responsibilities=resp)
@@ -312,7 +313,7 @@ def test_empty_block_is_the_zero_record(rng):
 def test_output_dtypes(rng, dtype, out):
     X = (rng.normal(size=(9, 3)) * 4).astype(dtype)
     X[:, 0] = 3                                  # no all-zero row (cosine) after the cast
-    C = rng.normal(size=(4, 3))
+    C = rng.normal(size=(4, 3)).astype(out)      # mixed dtypes: test_mixed_precision_inputs
     for metric in METRICS:
         assert fa.pairwise_distances(X, C, metric=metric).dtype == out
         for kind in RESPS:
