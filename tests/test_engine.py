@@ -111,6 +111,24 @@ def test_critical_temperature_matches_eigvalsh(rng):
     assert km.critical_temperature_ == pytest.approx(2.0 * lam[-1], rel=1e-3)
 
 
+def test_critical_temperature_with_a_small_spectral_gap(rng):
+    """T_c is the *top* eigenvalue: with ``lambda_2 = 0.95 lambda_1`` (exact, whitened data,
+    D = 20) the estimate must stay within 2e-3 for every seed. A lower estimate silences
+    the above-T_c warning and starts the critical schedule below T_c."""
+    n, lams = 2000, np.r_[1.0, 0.95, np.full(18, 0.5)]
+    errors = []
+    for seed in range(10):
+        Z = rng.standard_normal((n, lams.size))
+        Z -= Z.mean(axis=0)
+        U, _, _ = np.linalg.svd(Z, full_matrices=False)
+        Q, _ = np.linalg.qr(rng.standard_normal((lams.size, lams.size)))
+        X = (U * math.sqrt(n) * np.sqrt(lams)) @ Q.T + 3.0     # covariance exactly Q diag Q^T
+        assert 2.0 * np.linalg.eigvalsh(weighted_cov(X, np.ones(n))[0])[-1] == pytest.approx(2.0)
+        km = AnnealedKMeans(n_clusters=2, random_state=seed, n_steps=1, max_iter=1).fit(X)
+        errors.append(km.critical_temperature_ / 2.0 - 1.0)
+    assert np.max(np.abs(errors)) <= 2e-3, np.round(errors, 5).tolist()
+
+
 @pytest.mark.parametrize("factor, collapsed", [(1.02, True), (0.98, False)])
 def test_soft_lloyd_collapses_above_and_splits_below_Tc(rng, one_thread, factor, collapsed):
     """From ``mean + 1e-3 noise``, soft Lloyd (one step = finalize of the moments) stays
