@@ -168,7 +168,7 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
     >>> X = rng.normal(size=(100, 3)); C = X[:4].copy()
     >>> res = value_and_grad(X, C, T=1.0, lam=0.5)
     >>> loss, gC, gX = res[:3]
-    >>> gC.shape, gX.shape, res.empty.any()
+    >>> gC.shape, gX.shape, bool(res.empty.any())
     ((4, 3), (100, 3), False)
     """
     X = as_float_matrix(X, "X", allow_empty=False)

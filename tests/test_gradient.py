@@ -231,7 +231,7 @@ def test_entmax_hinge_gradients(rng):
     check_gradients(X, C, T, w, "euclidean", "hinge", "entmax15", lam=1.3, margin=margin)
 
 
-def test_entmax_low_temperature_is_sparse(rng):
+def test_entmax_low_temperature_value(rng):
     X, C, w, T = make_problem(rng, "euclidean", 0.005)
     res = value_and_grad(X, C, T, weights=w, responsibilities="entmax15", lam=0.5)
     ref = ref_loss(X, C, T, lam=0.5, w=w, resp="entmax15")
