@@ -115,6 +115,7 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
         shift = math.nan
         for _ in range(max(1, cfg.max_iter)):
             m = source.moments(C, T, cfg.resp, logp, hard_sums=False)
+            logp_m = logp
             upd = m.finalize(previous_centers=C)
             Cn = upd.centers
             n_iter += 1
@@ -131,7 +132,8 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
             shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
             C = Cn
             if cfg.diagnostics == "full":
-                _record(trace, step, n_iter, T, m, C, shift, relocated, 0, K, t0)
+                _record(trace, step, n_iter, T, m, C, shift, relocated, 0, K, t0,
+                        logp=logp_m)
             if shift <= tol_abs:
                 break
         relocations_total += relocated
@@ -146,7 +148,8 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
         n_distinct = K - len(dup)
         ent = m.objectives()["entropy"]
         if cfg.diagnostics != "full":
-            _record(trace, step, n_iter, T, m, C, shift, relocated, len(dup), K, t0, dmin)
+            _record(trace, step, n_iter, T, m, C, shift, relocated, len(dup), K, t0, dmin,
+                    logp=logp_m)
         if cfg.progress is not None:
             cfg.progress(step, T, trace[-1])
         if cfg.verbose:
@@ -190,12 +193,29 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
                         converged=converged, last_moments=m)
 
 
-def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, dmin=None):
+def certificate_bounds(m, logp=None):
+    """(lower, upper) bounds on ``J - F`` for the record ``m``.
+
+    Plain softmax: ``0 <= J - F_T <= T W log K``. Mass-constrained softmax
+    (``F = -T sum w LSE(log p - d/T)``): ``LSE`` lies between ``log p_c(i) - d_min/T`` and
+    ``-d_min/T``, so ``T sum_k J-weight_k log p_k <= J - F <= 0`` (``J-weight_k`` the hard
+    counts). entmax15: ``0 <= J - F <= (4/3) T W (1 - K^-1/2)``.
+    """
+    ob = m.objectives()
+    if logp is not None and m.responsibilities == "softmax":
+        lp = np.where(m.hard_counts > 0, logp, 0.0)
+        return float(m.temperature * (m.hard_counts @ lp)), 0.0
+    return 0.0, ob["certificate_bound"]
+
+
+def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, dmin=None,
+            logp=None):
     ob = m.objectives()
     if dmin is None:
         dmin, _ = min_center_distance(C)
     gap = ob["certificate_gap"]
-    bound = ob["certificate_bound"]
+    lower, upper = certificate_bounds(m, logp)
+    bound = upper if logp is None else lower
     tol = 1e-9 * max(abs(ob["hard_distortion"]), 1.0)
     hard = T == 0.0
     trace.append(step=step, iteration=n_iter, temperature=T,
@@ -206,104 +226,108 @@ def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, d
                  hardening_gap=ob["soft_distortion"] - ob["hard_distortion"],
                  certificate_gap=0.0 if hard else gap,
                  certificate_bound=0.0 if hard else bound,
-                 certificate_ok=bool(hard or (-tol <= gap <= bound + tol)),
+                 certificate_ok=bool(hard or (lower - tol <= gap <= upper + tol)),
                  min_center_distance=dmin, center_shift=shift, relocations=relocated,
                  coincident=coincident, n_distinct=K - coincident,
                  margin_sum=ob["margin_sum"], grad_norm=math.nan,
                  wall_time=time.perf_counter() - t0)
 
 
+def _top_eigs(source, centers, n_iter, rng):
+    """(lambda_max, top eigenvector) per cluster; random unit vectors for sources that do
+    not return eigenvectors."""
+    try:
+        return source.cluster_top_eigenvalues(centers, n_iter, rng, return_vectors=True)
+    except TypeError:
+        lam = source.cluster_top_eigenvalues(centers, n_iter, rng)
+        V = rng.standard_normal(centers.shape)
+        return lam, V / np.linalg.norm(V, axis=1, keepdims=True)
+
+
 def anneal_critical(source, mean, schedule, T_start, T_end, cfg, rng, scale, trace=None,
                     t0=None):
     """Deterministic annealing with phase transitions (THEORY.md section 2).
 
-    Starts with one effective cluster at the mean, represented by two perturbed duplicate
-    codevectors that share its mass (mass-constrained responsibilities make coincident
-    codevectors act as one cluster). At each temperature, EM runs to convergence; a pair
-    whose members moved apart has passed its cluster's critical temperature and splits into
-    two effective clusters (each with a new duplicate), the others are merged back and
-    re-perturbed. Cooling is geometric (``schedule.cooling``) until ``K`` clusters exist
-    and ``T <= T_end``. Returns the same :class:`EngineResult` as :func:`anneal`, after the
-    polish of :func:`anneal` (run with the K effective centers and no further annealing).
+    Starts with one effective cluster at the mean. At each temperature, mass-constrained EM
+    (``r_ik ~ p_k exp(-d_ik / T)``) runs to convergence; then each cluster's own critical
+    temperature ``2 lambda_max(C_k)`` is computed (power iteration on additive moments of
+    the cluster's rows) and every cluster with ``T < 2 lambda_max(C_k)`` -- the ones whose
+    single center has become unstable -- is split into two codevectors displaced along
+    its top eigenvector (the unstable direction), each with half the mass. Largest
+    ``lambda`` first, until ``K`` clusters exist. Cooling is geometric
+    (``schedule.cooling``) until ``K`` clusters exist and ``T <= T_end``; the K centers are
+    then polished as in :func:`anneal`.
     """
     t0 = time.perf_counter() if t0 is None else t0
     trace = Trace() if trace is None else trace
     K = cfg.n_clusters
     D = mean.shape[0]
     tol_abs = cfg.tol * scale / max(D, 1)
-    delta = 1e-3 * math.sqrt(scale)
-    split2 = (20.0 * delta) ** 2
-    eff = np.array(mean, dtype=np.float64)[None, :]     # effective clusters
-    mass = np.ones(1)
+    C = _project(np.array(mean, dtype=np.float64)[None, :], source.metric)
+    p = np.ones(1)
     T = float(T_start)
     step = 0
     n_iter = 0
     m = None
+    shift = math.nan
     cooling = getattr(schedule, "cooling", 0.85)
     max_steps = getattr(schedule, "max_steps", 200)
     while True:
-        ke = eff.shape[0]
-        dup = ke < K
-        if dup:
-            u = rng.standard_normal((ke, D))
-            u *= delta / np.linalg.norm(u, axis=1, keepdims=True)
-            C = np.concatenate([eff + u, eff - u])
-            p = np.concatenate([mass, mass]) / 2.0
-        else:
-            C = eff.copy()
-            p = mass.copy()
-        C = _project(C, source.metric)
         for _ in range(max(1, cfg.max_iter)):
-            logp = np.log(np.maximum(p, 1e-300))
-            m = source.moments(C, T, cfg.resp, logp if cfg.resp == 0 else None, hard_sums=False)
+            logp = np.log(np.maximum(p, 1e-300)) if cfg.resp == 0 else None
+            m = source.moments(C, T, cfg.resp, logp, hard_sums=False)
             upd = m.finalize(previous_centers=C)
             shift = float(np.max(np.einsum("ij,ij->i", upd.centers - C, upd.centers - C)))
-            C = upd.centers
+            C = _project(upd.centers, source.metric)
             p = m.N / max(m.weight, 1e-300)
             n_iter += 1
             if shift <= tol_abs:
                 break
-        if dup:
-            a, b = C[:ke], C[ke:]
-            pa, pb = p[:ke], p[ke:]
-            sep = np.einsum("ij,ij->i", a - b, a - b)
-            order = np.argsort(-sep)
-            split = [j for j in order if sep[j] > split2][:K - ke]
-            keep = np.ones(ke, dtype=bool)
-            keep[split] = False
-            tot = np.maximum(pa + pb, 1e-300)
-            merged = (a * pa[:, None] + b * pb[:, None]) / tot[:, None]
-            eff = np.concatenate([merged[keep], a[split], b[split]])
-            mass = np.concatenate([tot[keep], pa[split], pb[split]])
-            eff = _project(eff, source.metric)
-        else:
-            eff, mass = C, p
-            split = []
-        dmin, _ = min_center_distance(eff)
-        ke = eff.shape[0]
-        _record(trace, step, n_iter, T, m, eff, shift, 0, K - ke, K, t0, dmin)
+        ke = C.shape[0]
+        n_split = 0
+        if ke < K:
+            lam, V = _top_eigs(source, C, 30, rng)
+            unstable = np.nonzero(2.0 * lam > T)[0]
+            if unstable.size == 0 and T <= T_end * cooling ** 6:
+                unstable = np.argsort(-lam)[:1]     # nothing left to split on its own
+            order = unstable[np.argsort(-lam[unstable])][:K - ke]
+            if order.size:
+                eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * scale))[:, None] * V[order]
+                newc = C[order] + eps
+                C[order] -= eps
+                C = _project(np.concatenate([C, newc]), source.metric)
+                p[order] /= 2.0
+                p = np.concatenate([p, p[order]])
+                n_split = order.size
+        dmin, _ = min_center_distance(C)
+        _record(trace, step, n_iter, T, m, C, shift, 0, K - C.shape[0], K, t0, dmin, logp=logp)
         if cfg.progress is not None:
             cfg.progress(step, T, trace[-1])
         if cfg.verbose:
-            log.info("critical step %d T=%.4g clusters=%d (+%d)", step, T, ke, len(split))
+            log.info("critical step %d T=%.4g clusters=%d (+%d)", step, T, C.shape[0], n_split)
         step += 1
-        if (ke >= K and T <= T_end) or step >= max_steps:
+        if (C.shape[0] >= K and T <= T_end) or step >= max_steps:
             break
-        if ke >= K or T > T_end * cooling ** 6:
+        if n_split == 0 or C.shape[0] >= K:
             T *= cooling
-        elif len(split) == 0:
-            # far below T_end and still short of K clusters (clusters with no spread left
-            # to split): split the heaviest clusters directly
-            while eff.shape[0] < K:
-                j = int(np.argmax(mass))
-                v = rng.standard_normal(D)
-                v *= delta / np.linalg.norm(v)
-                eff = np.concatenate([eff, (eff[j] + v)[None]])
-                eff[j] -= v
-                mass = np.concatenate([mass, [mass[j] / 2]])
-                mass[j] /= 2
-            eff = _project(eff, source.metric)
-    # K effective clusters: polish (and any final plain iterations) through the main loop
-    from .schedules import ConstantSchedule
-    return anneal(source, eff[:K], ConstantSchedule(1), T, T, cfg, rng, scale, trace, t0,
+    if C.shape[0] < K:        # max_steps reached: fill up by splitting the heaviest clusters
+        while C.shape[0] < K:
+            j = int(np.argmax(p))
+            v = rng.standard_normal(D)
+            v *= 1e-3 * math.sqrt(scale) / np.linalg.norm(v)
+            C = np.concatenate([C, (C[j] + v)[None]])
+            p[j] /= 2.0
+            p = np.concatenate([p, [p[j]]])
+        C = _project(C, source.metric)
+    return anneal(source, C, _OneStep(), T, T, cfg, rng, scale, trace, t0,
                   n_iter0=n_iter, step0=step)
+
+
+class _OneStep:
+    """Schedule of exactly one temperature (the last one of a critical run)."""
+
+    def start(self, T_start, T_end):
+        pass
+
+    def next_temperature(self, state):
+        return None

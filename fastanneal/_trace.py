@@ -13,8 +13,10 @@ COLUMNS = {
     "soft_distortion": "expected distortion of the randomized (soft) rule, sum w r d",
     "hardening_gap": "soft distortion - J of the same centers (>= 0): what hardening gains",
     "certificate_gap": "J - F_T (>= 0)",
-    "certificate_bound": "T W log K (softmax), the upper bound on J - F_T",
-    "certificate_ok": "0 <= J - F_T <= bound (up to rounding)",
+    "certificate_bound": "T W log K, the upper bound on J - F_T (entmax15: (4/3) T W "
+                         "(1 - K^-1/2)); mass-constrained softmax: the lower bound "
+                         "T sum_k J-weight_k log p_k (then J - F_T <= 0)",
+    "certificate_ok": "J - F_T within its bounds (up to rounding)",
     "min_center_distance": "min over k != l of ||c_k - c_l|| after the step",
     "center_shift": "max_k ||c_k(new) - c_k(old)||^2 of the last update",
     "relocations": "empty clusters relocated in this step",

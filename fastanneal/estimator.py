@@ -272,7 +272,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                                  f"points with non-zero weight ({nd})")
         if not scale > 0 and K > 1:
             raise ValueError("all rows are identical: more than one cluster is undefined")
-        lam = source.cluster_top_eigenvalues(mean[None, :], 50, rng)[0]
+        lam = source.cluster_top_eigenvalues(mean[None, :], 100, rng)[0]
         self.critical_temperature_ = 2.0 * float(lam)
 
         best = None

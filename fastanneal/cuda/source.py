@@ -301,7 +301,7 @@ class CudaSource:
                 self._X, self._cuda.to_device(idx.astype(np.int64)), out)
         return out.copy_to_host(), self._w_host[idx]
 
-    def cluster_top_eigenvalues(self, centers, n_iter, rng):
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
         """``lambda_max`` of each hard cluster's weighted covariance (1/W_k), by power
         iteration with a device matvec (:func:`~fastanneal._sources.power_iteration_eigs`)."""
         kern = self._k
@@ -330,7 +330,7 @@ class CudaSource:
             sx = self._weighted_row_sums(dlabels, use_labels, s, K)
             ssum = np.bincount(labels, weights=s.copy_to_host(), minlength=K)
             return sx - mu * ssum[:, None]
-        return power_iteration_eigs(matvec, centers, wk, n_iter, rng)
+        return power_iteration_eigs(matvec, centers, wk, n_iter, rng, return_vectors)
 
 
 def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibilities="softmax",
