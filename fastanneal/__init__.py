@@ -21,6 +21,7 @@ _LAZY = {
     "CriticalSchedule": ("schedules", "CriticalSchedule"),
     "AdaptiveSchedule": ("adaptive", "AdaptiveSchedule"),
     "value_and_grad": ("gradient", "value_and_grad"),
+    "Loss": ("gradient", "Loss"),
 }
 
 __all__ = ["Moments", "assign", "entmax15", "moments", "pairwise_distances",

@@ -156,7 +156,7 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
             log.info("step %d T=%.4g F=%.6g J=%.6g H=%.3f distinct=%d", step, T, m.free_energy,
                      m.hard_distortion, ent, n_distinct)
         state = ScheduleState(step=step - step0, T=T, T_start=T_start, T_end=T_end, entropy=ent,
-                              n_distinct=n_distinct, n_clusters=K)
+                              n_distinct=n_distinct, n_clusters=K, extra={"scale": scale})
         if state_hook is not None:
             state_hook(step, C, logp, T)
         T = schedule.next_temperature(state)
