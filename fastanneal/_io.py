@@ -101,8 +101,9 @@ def _arrow_message(e):
 def read_table(path, fmt=None, string_columns=()):
     """Read the whole input as a ``pyarrow.Table`` (row order preserved).
 
-    ``string_columns``: columns read as text whatever they look like (CSV / TSV only: the ids
-    and the queries, so that ``007`` stays ``007``).
+    CSV / TSV columns are all read as text, so that the output repeats every cell as it was
+    (``007`` stays ``007``); ``string_columns`` is kept for callers that name the columns that
+    must be text whatever the format.
     """
     p = Path(path)
     if not p.exists():
@@ -114,12 +115,15 @@ def read_table(path, fmt=None, string_columns=()):
         if fmt in ("csv", "tsv"):
             import pyarrow.csv as pacsv
             _check_utf8(p)
-            types = {c: pa.string() for c in string_columns if c}
-            table = pacsv.read_csv(
-                str(p),
-                parse_options=pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
-                                                 newlines_in_values=True),
-                convert_options=pacsv.ConvertOptions(column_types=types))
+            parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
+                                       newlines_in_values=True)
+            # every column is read as text: the output keeps each cell as it was written
+            # ("007" stays "007", "1.50" stays "1.50"); numbers are parsed where needed
+            with pacsv.open_csv(str(p), parse_options=parse) as reader:
+                names = reader.schema.names
+            types = {c: pa.string() for c in names}
+            table = pacsv.read_csv(str(p), parse_options=parse,
+                                   convert_options=pacsv.ConvertOptions(column_types=types))
         elif fmt == "jsonl":
             import pyarrow.json as pajson
             _check_utf8(p)
@@ -277,6 +281,15 @@ def weight_vector(table, name, path):
         try:
             col = pc.cast(col, pa.float64())
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            for i, v in enumerate(col.to_pylist()):
+                if v is None or not v.strip():
+                    raise InputError(f"{path}: weight column {name!r} has a missing value at "
+                                     f"row {i + 1}") from None
+                try:
+                    float(v)
+                except ValueError:
+                    raise InputError(f"{path}: weight column {name!r} is not numeric (row "
+                                     f"{i + 1}: {v[:30]!r})") from None
             raise InputError(f"{path}: weight column {name!r} is not numeric") from None
     elif not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)):
         raise InputError(f"{path}: weight column {name!r} has type {t}; expected numbers")

