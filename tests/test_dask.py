@@ -78,8 +78,10 @@ def seeds_one_per_blob(X, y, k):
 CHUNKINGS = [1000, (700, 1, 0, 2299, 0, 3000), 6000, (0, 3000, 0, 0, 3000)]
 
 
-@pytest.mark.parametrize("chunks", CHUNKINGS, ids=["even", "ragged+empty", "one", "empties"])
-@pytest.mark.parametrize("metric", [0, 1], ids=["euclidean", "cosine"])
+@pytest.mark.parametrize("chunks, metric", [
+    (CHUNKINGS[0], 0), (CHUNKINGS[1], 0), (CHUNKINGS[2], 0), (CHUNKINGS[3], 0),
+    (CHUNKINGS[0], 1), (CHUNKINGS[1], 1)],
+    ids=["even", "ragged+empty", "one", "empties", "cosine-even", "cosine-ragged+empty"])
 def test_source_matches_in_memory(client, data, chunks, metric):
     X, y = data
     w = np.random.default_rng(3).uniform(0.5, 2.0, X.shape[0])
@@ -104,8 +106,8 @@ def test_source_matches_in_memory(client, data, chunks, metric):
         assert rel(src.moments(C, 1.0, 0, logp).S, mem.moments(C, 1.0, 0, logp).S) <= TOL
         assert rel(src.mean(), mem.mean()) <= TOL
         np.testing.assert_array_equal(src.labels(C), mem.assign(C)[0])
-        ea = src.cluster_top_eigenvalues(C, 30, np.random.default_rng(5))
-        eb = mem.cluster_top_eigenvalues(C, 30, np.random.default_rng(5))
+        ea = src.cluster_top_eigenvalues(C, 10, np.random.default_rng(5))
+        eb = mem.cluster_top_eigenvalues(C, 10, np.random.default_rng(5))
         assert rel(ea, eb) <= TOL
         for n in (50, 6000, 10 ** 6):
             xa, wa = src.sample(n, np.random.default_rng(7))
@@ -123,7 +125,7 @@ def test_source_matches_in_memory(client, data, chunks, metric):
 def test_fit_matches_in_memory(client, data, chunks):
     X, y = data
     C0 = seeds_one_per_blob(X, y, 6)
-    kw = dict(init=C0, temperature_start=4.0, random_state=0)
+    kw = dict(init=C0, temperature_start=4.0, random_state=0, n_steps=8)
     mem = fa.AnnealedKMeans(6, **kw).fit(X)
     dsk = fa.AnnealedKMeans(6, scheduler=client, **kw).fit(da.from_array(X, chunks=(chunks, -1)))
     assert rel(dsk.cluster_centers_, mem.cluster_centers_) <= TOL
@@ -149,8 +151,8 @@ def test_default_pipeline_matches_in_memory(client, data, monkeypatch):
         calls.append(cap)
         return orig(self, rng, cap)
     monkeypatch.setattr(DaskSource, "n_distinct_rows", spy)
-    mem = fa.AnnealedKMeans(6, random_state=1).fit(X)
-    dsk = fa.AnnealedKMeans(6, random_state=1, scheduler=client).fit(
+    mem = fa.AnnealedKMeans(6, random_state=1, n_steps=8).fit(X)
+    dsk = fa.AnnealedKMeans(6, random_state=1, n_steps=8, scheduler=client).fit(
         da.from_array(X, chunks=((700, 0, 2300, 3000), -1)))
     assert ari(dsk.labels_, mem.labels_) == 1.0
     if calls:
@@ -379,6 +381,20 @@ def test_minibatch_from_parquet_with_ids(client, big_blobs, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["d.parquet", "out"]
 
 
+def test_estimator_minibatch_mode(client, big_blobs):
+    """What ``AnnealedKMeans(batch_size=...).fit`` runs: the estimator's parameters, the
+    fitted attributes set on it (NumPy), ``labels_`` None (labels are streamed instead)."""
+    X, y = big_blobs
+    est = fa.AnnealedKMeans(8, random_state=0, n_steps=10, scheduler=client)
+    est.batch_size = 3000
+    from fastanneal.dask import fit_minibatch_into
+    assert fit_minibatch_into(est, da.from_array(X, chunks=(1500, -1))) is est
+    assert est.cluster_centers_.shape == (8, 16) and est.labels_ is None
+    assert est.n_steps_ == 10 and est.cluster_weights_.sum() == pytest.approx(1.0)
+    assert ari(est.predict(X), y) >= 0.95
+    assert est.score(X) == pytest.approx(-est.inertia_, rel=1e-9)
+
+
 def test_partial_fit_loop(big_blobs):
     X, y = big_blobs
     est = fa.AnnealedKMeans(8, random_state=0, n_steps=10)
@@ -415,7 +431,7 @@ def test_worker_sigkill_mid_fit(client, monkeypatch):
     X, y = blobs(24000, 6, 16, seed=8)
     Xd = da.from_array(X, chunks=(2000, -1))
     C0 = seeds_one_per_blob(X, y, 6)
-    kw = dict(init=C0, temperature_start=8.0, random_state=0, n_steps=12, scheduler=client)
+    kw = dict(init=C0, temperature_start=8.0, random_state=0, n_steps=8, scheduler=client)
     ref = fa.AnnealedKMeans(6, **kw).fit(Xd)
     pids = client.run(os.getpid)
     victim = sorted(pids.values())[0]
@@ -430,12 +446,12 @@ def test_worker_sigkill_mid_fit(client, monkeypatch):
 
     def moments(self, *a, **k):
         calls["n"] += 1
-        if calls["n"] == 8:
+        if calls["n"] == 6:
             threading.Thread(target=killer, daemon=True).start()
         return orig(self, *a, **k)
     monkeypatch.setattr(DaskSource, "moments", moments)
     est = fa.AnnealedKMeans(6, **kw).fit(Xd)
-    assert killed.is_set() and calls["n"] > 8
+    assert killed.is_set() and calls["n"] > 6
     client.wait_for_workers(2, timeout=60)
     assert victim not in client.run(os.getpid).values()       # the worker was replaced
     np.testing.assert_array_equal(est.cluster_centers_, ref.cluster_centers_)

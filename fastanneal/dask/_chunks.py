@@ -203,6 +203,12 @@ def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, h
     return m
 
 
+def sample_chunk(x, w, ids, index, row0, metric, dtype, idx, name="X"):
+    """Rows ``idx`` (local, validated) of one chunk read on the worker."""
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name)
+    return chunk_take(chunk, idx)
+
+
 def write_label_part(out_dir, index, row0, labels, ids=None):
     import pyarrow as pa
     import pyarrow.parquet as pq

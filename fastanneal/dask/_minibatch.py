@@ -389,41 +389,55 @@ class _ChunkPlan(_Submitter):
             return float(self.n_rows)
         return float(self.client.compute(self.weights.sum()).result())
 
-    def stream(self, fn, window, out_dir=None, with_ids=False, **kwargs):
-        """Map ``fn`` (:func:`~fastanneal.dask._chunks.stream_chunk`) over every chunk with at
-        most ``window`` chunks in flight; merges the results in chunk order (deterministic)
-        and returns the total (None for no chunks)."""
+    def map_chunks(self, fn, indices, window, per_chunk=None, combine=None, with_ids=False,
+                   **kwargs):
+        """Run ``fn(x, w, ids, index, row0, metric, dtype, **kwargs, **per_chunk(i))`` -- one
+        task that reads, validates and reduces a chunk, so nothing stays in memory -- over
+        the chunks ``indices`` with at most ``window`` of them in flight. With ``combine``,
+        folds the results in the order of ``indices`` (deterministic) and returns the total
+        (None for no chunks); else returns the list of results."""
         import dask
         from distributed import wait
-        pending = deque(range(self.n_chunks))
+        indices = list(indices)
+        pending = deque(enumerate(indices))
         inflight = {}
         done = {}
         total = None
+        results = []
         nxt = 0
         try:
             while pending or inflight:
                 while pending and len(inflight) < window:
-                    i = pending.popleft()
+                    j, i = pending.popleft()
+                    extra = per_chunk(i) if per_chunk is not None else {}
                     t = dask.delayed(fn, pure=False)(
                         self.xd[i], self.wd[i], self.idd[i] if with_ids else None, i,
-                        int(self.offsets[i]), self.metric, self.dtype, out_dir=out_dir,
-                        **kwargs)
-                    inflight[self.client.compute(t)] = i
+                        int(self.offsets[i]), self.metric, self.dtype, **kwargs, **extra)
+                    inflight[self.client.compute(t)] = j
                 with self.client.as_current():
                     res = wait(list(inflight), return_when="FIRST_COMPLETED")
                 for f in res.done:
-                    i = inflight.pop(f)
-                    done[i] = f.result()      # raises the chunk's error
+                    j = inflight.pop(f)
+                    done[j] = f.result()      # raises the chunk's error
                     f.release()
                 while nxt in done:
                     part = done.pop(nxt)
-                    total = part if total is None else total + part
+                    if combine is None:
+                        results.append(part)
+                    else:
+                        total = part if total is None else combine(total, part)
                     nxt += 1
         except BaseException:
             for f in inflight:
                 f.cancel()
             raise
-        return total
+        return results if combine is None else total
+
+    def stream(self, fn, window, out_dir=None, with_ids=False, **kwargs):
+        """A full pass of :func:`~fastanneal.dask._chunks.stream_chunk` over every chunk;
+        returns the merged Moments (None for no chunks)."""
+        return self.map_chunks(fn, range(self.n_chunks), window, combine=lambda a, b: a + b,
+                               with_ids=with_ids, out_dir=out_dir, **kwargs)
 
 
 class _AtomicFolder:
@@ -600,20 +614,23 @@ class MiniBatchAnnealer:
         self.verbose = verbose
 
     # ------------------------------------------------------------------ helpers
-    def _sample(self, plan, n_target, rng):
-        """Rows of random chunks until ``n_target`` rows (then subsampled to ``n_target``)."""
-        order = [i for i in rng.permutation(plan.n_chunks) if plan.chunk_rows[i] > 0]
-        picked, rows = [], 0
-        for i in order:
-            picked.append(int(i))
-            rows += plan.chunk_rows[i]
-            if rows >= n_target:
-                break
-        picked.sort()
-        futs = [plan.prepared(i) for i in picked]
-        parts = plan.client.gather([plan.client.submit(ch.chunk_take, f, None, pure=False)
-                                    for f in futs])
-        del futs
+    def _sample(self, plan, n_target, rng, min_chunks=8):
+        """About ``n_target`` random rows from at least ``min_chunks`` random chunks (data
+        stored in cluster order would bias a sample of one chunk); each chunk is read and
+        subsampled on a worker, so only the sample travels."""
+        nonempty = [i for i in range(plan.n_chunks) if plan.chunk_rows[i] > 0]
+        order = [int(i) for i in rng.permutation(nonempty)]
+        mean_rows = float(np.mean([plan.chunk_rows[i] for i in nonempty]))
+        m = min(len(order), max(min_chunks, math.ceil(n_target / mean_rows)))
+        picked = sorted(order[:m])
+        per = math.ceil(n_target / m)
+        take = {}
+        for i in picked:
+            n_i = plan.chunk_rows[i]
+            take[i] = np.arange(n_i) if per >= n_i else np.sort(
+                rng.choice(n_i, size=per, replace=False))
+        parts = plan.map_chunks(ch.sample_chunk, picked, max(2, 2 * plan.n_threads_total),
+                                per_chunk=lambda i: {"idx": take[i]})
         Xs = np.concatenate([p[0] for p in parts])
         ws = np.concatenate([p[1] for p in parts])
         if Xs.shape[0] > n_target:

@@ -87,7 +87,12 @@ class DaskSource(_Submitter):
         tasks = [dask.delayed(ch.prepare_chunk, pure=True)(x, wb, i, int(self.offsets[i]),
                                                            self.metric, self.dtype)
                  for i, (x, wb) in enumerate(zip(xd, wd))]
-        self._chunks = self.client.compute(tasks)
+        where = self._placement()
+        if where is None:
+            self._chunks = self.client.compute(tasks)
+        else:
+            self._chunks = [self.client.compute(t, workers=[w], allow_other_workers=True)
+                            for t, w in zip(tasks, where)]
         try:
             stats = self.client.gather(self.client.map(ch.chunk_stats, self._chunks,
                                                        pure=False))
@@ -98,6 +103,25 @@ class DaskSource(_Submitter):
         if self.n_rows and not self.total_weight > 0:
             self._release()
             raise ValueError("sample_weight sums to zero: no row carries weight")
+    def _placement(self):
+        """A worker for each chunk, in proportion to the workers' threads (greedy, largest
+        chunks first): a pass lasts as long as the busiest worker. Used as a loose
+        restriction -- a chunk lost with its worker is recomputed anywhere."""
+        try:
+            info = self.client.scheduler_info(n_workers=-1)["workers"]
+        except Exception:  # pragma: no cover
+            return None
+        if len(info) < 2 or len(self.chunk_rows) < 2:
+            return None
+        workers = sorted(info)
+        threads = np.array([max(1, int(info[w].get("nthreads", 1))) for w in workers], float)
+        load = np.zeros(len(workers))
+        out = [None] * len(self.chunk_rows)
+        for i in sorted(range(len(self.chunk_rows)), key=lambda i: -self.chunk_rows[i]):
+            j = int(np.argmin((load + self.chunk_rows[i]) / threads))
+            load[j] += self.chunk_rows[i]
+            out[i] = workers[j]
+        return out
 
     # ------------------------------------------------------------------ moments
     def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
