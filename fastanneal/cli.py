@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -300,6 +301,7 @@ class _Recorder:
         self.n_iter = 0
         self.T_start = self.T_end = None
         self.mass_constrained = None
+        self.estimator = None
         self.saved_steps = 0
         self.delay = float(os.environ.get(_STEP_DELAY_ENV, "0") or 0)
 
@@ -320,6 +322,7 @@ class _Recorder:
             if self.store is not None and step % self.every == 0:
                 self.store.save_state(step=step, T=T_next, centers=C, logp=logp,
                                       rng_state=self.rng.bit_generator.state,
+                                      T_c=getattr(self.estimator, "critical_temperature_", None),
                                       T_start=self.T_start, T_end=self.T_end,
                                       mass_constrained=self.mass_constrained, rows=self.rows)
                 self.saved_steps += 1
@@ -366,8 +369,8 @@ class _CheckpointStore:
             with np.load(path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
             meta = json.loads(str(data.pop("meta")))
-        except (OSError, ValueError, KeyError):
-            return None
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            return None       # unreadable: start over (writes are atomic, so this is rare)
         if meta.get("key") != self.key or meta.get("version") != CHECKPOINT_VERSION:
             return "stale"
         return meta, data
@@ -379,14 +382,14 @@ class _CheckpointStore:
         meta, data = got
         rows = json.loads(str(data["rows"]))
         return dict(step=meta["step"], T=meta["T"], T_start=meta["T_start"], T_end=meta["T_end"],
-                    mass_constrained=meta["mass_constrained"], rng_state=meta["rng_state"],
+                    T_c=meta.get("T_c"), mass_constrained=meta["mass_constrained"], rng_state=meta["rng_state"],
                     centers=data["centers"], logp=data["logp"] if meta["has_logp"] else None,
                     rows=rows)
 
-    def save_state(self, *, step, T, centers, logp, rng_state, T_start, T_end, mass_constrained,
-                   rows):
+    def save_state(self, *, step, T, centers, logp, rng_state, T_c, T_start, T_end,
+                   mass_constrained, rows):
         meta = dict(version=CHECKPOINT_VERSION, key=self.key, step=int(step), T=float(T),
-                    T_start=T_start, T_end=T_end, mass_constrained=mass_constrained,
+                    T_c=T_c, T_start=T_start, T_end=T_end, mass_constrained=mass_constrained,
                     has_logp=logp is not None, rng_state=rng_state)
         atomic_save_npz(self.state_path, meta=np.array(json.dumps(meta)),
                         centers=np.asarray(centers, dtype=np.float64),
@@ -505,6 +508,7 @@ def fit_model(X, w, args, console):
         console.note(f"resuming from the checkpoint in {args.checkpoint} at step {offset} "
                      f"(T = {resume['T']:.4g})")
         rec = _Recorder(rng, store, args.checkpoint_every, resume=resume, rows=resume["rows"])
+        rec.n_iter = int(resume["rows"][-1]["iteration"]) if resume["rows"] else 0
         rec.mass_constrained = resume["mass_constrained"]
         sched = _tracked_schedule(inner, rec, offset=offset,
                                   fixed=(resume["T_start"], resume["T_end"]))
@@ -516,6 +520,7 @@ def fit_model(X, w, args, console):
         kw["scheduler"] = args._dask_scheduler
     est = _estimator_class()(**kw)
     est._fa_recorder = rec
+    rec.estimator = est
     if resume is None:
         mc = est.mass_constrained
         rec.mass_constrained = bool(args.schedule == "critical") if mc == "auto" else bool(mc)
@@ -543,7 +548,10 @@ def fit_model(X, w, args, console):
                 resumed_from=offset if resume is not None else None,
                 checkpoints_saved=rec.saved_steps, n_iter=int(est.n_iter_))
     if resume is not None:
+        # the original run's values (T_c is re-estimated with another random start on resume)
         est.temperature_start_ = resume["T_start"]
+        if resume.get("T_c") is not None:
+            est.critical_temperature_ = meta["critical_temperature_"] = float(resume["T_c"])
     if store is not None:
         labels = est.labels_ if est.labels_ is not None else np.zeros(0, np.int64)
         store.save_result(meta, dict(centers=np.asarray(est.cluster_centers_),

@@ -567,6 +567,11 @@ def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatc
     np.testing.assert_allclose(a["trace_hard_distortion"], b["trace_hard_distortion"],
                                rtol=1e-9)
     np.testing.assert_allclose(a["trace_entropy"], b["trace_entropy"], rtol=1e-7, atol=1e-12)
+    np.testing.assert_array_equal(a["trace_iteration"], b["trace_iteration"])
+    ma, mb = json.loads(str(a["meta"])), json.loads(str(b["meta"]))
+    assert mb["resumed_from"] == 4 and ma["resumed_from"] is None
+    for k in ("critical_temperature_", "temperature_start_", "temperature_", "inertia_"):
+        assert mb[k] == ma[k], k
     # the finished fit is reused by a rerun; other parameters start over
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
                      "--checkpoint", o / "ck")
