@@ -132,7 +132,8 @@ def read_table(path, fmt=None, string_columns=()):
             import pyarrow.parquet as pq
             if p.is_dir():
                 import pyarrow.dataset as ds
-                files = [f for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_"))]
+                files = [f for f in p.rglob("*")
+                         if f.is_file() and not f.name.startswith((".", "_"))]
                 if not files:
                     raise InputError(f"{path}: the Parquet dataset folder holds no files")
                 table = ds.dataset(str(p), format="parquet", partitioning="hive").to_table()
@@ -207,7 +208,8 @@ def _parse_vector_strings(vals, name, path):
     dim = None
     for i, s in enumerate(vals):
         if s is None:
-            raise InputError(f"{path}: embedding column {name!r} has a missing value at row {i + 1}")
+            raise InputError(f"{path}: embedding column {name!r} has a missing value at row "
+                             f"{i + 1}")
         body = s.strip().strip("[]()").replace(",", " ").split()
         try:
             v = np.array(body, dtype=np.float64)
@@ -232,7 +234,8 @@ def embedding_matrix(table, name, path):
     n = len(col)
     first = _first_null(col)
     if first is not None:
-        raise InputError(f"{path}: embedding column {name!r} has a missing value at row {first + 1}")
+        raise InputError(f"{path}: embedding column {name!r} has a missing value at row "
+                         f"{first + 1}")
     if pa.types.is_fixed_size_list(t):
         D = t.list_size
         vt = t.value_type

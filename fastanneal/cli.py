@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -382,7 +381,8 @@ class _CheckpointStore:
         meta, data = got
         rows = json.loads(str(data["rows"]))
         return dict(step=meta["step"], T=meta["T"], T_start=meta["T_start"], T_end=meta["T_end"],
-                    T_c=meta.get("T_c"), mass_constrained=meta["mass_constrained"], rng_state=meta["rng_state"],
+                    T_c=meta.get("T_c"), mass_constrained=meta["mass_constrained"],
+                    rng_state=meta["rng_state"],
                     centers=data["centers"], logp=data["logp"] if meta["has_logp"] else None,
                     rows=rows)
 
@@ -474,7 +474,8 @@ def fit_model(X, w, args, console):
     """Fit AnnealedKMeans as the arguments say; with ``--checkpoint``, save the state every
     ``--checkpoint-every`` steps and resume from it (or reuse a finished fit)."""
     from .schedules import make_schedule
-    params = dict(n_clusters=int(args.k), metric=args.metric, responsibilities=args.responsibilities,
+    params = dict(n_clusters=int(args.k), metric=args.metric,
+                  responsibilities=args.responsibilities,
                   schedule=args.schedule, n_steps=int(args.steps), random_state=int(args.seed))
     key = _fit_key(X, w, params)
     store = None
