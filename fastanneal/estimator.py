@@ -52,6 +52,21 @@ def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
     return centers
 
 
+def _top_eigenvalue(source, Xmem, w, mean, rng):
+    """lambda_max of the weighted covariance (1/W). In memory with D <= 2048: the exact
+    covariance by float64 GEMMs over row blocks and ``eigvalsh`` (fast, no iteration);
+    otherwise power iteration on additive moments through the source."""
+    if Xmem is not None and Xmem.shape[1] <= 2048:
+        D = Xmem.shape[1]
+        Cov = np.zeros((D, D))
+        for b in range(0, Xmem.shape[0], 16384):
+            Z = Xmem[b:b + 16384].astype(np.float64) - mean
+            Cov += (Z * w[b:b + 16384, None]).T @ Z
+        Cov /= w.sum()
+        return float(max(np.linalg.eigvalsh(Cov)[-1], 0.0))
+    return float(source.cluster_top_eigenvalues(mean[None, :], 100, rng)[0])
+
+
 def _n_distinct_rows(X, rng, cap):
     """Number of distinct rows, counted up to ``cap`` (hash by a random projection)."""
     v = rng.standard_normal(X.shape[1])
@@ -272,8 +287,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                                  f"points with non-zero weight ({nd})")
         if not scale > 0 and K > 1:
             raise ValueError("all rows are identical: more than one cluster is undefined")
-        lam = source.cluster_top_eigenvalues(mean[None, :], 100, rng)[0]
-        self.critical_temperature_ = 2.0 * float(lam)
+        self.critical_temperature_ = 2.0 * _top_eigenvalue(source, Xmem, w, mean, rng)
 
         best = None
         for run in range(int(self.n_init)):
