@@ -1,0 +1,227 @@
+"""AdaptiveSchedule: the feedback rule of THEORY.md section 5 on synthetic schedule states,
+and runs through the engine, the gradient solver and the estimator.
+
+The rule, written out here as the oracle:
+``T_{t+1} = clamp(T_t exp(clip(-eta (H_t - H*(t)) / sigma_H + beta (g_t / gbar_t - 1))))``
+with ``H*(t) = log K (1 - t / (n_steps - 1))``, ``sigma_H`` the sample standard deviation of
+the entropies so far (floored at ``sigma_floor log K``), ``gbar`` an exponential mean of g.
+"""
+import math
+import warnings
+
+import numpy as np
+import pytest
+from sklearn.metrics import adjusted_rand_score
+
+from fastanneal import AnnealedKMeans
+from fastanneal._engine import EngineConfig, anneal
+from fastanneal._gradient_solver import anneal_gradient
+from fastanneal._sources import InMemorySource
+from fastanneal._trace import Trace
+from fastanneal.adaptive import AdaptiveSchedule
+from fastanneal.schedules import ScheduleState, make_schedule
+
+K = 8
+LOGK = math.log(K)
+
+
+def st(step, T, H, g=math.nan, scale=1.0, T_start=1.0):
+    extra = {} if scale is None else {"scale": scale}
+    return ScheduleState(step=step, T=T, T_start=T_start, T_end=0.05 * T_start, entropy=H,
+                         grad_norm=g, n_distinct=K, n_clusters=K, extra=extra)
+
+
+def run(states, **kw):
+    """Feed a sequence of states; return the list of next temperatures."""
+    kw.setdefault("n_steps", 20)
+    s = AdaptiveSchedule(**kw)
+    s.start(states[0].T_start, states[0].T_end)
+    return [s.next_temperature(x) for x in states], s
+
+
+def on_target(t, n=20):
+    return LOGK * (1 - t / (n - 1))
+
+
+# ----------------------------------------------------------------------------- the rule
+def test_on_target_holds_temperature():
+    states = [st(t, 0.5, on_target(t)) for t in range(5)]
+    out, _ = run(states)
+    assert out == pytest.approx([0.5] * 5, rel=1e-12)
+
+
+def test_too_hot_cools_faster():
+    base = [st(t, 0.5, on_target(t)) for t in range(4)]
+    plain, _ = run(base)
+    hot, _ = run(base[:3] + [st(3, 0.5, on_target(3) + 0.1)])
+    hotter, _ = run(base[:3] + [st(3, 0.5, on_target(3) + 0.2)])
+    assert hot[-1] < plain[-1] == pytest.approx(0.5)
+    assert hotter[-1] < hot[-1]
+
+
+def test_crystallized_early_warms_back():
+    base = [st(t, 0.5, on_target(t)) for t in range(4)]
+    plain, _ = run(base)
+    cold, _ = run(base[:3] + [st(3, 0.5, on_target(3) - 0.2)])
+    assert cold[-1] > 0.5 == pytest.approx(plain[-1])
+
+
+def test_gradient_surge_slows_cooling():
+    """Same entropies (too hot: cooling), g steady then a surge at the last step."""
+    Hs = [on_target(t) + 0.4 for t in range(6)]
+    steady = [st(t, 0.5, Hs[t], g=2.0) for t in range(6)]
+    surge = steady[:5] + [st(5, 0.5, Hs[5], g=8.0)]
+    drop = steady[:5] + [st(5, 0.5, Hs[5], g=0.5)]
+    a, _ = run(steady)
+    b, _ = run(surge)
+    c, _ = run(drop)
+    assert a[-1] < 0.5                      # it cools ...
+    assert a[-1] < b[-1]                    # ... more slowly after a surge
+    assert c[-1] < a[-1]                    # a gradient drop speeds the cooling up
+
+
+def test_nan_gradient_means_no_beta_term():
+    Hs = [on_target(t) + 0.3 * (-1) ** t for t in range(6)]
+    nan_g, _ = run([st(t, 0.5, Hs[t]) for t in range(6)], beta=2.0)
+    no_beta, _ = run([st(t, 0.5, Hs[t], g=1.0 + t) for t in range(6)], beta=0.0)
+    assert nan_g == pytest.approx(no_beta, rel=1e-12)
+
+
+def test_rule_matches_written_formula():
+    rng = np.random.default_rng(0)
+    eta, beta, floor, a, n = 0.7, 0.4, 0.1, 0.3, 12
+    Ts = rng.uniform(0.2, 0.8, n)
+    Hs = rng.uniform(0.0, LOGK, n)
+    gs = rng.uniform(0.5, 3.0, n)
+    s = AdaptiveSchedule(n_steps=n, eta=eta, beta=beta, sigma_floor=floor, grad_smoothing=a,
+                         max_log_step=50.0, T_min_ratio=1e-9, T_max_ratio=1e9)
+    s.start(1.0, 0.05)
+    gbar = gs[0]
+    for t in range(n):
+        got = s.next_temperature(st(t, Ts[t], Hs[t], gs[t]))
+        if t > 0:
+            gbar = (1 - a) * gbar + a * gs[t]
+        sd = np.std(Hs[:t + 1], ddof=1) if t > 0 else 0.0
+        sigma = max(sd, floor * LOGK)
+        H_ref = LOGK * (1 - t / (n - 1))
+        expo = -eta * (Hs[t] - H_ref) / sigma + beta * (gs[t] / gbar - 1)
+        if t == n - 1:
+            assert got is None
+        else:
+            assert got == pytest.approx(Ts[t] * math.exp(expo), rel=1e-10)
+
+
+def test_reference_entropy_falls_from_log_k_to_end():
+    s = AdaptiveSchedule(n_steps=11)
+    ref = [s.reference_entropy(t, LOGK) for t in range(11)]
+    assert ref[0] == pytest.approx(LOGK) and ref[-1] == pytest.approx(0.0, abs=1e-15)
+    assert np.all(np.diff(ref) < 0)
+    s = AdaptiveSchedule(n_steps=5, reference=lambda t, n, lk: 0.5 * lk)
+    assert s.reference_entropy(3, LOGK) == pytest.approx(0.5 * LOGK)
+
+
+@pytest.mark.parametrize("scale", [2.0, None])
+def test_clamped_to_scale_relative_bounds(scale):
+    """Extreme feedback ends exactly at T_min / T_max (data scale, else T_start)."""
+    T_start = 3.0
+    base = scale if scale is not None else T_start
+    T = T_start
+    s = AdaptiveSchedule(n_steps=400, eta=5.0, max_log_step=5.0)
+    s.start(T_start, 0.1)
+    for t in range(60):                     # far too hot every step: cool to the floor
+        T = s.next_temperature(st(t, T, LOGK, scale=scale, T_start=T_start))
+        assert 0.005 * base * (1 - 1e-12) <= T <= 50 * base * (1 + 1e-12)
+    assert T == pytest.approx(0.005 * base)
+    for t in range(60, 120):                # crystallized every step: warm to the ceiling
+        T = s.next_temperature(st(t, T, 0.0, scale=scale, T_start=T_start))
+    assert T == pytest.approx(50 * base)
+
+
+def test_step_factor_is_limited():
+    s = AdaptiveSchedule(n_steps=10, eta=100.0, max_log_step=0.5)
+    s.start(1.0, 0.05)
+    assert s.next_temperature(st(0, 1.0, LOGK + 3)) == pytest.approx(math.exp(-0.5))
+
+
+def test_stops_after_n_steps():
+    s = AdaptiveSchedule(n_steps=4)
+    s.start(1.0, 0.05)
+    out = [s.next_temperature(st(t, 1.0, on_target(t, 4))) for t in range(4)]
+    assert out[:3] == pytest.approx([1.0] * 3) and out[3] is None
+    assert len(s.history_) == 4 and s.history_[-1]["T_next"] is None
+
+
+def test_restart_resets_running_statistics():
+    states = [st(t, 0.5, on_target(t) + 0.2 * t, g=1.0 + t) for t in range(5)]
+    first, s = run(states)
+    s.start(1.0, 0.05)
+    second = [s.next_temperature(x) for x in states]
+    assert first == second
+
+
+def test_validation_and_factory():
+    for bad in (dict(n_steps=0), dict(eta=-1), dict(T_min_ratio=2, T_max_ratio=1),
+                dict(grad_smoothing=0), dict(sigma_floor=0), dict(max_log_step=0)):
+        with pytest.raises(ValueError):
+            AdaptiveSchedule(**bad)
+    with pytest.raises(TypeError):
+        AdaptiveSchedule(reference=3)
+    s = make_schedule("adaptive", 12)
+    assert isinstance(s, AdaptiveSchedule) and s.n_steps == 12
+    assert "eta=0.5" in repr(s)
+
+
+# ----------------------------------------------------------------------------- runs
+def blobs(rng, n=600, d=4, k=4, sep=8.0):
+    """k <= d unit-variance blobs with means on a simplex, pairwise distance ``sep``."""
+    means = np.eye(k, d) * sep / math.sqrt(2.0)
+    y = rng.integers(0, k, n)
+    X = means[y] + rng.standard_normal((n, d))
+    return np.ascontiguousarray(X), y
+
+
+def scale_of(X):
+    return float(((X - X.mean(0)) ** 2).sum(1).mean())
+
+
+@pytest.mark.parametrize("solver", ["lloyd", "gradient"])
+def test_adaptive_through_the_engine(solver):
+    rng = np.random.default_rng(3)
+    k = 4
+    X, y = blobs(rng, k=k)
+    w = np.ones(len(X))
+    src = InMemorySource(X, w, 0)
+    scale = scale_of(X)
+    C0 = X[rng.choice(len(X), k, replace=False)]
+    cfg = EngineConfig(n_clusters=k, mass_constrained=False)
+    sched = AdaptiveSchedule(n_steps=12)
+    trace = Trace()
+    fn = anneal if solver == "lloyd" else anneal_gradient
+    kw = {} if solver == "lloyd" else {"steps_per_temperature": 4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = fn(src, C0, sched, 0.5 * scale, 0.01 * scale, cfg, np.random.default_rng(0),
+                 scale, trace, **kw)
+    d = trace.as_dict()
+    Ts = d["temperature"][d["step"] >= 0]
+    assert len(Ts) == 12 and res.n_steps == 12
+    assert np.all((Ts >= 0.005 * scale * (1 - 1e-12)) & (Ts <= 50 * scale * (1 + 1e-12)))
+    assert len(np.unique(Ts)) > 3                        # it adapts
+    assert [h["T_next"] for h in sched.history_[:-1]] == pytest.approx(list(Ts[1:]))
+    grad_terms = [h["grad_term"] for h in sched.history_]
+    if solver == "lloyd":
+        assert np.all(np.isnan(d["grad_norm"])) and not any(grad_terms)
+    else:
+        assert np.all(np.isfinite(d["grad_norm"][d["step"] >= 0])) and any(grad_terms)
+    labels = src.assign(res.centers)[0]
+    assert adjusted_rand_score(y, labels) > 0.95
+
+
+def test_estimator_with_adaptive_schedule():
+    rng = np.random.default_rng(5)
+    X, y = blobs(rng, k=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        km = AnnealedKMeans(3, schedule="adaptive", n_steps=10, random_state=0).fit(X)
+    assert km.n_steps_ == 10
+    assert adjusted_rand_score(y, km.labels_) > 0.95
