@@ -281,7 +281,8 @@ def test_soft_step_is_preconditioned_gradient_step(rng, with_prior):
             Cp, Cm = C.copy(), C.copy()
             Cp[k, j] += h
             Cm[k, j] -= h
-            fd[k, j] = (free_energy_np(X, w, Cp, T, logp) - free_energy_np(X, w, Cm, T, logp)) / (2 * h)
+            Fp, Fm = free_energy_np(X, w, Cp, T, logp), free_energy_np(X, w, Cm, T, logp)
+            fd[k, j] = (Fp - Fm) / (2 * h)
     assert_allclose(grad, fd, rtol=1e-5, atol=1e-6 * np.abs(grad).max())
 
 
@@ -419,9 +420,9 @@ def test_public_helpers_accept_float32_rows_with_float64_centers(rng, fn):
     inside Numba."""
     X = rng.standard_normal((50, 3)).astype(np.float32)
     C = rng.standard_normal((4, 3))
-    args = (X, C, 1.0) if fn == "responsibilities" else (X, C)
-    ref_args = (X, C.astype(np.float32), 1.0) if fn == "responsibilities" else (X, C.astype(np.float32))
-    out = getattr(fastanneal, fn)(*args)
-    ref = getattr(fastanneal, fn)(*ref_args)
-    for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+    extra = (1.0,) if fn == "responsibilities" else ()
+    out = getattr(fastanneal, fn)(X, C, *extra)
+    ref = getattr(fastanneal, fn)(X, C.astype(np.float32), *extra)
+    out, ref = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for a, b in zip(out, ref):
         assert_allclose(a, b, rtol=1e-6, atol=1e-6)
