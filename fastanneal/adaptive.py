@@ -44,8 +44,10 @@ class AdaptiveSchedule(Schedule):
     n_steps : int, default 30
         Budget: number of temperature steps (the run stops after ``n_steps`` steps) and the
         length over which ``H*`` falls from ``log K`` to ``H_end``.
-    eta : float >= 0, default 0.5
-        Gain of the entropy term (per standard deviation of the entropy).
+    eta : float >= 0, default 1.0
+        Gain of the entropy term (per standard deviation of the entropy). Chosen for the
+        tracking error ``rms(H_t - H*(t))`` on an anisotropic synthetic set (K = 20, both
+        solvers): 0.5 lags more, 2 oscillates.
     beta : float >= 0, default 0.5
         Gain of the gradient-norm term.
     T_min_ratio, T_max_ratio : float, default 0.005 and 50
@@ -68,7 +70,7 @@ class AdaptiveSchedule(Schedule):
         grad_norm, grad_mean, entropy_term, grad_term, T_next`` (``T_next`` None at the end).
     """
 
-    def __init__(self, n_steps=30, eta=0.5, beta=0.5, T_min_ratio=0.005, T_max_ratio=50.0,
+    def __init__(self, n_steps=30, eta=1.0, beta=0.5, T_min_ratio=0.005, T_max_ratio=50.0,
                  H_end=0.0, sigma_floor=0.1, grad_smoothing=0.3, max_log_step=1.0,
                  reference=None):
         if int(n_steps) < 1:
