@@ -356,8 +356,10 @@ def _check_trace(km, W, K, resp="softmax", mass_constrained=False):
     assert np.all(d["hardening_gap"] >= -tol)
     assert np.all(np.diff(d["iteration"]) > 0)
     assert np.all(np.diff(d["wall_time"]) >= 0)
-    # the final record is the polish: its J is the fitted inertia
-    assert J[-1] == pytest.approx(km.inertia_, rel=1e-9)
+    # the final record is the polish pass from the centers before the last Lloyd update
+    # (stopped by tolerance): its J is the fitted inertia, up to that last update's gain
+    assert km.inertia_ <= J[-1] * (1 + 1e-12)
+    assert J[-1] == pytest.approx(km.inertia_, rel=1e-6)
 
 
 @pytest.mark.parametrize("params", [

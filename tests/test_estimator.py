@@ -125,10 +125,11 @@ def test_low_temperature_path_reproduces_sklearn_lloyd(rng, responsibilities, t_
 # ----------------------------------------------------------------------------- dtypes
 def test_float32_and_float64_fits_agree(rng):
     K = 4
-    X, _ = blobs(rng, K=K, D=5, n_per=100)
+    X, y = blobs(rng, K=K, D=5, n_per=100)
     X32 = X.astype(np.float32)
     X64 = X32.astype(np.float64)                       # the same numbers in both dtypes
-    C0 = X64[rng.choice(len(X), K, replace=False)]
+    # one seed per blob (seeds that leave a cluster numerically empty: the next test)
+    C0 = X64[[rng.choice(np.nonzero(y == k)[0]) for k in rng.permutation(K)]]
     params = dict(n_clusters=K, init=C0, random_state=0, **FAST)
     a = AnnealedKMeans(**params).fit(X32)
     b = AnnealedKMeans(**params).fit(X64)
@@ -142,6 +143,28 @@ def test_float32_and_float64_fits_agree(rng):
     assert_array_equal(a.predict(X32), b.predict(X64))
     assert a.transform(X32).dtype == np.float32
     assert a.predict_proba(X32).dtype == np.float32
+
+
+def test_numerically_empty_cluster_is_handled_alike_in_both_dtypes(rng):
+    """Three blobs (at 0, 20 e1, 20 e2), seeds: a point of blob A, a far seed F = -30 e1 and
+    the midpoint M of the other two blobs, T0 = 36. F's soft mass is ~exp(-25) per row of A:
+    below float32's truncation (2^-24 of the row maximum), so in float32 the cluster is
+    exactly empty and relocated (split of M's two-blob cluster: the optimum, J ~ 900);
+    float64 keeps the ~1e-9 mass, moves F to the mean of those tails (the edge of A) and
+    ends in the local optimum with B and C merged (J ~ 41,000). A cluster with a
+    numerically negligible mass must be treated the same way in both dtypes."""
+    cent = np.array([[0.0, 0.0, 0.0], [20.0, 0.0, 0.0], [0.0, 20.0, 0.0]])
+    X = np.concatenate([c + rng.standard_normal((100, 3)) for c in cent])
+    C0 = np.stack([X[0], [-30.0, 0.0, 0.0], [10.0, 10.0, 0.0]])
+    params = dict(n_clusters=3, init=C0, temperature_start=36.0, random_state=0, **FAST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AnnealingWarning)
+        a = AnnealedKMeans(**params).fit(X.astype(np.float32))
+        b = AnnealedKMeans(**params).fit(X)
+    assert a.inertia_ == pytest.approx(b.inertia_, rel=1e-4), (
+        f"float32: J = {a.inertia_:.1f}, {a.n_relocations_} relocation(s); "
+        f"float64: J = {b.inertia_:.1f}, {b.n_relocations_} relocation(s)")
+    assert_array_equal(a.labels_, b.labels_)
 
 
 @pytest.mark.parametrize("fit_dtype, predict_dtype", [(np.float64, np.float32),
