@@ -15,6 +15,9 @@ from .schedules import ScheduleState
 log = logging.getLogger("fastanneal")
 
 RESP_HARD = 2
+#: Clusters with soft mass at most this fraction of the total weight are empty (relocated):
+#: one threshold for float32 and float64, at float32's resolution.
+MIN_MASS = 2.0 ** -24
 
 
 class AnnealingWarning(UserWarning):
@@ -116,18 +119,20 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
         for _ in range(max(1, cfg.max_iter)):
             m = source.moments(C, T, cfg.resp, logp, hard_sums=False)
             logp_m = logp
-            upd = m.finalize(previous_centers=C)
+            upd = m.finalize(previous_centers=C, min_mass=MIN_MASS)
             Cn = upd.centers
             n_iter += 1
             if logp is not None:
                 p = m.N / max(m.weight, 1e-300)
                 logp = np.log(np.maximum(p, 1e-300))
             if upd.empty.any():
+                Nk = np.where(upd.empty, 0.0, m.N)
                 for k in np.nonzero(upd.empty)[0]:
-                    _split_largest(Cn, m.N, k, rng, delta)
-                    if logp is not None:
-                        logp[k] = logp[int(np.argmax(m.N))]
+                    donor = _split_largest(Cn, Nk, k, rng, delta)
+                    Nk[k] = Nk[donor] = Nk[donor] / 2.0   # the donor's mass is shared
                     relocated += 1
+                if logp is not None:                        # masses still sum to 1
+                    logp = np.log(np.maximum(Nk / max(Nk.sum(), 1e-300), 1e-300))
                 Cn = _project(Cn, source.metric)
             shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
             C = Cn

@@ -172,11 +172,13 @@ class Moments:
             "min_margin": self.min_margin,
         }
 
-    def finalize(self, previous_centers=None, hard=False):
+    def finalize(self, previous_centers=None, hard=False, min_mass=0.0):
         """New centers (``S/N``, or the hard sums for ``hard=True``) and objectives.
 
-        Clusters with zero mass keep their previous center (NaN when none is given) and are
-        flagged in ``empty``; relocating them is the engine's decision, not the record's.
+        Clusters with mass ``N_k <= min_mass * W`` keep their previous center (NaN when none
+        is given) and are flagged in ``empty``; relocating them is the engine's decision,
+        not the record's. The engine uses ``min_mass = 2^-24`` for every dtype, so that a
+        cluster fed only by float32-negligible tails is empty in float32 and float64 alike.
         """
         if hard:
             if self.hard_sums is None:
@@ -184,7 +186,7 @@ class Moments:
             N, S = self.hard_counts, self.hard_sums
         else:
             N, S = self.N, self.S
-        empty = ~(N > 0)
+        empty = ~(N > min_mass * self.weight) | ~(N > 0)
         with np.errstate(invalid="ignore", divide="ignore"):
             centers = S / N[:, None]
         if self.metric == "cosine":

@@ -12,7 +12,7 @@ COLUMNS = {
     "hard_distortion": "hard objective J of the same centers",
     "soft_distortion": "expected distortion of the randomized (soft) rule, sum w r d",
     "hardening_gap": "soft distortion - J of the same centers (>= 0): what hardening gains",
-    "certificate_gap": "J - F_T (>= 0)",
+    "certificate_gap": "J - F_T (>= 0 for plain responsibilities, <= 0 mass-constrained)",
     "certificate_bound": "T W log K, the upper bound on J - F_T (entmax15: (4/3) T W "
                          "(1 - K^-1/2)); mass-constrained softmax: the lower bound "
                          "T sum_k J-weight_k log p_k (then J - F_T <= 0)",
