@@ -23,26 +23,66 @@ from ._moments import assign, compute_moments
 
 
 def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
-    """Top eigenvalue of each cluster covariance by power iteration on ``matvec(mu, V)``
-    (which returns ``sum_{i in k} w_i (x_i - mu_k)((x_i - mu_k).v_k)``); shared by sources.
-    With ``return_vectors`` also the unit top eigenvectors (K, D)."""
+    """Top eigenvalue of each cluster covariance (1/W_k), for all clusters at once.
+
+    ``matvec(mu, V)`` returns ``sum_{i in k} w_i (x_i - mu_k)((x_i - mu_k).v_k)`` for one
+    vector per cluster (an additive moment: every source can provide it). The iteration is
+    Lanczos with full re-orthogonalisation, one Krylov basis per cluster, at most
+    ``n_iter`` matvecs: unlike the plain power iteration it does not stall near
+    ``lambda_2`` when the spectral gap is small or the start vector is nearly orthogonal
+    to the top eigenvector. With ``return_vectors`` also the unit top Ritz vectors (K, D).
+    """
+    from scipy.linalg import eigh_tridiagonal
     K, D = mu.shape
-    V = rng.standard_normal((K, D))
-    V /= np.linalg.norm(V, axis=1, keepdims=True)
+    m = int(max(1, min(n_iter, D)))
+    wsafe = np.where(wk > 0, wk, 1.0)
+    Q = np.zeros((m + 1, K, D))
+    v = rng.standard_normal((K, D))
+    v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-300)
+    Q[0] = v
+    alpha = np.zeros((m, K))
+    beta = np.zeros((m, K))
     lam = np.zeros(K)
-    for _ in range(max(1, n_iter)):
-        U = matvec(mu, V)
-        # Rayleigh quotient v.Cv (error ~ (lambda_2/lambda_1)^(2k), vs ^k for ||Cv||)
-        rq = np.einsum("ij,ij->i", V, U)
-        new = np.where(wk > 0, rq / np.where(wk > 0, wk, 1.0), 0.0)
-        norms = np.linalg.norm(U, axis=1)
-        ok = norms > 0
-        V[ok] = U[ok] / norms[ok, None]
-        done = np.all(np.abs(new - lam) <= 1e-7 * np.maximum(np.abs(new), 1e-300))
-        lam = new
-        if done:
-            break
-    return (lam, V) if return_vectors else lam
+    Y = np.zeros((K, m))
+    steps = 0
+
+    def ritz(j):
+        lam_j = np.zeros(K)
+        for k in range(K):
+            a = alpha[:j + 1, k]
+            if j == 0:
+                lam_j[k] = a[0]
+                Y[k, 0] = 1.0
+                continue
+            ev, vec = eigh_tridiagonal(a, beta[:j, k])
+            lam_j[k] = ev[-1]
+            Y[k, :j + 1] = vec[:, -1]
+        return lam_j
+
+    for j in range(m):
+        U = matvec(mu, Q[j]) / wsafe[:, None]
+        alpha[j] = np.einsum("kd,kd->k", Q[j], U)
+        # full re-orthogonalisation against the basis so far (twice is enough)
+        for _ in range(2):
+            coef = np.einsum("jkd,kd->jk", Q[:j + 1], U)
+            U -= np.einsum("jk,jkd->kd", coef, Q[:j + 1])
+        b = np.linalg.norm(U, axis=1)
+        beta[j] = b
+        steps = j + 1
+        ok = b > 1e-10 * np.maximum(np.abs(alpha[j]), 1e-300)
+        Q[j + 1][ok] = U[ok] / b[ok, None]
+        if (j + 1) % 5 == 0 or j == m - 1 or not ok.any():
+            new = ritz(j)
+            done = np.all(np.abs(new - lam) <= 1e-9 * np.maximum(np.abs(new), 1e-300))
+            lam = new
+            if done or not ok.any():
+                break
+    lam = np.where(wk > 0, np.maximum(lam, 0.0), 0.0)
+    if not return_vectors:
+        return lam
+    V = np.einsum("kj,jkd->kd", Y[:, :steps], Q[:steps])
+    V /= np.maximum(np.linalg.norm(V, axis=1, keepdims=True), 1e-300)
+    return lam, V
 
 
 class InMemorySource:

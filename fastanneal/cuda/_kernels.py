@@ -442,7 +442,7 @@ def rows_kernel(G, m, w, r0, logp, use_prior, T, resp, log_eps, rows_per_block, 
             a_hard += wi * d1
             a_w += wi
             a_nnz += nnz
-            if K > 1:
+            if K > 1 and wi > 0.0:       # zero-weight rows are absent rows (as on the CPU)
                 marg = d2 - d1
                 if marg < a_min:
                     a_min = marg
