@@ -98,13 +98,31 @@ def embedding_block(arr, D, dtype, where, row0=0, column="embedding"):
     return np.ascontiguousarray(vals, dtype=dtype).reshape(n, D)
 
 
-def read_parquet_piece(file, row_groups, column, D, dtype, row0=0):
-    """Read the embedding column of some row groups of one file as an ``(n, D)`` array."""
+def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=8192):
+    """Read the embedding column of some row groups of one file as an ``(n, D)`` array.
+
+    Decoded ``batch_rows`` rows at a time straight into one NumPy array, and Arrow's pool
+    handed its unused memory back afterwards: a chunk costs its own size plus one small
+    batch, and Arrow's allocator (mimalloc / jemalloc) does not keep the pages of every
+    chunk a streaming pass has read.
+    """
+    import pyarrow as pa
     import pyarrow.parquet as pq
-    with pq.ParquetFile(file) as pf:
-        tab = pf.read_row_groups(row_groups, columns=[column])
     where = f"{os.path.basename(file)} row groups {row_groups[0]}-{row_groups[-1]}"
-    return embedding_block(tab.column(0), D, dtype, where, row0, column)
+    with pq.ParquetFile(file, pre_buffer=False) as pf:
+        n = sum(pf.metadata.row_group(rg).num_rows for rg in row_groups)
+        out = np.empty((n, D), dtype=dtype)
+        r = 0
+        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups,
+                                     columns=[column], use_threads=False):
+            m = batch.num_rows
+            out[r:r + m] = embedding_block(batch.column(0), D, dtype, where, row0 + r, column)
+            r += m
+            del batch
+    if r != n:
+        raise ValueError(f"{where} of {file} has {r} rows; its metadata says {n}")
+    pa.default_memory_pool().release_unused()
+    return out
 
 
 def read_parquet_values(file, row_groups, column, dtype):

@@ -547,8 +547,8 @@ class MiniBatchAnnealer:
     ``batches_per_step`` updates. Then ``polish_passes`` streaming Lloyd passes (T = 0) and a
     final streaming pass compute the hard objective ``J``, the free energy at the final
     temperature, the cluster weights and -- with ``labels_path`` -- write the labels. Memory
-    stays bounded by ``(prefetch + 1) * batch`` chunks on the workers (the streaming passes:
-    ``2 * worker threads`` chunks), whatever the size of the data.
+    stays bounded by ``(prefetch + 1)`` batches of chunks on the workers (the streaming
+    passes: ``2 * worker threads`` chunks in flight), whatever the size of the data.
 
     Parameters
     ----------
@@ -571,7 +571,7 @@ class MiniBatchAnnealer:
     polish_passes : int, default=1
         Full streaming Lloyd passes at T = 0 after annealing.
     prefetch : int, default=1
-        Batches read ahead while the current one is reduced.
+        Batches read ahead while the current one is reduced (0: none).
     scheduler : str, distributed.Client or None
         As ``AnnealedKMeans(scheduler=...)``.
 
@@ -727,10 +727,8 @@ class MiniBatchAnnealer:
         batches = self._batches(plan, batch_chunks, rng)
         queue = deque()
 
-        def refill():
-            while len(queue) < prefetch + 1:
-                b = next(batches)
-                queue.append([plan.prepared(i) for i in b])
+        def submit_next():
+            queue.append([plan.prepared(i) for i in next(batches)])
 
         trace = state.trace
         n_batches = 0
@@ -739,9 +737,11 @@ class MiniBatchAnnealer:
             step_m = None
             rel0 = state.relocations
             for _ in range(bps):
-                refill()
+                if not queue:
+                    submit_next()
                 futs = queue.popleft()
-                refill()          # read ahead while this batch is reduced
+                while len(queue) < prefetch:      # read ahead while this batch is reduced
+                    submit_next()
                 cf = plan.put(np.ascontiguousarray(state.centers, dtype=plan.dtype))
                 parts = plan.client.map(ch.chunk_moments, futs, C=cf, T=T, metric=metric,
                                         resp=rc, log_prior=state.log_prior, hard_sums=False,

@@ -1,6 +1,7 @@
 """``DaskSource``: full-batch moments over persisted chunks on a Dask cluster."""
 import logging
 import warnings
+import weakref
 
 import numpy as np
 
@@ -76,6 +77,7 @@ class DaskSource(_Submitter):
     def __init__(self, X, w, metric, handle):
         import dask
         super().__init__(handle)
+        self._finalizer = weakref.finalize(self, handle.close)
         self.metric = int(metric)
         self.dtype = dask_dtype(X.dtype)
         self.n_rows, self.n_features = (int(s) for s in X.shape)
@@ -220,10 +222,10 @@ class DaskSource(_Submitter):
                 pass
 
     def close(self):
-        """Release the persisted chunks and close what this source started."""
+        """Release the persisted chunks and close what this source started (also done when
+        the source is garbage-collected, e.g. after a fit that raised)."""
         self._release()
-        if self.handle is not None:
-            self.handle.close()
+        self._finalizer()
 
     def __enter__(self):
         return self
