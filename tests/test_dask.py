@@ -117,6 +117,8 @@ def test_source_matches_in_memory(client, data, chunks, metric):
         from fastanneal.estimator import _n_distinct_rows
         assert src.n_distinct_rows(np.random.default_rng(9), 10 ** 9) == \
             _n_distinct_rows(Xm, np.random.default_rng(9), 10 ** 9)
+        Z = Xm - mem.mean()
+        assert rel(src.covariance(), (Z * w[:, None]).T @ Z / w.sum()) <= TOL
     finally:
         src.close()
 
@@ -138,26 +140,32 @@ def test_fit_matches_in_memory(client, data, chunks):
 
 
 def test_default_pipeline_matches_in_memory(client, data, monkeypatch):
-    """k-means++ seeding from ``source.sample`` and T_start="auto": the Dask fit equals the
-    in-memory fit when both draw the same numbers from the generator. The in-memory fit
-    draws a projection for its distinct-rows check; the Dask fit draws the same one only
-    when the estimator asks ``source.n_distinct_rows`` -- otherwise the partitions must still
-    agree on these separated blobs."""
+    """k-means++ seeding from ``source.sample`` and T_start="auto": the Dask fit reaches the
+    in-memory partition with the same centers (up to their order). The order too is the
+    same when both draw the same numbers from the generator, i.e. when the estimator asks
+    the source for ``n_distinct_rows`` and ``covariance`` as it computes them in memory."""
     X, y = data
-    calls = []
-    orig = DaskSource.n_distinct_rows
+    calls = set()
+    for name in ("n_distinct_rows", "covariance"):
+        orig = getattr(DaskSource, name)
 
-    def spy(self, rng, cap):
-        calls.append(cap)
-        return orig(self, rng, cap)
-    monkeypatch.setattr(DaskSource, "n_distinct_rows", spy)
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            calls.add(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(DaskSource, name, spy)
     mem = fa.AnnealedKMeans(6, random_state=1, n_steps=8).fit(X)
     dsk = fa.AnnealedKMeans(6, random_state=1, n_steps=8, scheduler=client).fit(
         da.from_array(X, chunks=((700, 0, 2300, 3000), -1)))
     assert ari(dsk.labels_, mem.labels_) == 1.0
-    if calls:
+    perm = np.argmin(((mem.cluster_centers_[:, None] - dsk.cluster_centers_[None]) ** 2)
+                     .sum(-1), axis=1)
+    assert sorted(perm) == list(range(6))
+    assert rel(dsk.cluster_centers_[perm], mem.cluster_centers_) <= TOL
+    assert dsk.temperature_start_ == pytest.approx(mem.temperature_start_, rel=TOL)
+    assert dsk.inertia_ == pytest.approx(mem.inertia_, rel=TOL)
+    if calls == {"n_distinct_rows", "covariance"}:
         assert rel(dsk.cluster_centers_, mem.cluster_centers_) <= TOL
-        assert dsk.temperature_start_ == pytest.approx(mem.temperature_start_, rel=TOL)
+        assert dsk.critical_temperature_ == pytest.approx(mem.critical_temperature_, rel=TOL)
 
 
 def test_fitted_attributes_are_numpy_and_pickle(client, data):
