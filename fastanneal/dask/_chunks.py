@@ -8,7 +8,7 @@ import numba
 import numpy as np
 
 from .. import _kernels as K_
-from .._moments import Moments, assign, compute_moments
+from .._moments import assign, compute_moments
 from .._validation import normalize_rows
 
 _lock = threading.Lock()

@@ -308,11 +308,12 @@ def embeddings_from_dataframe(df, column="embedding", weight=None, id=None, *, d
             raise ValueError(f"column {column!r} has no rows")
         D = len(first)
         if dtype is None:
-            dtype = np.float32 if np.asarray(first).dtype in (np.float32, np.float16) else np.float64
+            small = np.asarray(first).dtype in (np.float32, np.float16)
+            dtype = np.float32 if small else np.float64
         dtype = np.dtype(dtype)
         parts = df.to_delayed()
-        blocks = [da.from_delayed(dask.delayed(_frame_embedding, pure=True)(p, column, D, dtype, i),
-                                  shape=(n, D), dtype=dtype)
+        read = dask.delayed(_frame_embedding, pure=True)
+        blocks = [da.from_delayed(read(p, column, D, dtype, i), shape=(n, D), dtype=dtype)
                   for i, (p, n) in enumerate(zip(parts, lengths))]
         X = da.concatenate(blocks, axis=0)
     else:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import _engine
 from .._engine import AnnealingWarning, _project, _record, _split_largest, min_center_distance
-from .._moments import Moments, compute_moments
+from .._moments import compute_moments
 from .._sources import InMemorySource
 from .._trace import Trace
 from .._validation import as_float_matrix, as_weights, metric_code, normalize_rows, resp_code
@@ -79,6 +80,17 @@ def _as_rng(random_state):
     if isinstance(random_state, np.random.RandomState):
         return np.random.default_rng(random_state.randint(2 ** 31))
     return np.random.default_rng(random_state)
+
+
+def _record_compat(*args, logp=None, **kwargs):
+    """The engine's trace record (with the mass-constrained certificate when it takes
+    ``logp``)."""
+    if logp is not None:
+        try:
+            return _record(*args, logp=logp, **kwargs)
+        except TypeError:
+            pass
+    return _record(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- seeding
@@ -227,7 +239,8 @@ class MiniBatchState:
             N = (1.0 - eta) * self.N + eta * Nb
             S = (1.0 - eta) * self.S + eta * Sb
         C_old = self.centers
-        empty = ~(N > 0)
+        # the engine's emptiness threshold (a share of the weight), here per unit weight
+        empty = ~(N > getattr(_engine, "MIN_MASS", 0.0) * N.sum())
         with np.errstate(invalid="ignore", divide="ignore"):
             C = S / N[:, None]
         if self.metric == 1:
@@ -238,9 +251,10 @@ class MiniBatchState:
         C[empty] = C_old[empty]
         if empty.any():
             delta = 1e-3 * math.sqrt(max(self.scale, 1e-300))
+            N = np.where(empty, 0.0, N)
             for k in np.nonzero(empty)[0]:
                 donor = _split_largest(C, N, k, self.rng, delta)
-                N[k] = N[donor] = 0.5 * N[donor]
+                N[k] = N[donor] = 0.5 * N[donor]         # the donor shares its mass
                 self.relocations += 1
             C = _project(C, self.metric)
             S = C * N[:, None]
@@ -344,12 +358,12 @@ def partial_fit_update(state, X_batch, w=None, T=None):
     if not (math.isfinite(T) and T > 0):
         raise ValueError(f"temperature T must be finite and > 0; got {T}")
     C_before = state.centers
-    m = compute_moments(X, w, C_before, T, state.metric, state.resp, state.log_prior,
-                        hard_sums=False)
+    logp = state.log_prior
+    m = compute_moments(X, w, C_before, T, state.metric, state.resp, logp, hard_sums=False)
     rel0 = state.relocations
     state.update(m)
-    _record(state.trace, state.t - 1, state.t, T, m, state.centers, state.last_shift,
-            state.relocations - rel0, 0, state.n_clusters, state.started)
+    _record_compat(state.trace, state.t - 1, state.t, T, m, state.centers, state.last_shift,
+                   state.relocations - rel0, 0, state.n_clusters, state.started, logp=logp)
     return state
 
 
@@ -736,6 +750,7 @@ class MiniBatchAnnealer:
             T = schedule_temperature(sched, step, T0, T_end, n_steps)
             step_m = None
             rel0 = state.relocations
+            logp_step = state.log_prior
             for _ in range(bps):
                 if not queue:
                     submit_next()
@@ -752,9 +767,10 @@ class MiniBatchAnnealer:
                 n_batches += 1
                 step_m = m if step_m is None else step_m + m
             dmin, _ = min_center_distance(state.centers)
-            _record(trace, step, n_batches, T, _scaled(step_m, W_total / step_m.weight),
-                    state.centers, state.last_shift, state.relocations - rel0, 0, K, t_start,
-                    dmin)
+            _record_compat(trace, step, n_batches, T,
+                           _scaled(step_m, W_total / step_m.weight), state.centers,
+                           state.last_shift, state.relocations - rel0, 0, K, t_start, dmin,
+                           logp=logp_step)
             if self.verbose:
                 log.info("mini-batch step %d T=%.4g F~%.6g J~%.6g rows=%d", step, T,
                          trace[-1]["free_energy"], trace[-1]["hard_distortion"],
