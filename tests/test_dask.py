@@ -206,6 +206,15 @@ def test_numpy_with_backend_dask(client, data):
     a = fa.AnnealedKMeans(6, backend="dask", scheduler=client, **kw).fit(X)
     b = fa.AnnealedKMeans(6, **kw).fit(X)
     assert rel(a.cluster_centers_, b.cluster_centers_) <= TOL
+    # column chunks are joined; unknown row-chunk sizes are computed
+    c = fa.AnnealedKMeans(6, scheduler=client, **kw).fit(da.from_array(X, chunks=(1000, 3)))
+    assert rel(c.cluster_centers_, b.cluster_centers_) <= TOL
+    Xd = da.from_array(X, chunks=(1000, -1))
+    keep = X[:, 0] > -1e9                       # all rows, but Dask cannot know the sizes
+    Xu = Xd[da.from_array(keep, chunks=1000)]
+    assert np.isnan(Xu.shape[0])
+    d = fa.AnnealedKMeans(6, scheduler=client, **kw).fit(Xu)
+    assert rel(d.cluster_centers_, b.cluster_centers_) <= TOL
 
 
 # ------------------------------------------------------------------------------- errors
