@@ -21,6 +21,16 @@ mean, which the estimator computes):
 * ``margin`` (``phi="hinge"``) and ``eps`` (``phi="log"``) are in units of ``scale``
   (they are squared distances).
 
+Drift (Euclidean metric): ``L`` depends on the centers only through the responsibilities,
+and a sharper partition has a smaller ``L_comp``, so Adam also lowers ``L`` by moving the
+centers apart (the logits ``(2 x.c - ||c||^2) / T`` scale like ``||c|| / T``): the effective
+temperature falls below ``T`` and the free centers leave the data (their hard objective
+grows, the Voronoi partition they induce stays meaningful and the polish starts from it).
+On the sphere (cosine) the norm is fixed and there is no drift. ``anchor_weight = rho > 0``
+adds ``rho * F_T / W`` (the deterministic-annealing free energy) to the loss; by the envelope
+theorem its gradient is exactly ``2 rho (N_k c_k - S_k) / W``, which ties each center to its
+soft centroid (one extra moments pass per Adam step). Default 0: the loss as specified.
+
 Adam's moment estimates are reset at every temperature by default (``reset_adam=True``):
 the gradient scale jumps with ``1 / T``, and a second moment carried over from a hotter
 temperature would make the first steps at the colder one too long.
@@ -110,6 +120,8 @@ def anneal_gradient(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace
         Adam's denominator offset (gradient units).
     reset_adam : bool, default True
         Reset Adam's moments at every new temperature.
+    anchor_weight : float >= 0, default 0.0
+        ``rho``: minimize ``L + rho * F_T / W`` (see the module docstring).
 
     The trace gets one record per temperature (``diagnostics="summary"``; one per Adam step
     with ``"full"``, at the cost of one extra moments pass per step) whose ``grad_norm`` is
