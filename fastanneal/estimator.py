@@ -11,6 +11,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from . import _kernels as K_
 from ._engine import (AnnealingWarning, EngineConfig, anneal, anneal_critical,
                       min_center_distance)
+from ._gradient_solver import anneal_gradient
 from ._moments import assign as _assign
 from ._moments import blas_single_thread, log_eps_for
 from ._sources import InMemorySource
@@ -131,6 +132,23 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     verbose : int, default=0
     progress : bool, default=False
         Show a tqdm progress bar over temperature steps (needs ``fastanneal[progress]``).
+    solver : {"lloyd", "gradient"}, default="lloyd"
+        ``"gradient"``: Adam on the centers for ``L = L_comp - separation_weight * L_sep``
+        (:func:`fastanneal.value_and_grad`), ``gradient_steps`` steps per temperature,
+        gradient norms in ``trace_["grad_norm"]``; rows must be in memory.
+    learning_rate : float, default=0.05
+        Adam step per coordinate is ``learning_rate * sqrt(scale / D)`` (scale = mean squared
+        distance to the mean).
+    adam_betas : (float, float), default=(0.9, 0.999)
+    gradient_steps : int, default=10
+    separation_weight : float, default=0.1
+        ``lambda`` in ``L = L_comp - lambda * L_sep``.
+    phi : {"identity", "log", "hinge"}, default="identity"
+        Separation transform; ``phi_margin`` (hinge) and ``phi_eps`` (log) in units of scale.
+    phi_margin, phi_eps : float or None
+    anchor_weight : float, default=0.0
+        Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
+        from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
 
     Attributes
     ----------
@@ -155,7 +173,10 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                  auto_start_fraction=0.5, max_iter=4, tol=1e-4, mass_constrained="auto",
                  polish=True, max_polish_iter=300, backend=None, scheduler=None,
                  random_state=None,
-                 diagnostics="summary", verbose=0, progress=False):
+                 diagnostics="summary", verbose=0, progress=False, solver="lloyd",
+                 learning_rate=0.05, adam_betas=(0.9, 0.999), gradient_steps=10,
+                 separation_weight=0.1, phi="identity", phi_margin=None, phi_eps=None,
+                 anchor_weight=0.0):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -177,6 +198,15 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.diagnostics = diagnostics
         self.verbose = verbose
         self.progress = progress
+        self.solver = solver
+        self.learning_rate = learning_rate
+        self.adam_betas = adam_betas
+        self.gradient_steps = gradient_steps
+        self.separation_weight = separation_weight
+        self.phi = phi
+        self.phi_margin = phi_margin
+        self.phi_eps = phi_eps
+        self.anchor_weight = anchor_weight
 
     # ------------------------------------------------------------------ validation
     def _check_params(self, n_samples):
@@ -214,6 +244,18 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                              f"{self.mass_constrained!r}")
         if self.diagnostics not in ("summary", "full"):
             raise ValueError(f"diagnostics must be 'summary' or 'full'; got {self.diagnostics!r}")
+        if self.solver not in ("lloyd", "gradient"):
+            raise ValueError(f"solver must be 'lloyd' or 'gradient'; got {self.solver!r}")
+        if self.solver == "gradient":
+            if self.schedule == "critical" or isinstance(self.schedule, CriticalSchedule):
+                raise ValueError("solver='gradient' does not run the critical schedule "
+                                 "(its cluster splitting is soft Lloyd); use another schedule")
+            if self.mass_constrained is True:
+                raise ValueError("solver='gradient' has no mass-constrained prior; use "
+                                 "mass_constrained=False or 'auto'")
+            if not isinstance(self.gradient_steps, numbers.Integral) or self.gradient_steps < 1:
+                raise ValueError(f"gradient_steps must be a positive integer; got "
+                                 f"{self.gradient_steps!r}")
         if self.backend not in (None, "cpu", "cuda", "dask"):
             raise ValueError(f"backend must be None, 'cpu', 'cuda' or 'dask'; got {self.backend!r}")
         return rc
@@ -389,6 +431,8 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             T_end = max(T_end, 0.0)
         mc = self.mass_constrained
         mc = critical if isinstance(mc, str) and mc == "auto" else bool(mc)
+        if self.solver == "gradient":
+            mc = False                      # value_and_grad has no log-prior
         self._mass_constrained = mc
         cfg = EngineConfig(n_clusters=K, resp=rc, mass_constrained=mc,
                            max_iter=int(self.max_iter), tol=float(self.tol),
@@ -402,7 +446,21 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         trace = Trace()
         try:
             with warnings.catch_warnings():
-                if isinstance(schedule, CriticalSchedule):
+                if self.solver == "gradient":
+                    gsrc = source
+                    if not hasattr(source, "X"):
+                        if Xmem is None:
+                            raise ValueError("solver='gradient' needs the rows in memory "
+                                             "(backend 'cpu' or 'cuda', not 'dask')")
+                        gsrc = InMemorySource(Xmem, w, source.metric)
+                    result = anneal_gradient(
+                        gsrc, C, schedule, T0, T_end, cfg, rng, scale, trace, t0,
+                        learning_rate=self.learning_rate, betas=self.adam_betas,
+                        steps_per_temperature=int(self.gradient_steps),
+                        separation_weight=self.separation_weight, phi=self.phi,
+                        margin=self.phi_margin, eps=self.phi_eps,
+                        anchor_weight=self.anchor_weight)
+                elif isinstance(schedule, CriticalSchedule):
                     result = anneal_critical(source, C[0], schedule, T0, T_end, cfg, rng,
                                              scale, trace, t0)
                 else:
