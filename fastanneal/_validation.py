@@ -44,11 +44,22 @@ def as_float_matrix(X, name="X", dtype=None, allow_empty=True):
     return X
 
 
-def check_finite(X, name="X", offset=0):
-    if X.size and not np.isfinite(X).all():
-        bad = np.argwhere(~np.isfinite(X))[0]
-        kind = "NaN" if np.isnan(X[tuple(bad)]) else "infinity"
-        raise ValueError(f"{name} contains {kind} (first at row {int(bad[0]) + offset}, "
+def check_finite(X, name="X", offset=0, block_rows=16384):
+    """Raise a ValueError naming the first NaN/inf. Checked in row blocks: a whole-array
+    ``np.isfinite`` would allocate an N x D bool array (25 % of a float32 X)."""
+    for b in range(0, X.shape[0], block_rows):
+        blk = X[b:b + block_rows]
+        # a finite sum means every entry is finite (NaN and inf propagate, inf - inf is NaN);
+        # only a non-finite sum (or an overflow of huge values) needs the element-wise check
+        with np.errstate(invalid="ignore", over="ignore"):
+            if np.isfinite(blk.sum(dtype=np.float64)):
+                continue
+        fin = np.isfinite(blk)
+        if fin.all():          # the sum overflowed on huge finite values
+            continue
+        bad = np.argwhere(~fin)[0]
+        kind = "NaN" if np.isnan(blk[tuple(bad)]) else "infinity"
+        raise ValueError(f"{name} contains {kind} (first at row {int(bad[0]) + b + offset}, "
                          f"column {int(bad[1])})")
 
 
