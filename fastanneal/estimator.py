@@ -57,6 +57,8 @@ def _top_eigenvalue(source, Xmem, w, mean, rng):
     """lambda_max of the weighted covariance (1/W). In memory with D <= 2048: the exact
     covariance by float64 GEMMs over row blocks and ``eigvalsh`` (fast, no iteration);
     otherwise power iteration on additive moments through the source."""
+    if Xmem is None and hasattr(source, "covariance") and source.n_features <= 2048:
+        return float(max(np.linalg.eigvalsh(source.covariance(mean))[-1], 0.0))
     if Xmem is not None and Xmem.shape[1] <= 2048:
         D = Xmem.shape[1]
         Cov = np.zeros((D, D))
@@ -146,6 +148,12 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     phi : {"identity", "log", "hinge"}, default="identity"
         Separation transform; ``phi_margin`` (hinge) and ``phi_eps`` (log) in units of scale.
     phi_margin, phi_eps : float or None
+    batch_size : int or None, default=None
+        Set: out-of-core mini-batch annealing over Dask chunks (stochastic EM, step size
+        ``(t + learning_offset) ** -learning_decay``); ``labels_`` is then None (use
+        ``predict`` or :func:`fastanneal.dask.write_labels`).
+    learning_decay : float in (0.5, 1], default=0.6
+    learning_offset : float >= 1, default=1.0
     anchor_weight : float, default=0.0
         Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
         from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
@@ -176,7 +184,8 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                  diagnostics="summary", verbose=0, progress=False, solver="lloyd",
                  learning_rate=0.05, adam_betas=(0.9, 0.999), gradient_steps=10,
                  separation_weight=0.1, phi="identity", phi_margin=None, phi_eps=None,
-                 anchor_weight=0.0):
+                 anchor_weight=0.0, batch_size=None, learning_decay=0.6,
+                 learning_offset=1.0):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -207,6 +216,9 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.phi_margin = phi_margin
         self.phi_eps = phi_eps
         self.anchor_weight = anchor_weight
+        self.batch_size = batch_size
+        self.learning_decay = learning_decay
+        self.learning_offset = learning_offset
 
     # ------------------------------------------------------------------ validation
     def _check_params(self, n_samples):
@@ -244,6 +256,15 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                              f"{self.mass_constrained!r}")
         if self.diagnostics not in ("summary", "full"):
             raise ValueError(f"diagnostics must be 'summary' or 'full'; got {self.diagnostics!r}")
+        bs = self.batch_size
+        if bs is not None and (not isinstance(bs, numbers.Integral) or isinstance(bs, bool)
+                               or bs < 1):
+            raise ValueError(f"batch_size must be None or a positive integer; got {bs!r}")
+        if not (isinstance(self.learning_decay, numbers.Real)
+                and 0.5 < self.learning_decay <= 1):
+            raise ValueError(f"learning_decay must be in (0.5, 1]; got {self.learning_decay!r}")
+        if not (isinstance(self.learning_offset, numbers.Real) and self.learning_offset >= 1):
+            raise ValueError(f"learning_offset must be >= 1; got {self.learning_offset!r}")
         if self.solver not in ("lloyd", "gradient"):
             raise ValueError(f"solver must be 'lloyd' or 'gradient'; got {self.solver!r}")
         if self.solver == "gradient":
@@ -295,7 +316,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     # ------------------------------------------------------------------ fit
     def _make_source(self, X, sample_weight):
         backend = self.backend
-        is_dask = hasattr(X, "dask") and hasattr(X, "chunks")
+        is_dask = hasattr(X, "__dask_graph__")
         if backend == "dask" or (backend is None and is_dask):
             from .dask import make_dask_source  # noqa: WPS433 (optional heavy import)
             return make_dask_source(self, X, sample_weight)
@@ -307,9 +328,47 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         return InMemorySource(X, w, metric_code(self.metric)), X, w
 
     def fit(self, X, y=None, sample_weight=None):
-        """Anneal from hot to hard; returns self."""
+        """Anneal from hot to hard; returns self.
+
+        ``X``: array (n, D); a Dask array / DataFrame, Parquet path or
+        :class:`fastanneal.dask.EmbeddingArrays` with the Dask backend. With ``batch_size``
+        set, out-of-core mini-batch annealing (:class:`fastanneal.dask.MiniBatchAnnealer`).
+        """
+        self.__dict__.pop("_partial_state", None)
+        if self.batch_size is not None:
+            from .dask import fit_minibatch_into
+            return fit_minibatch_into(self, X, sample_weight)
         t0 = time.perf_counter()
         source, Xmem, w = self._make_source(X, sample_weight)
+        try:
+            return self._fit_source(source, Xmem, w, t0)
+        finally:
+            if hasattr(source, "close"):
+                source.close()
+
+    def partial_fit(self, X, y=None, sample_weight=None):
+        """One stochastic-EM annealing update on the batch ``X`` (one temperature step per
+        call; the temperature holds at its end value after ``n_steps`` calls). The first call
+        seeds (k-means++) and sets the start temperature and scale from its batch."""
+        from .dask import partial_fit_update, start_partial_fit
+        first = not hasattr(self, "_partial_state")
+        X = self._validate_X(X, reset=first)
+        w = self._validate_weights(sample_weight, X.shape[0])
+        if first:
+            self._check_params(X.shape[0])
+            self._partial_state = start_partial_fit(self, X, w)
+        partial_fit_update(self._partial_state, X, w).apply_to(self)
+        return self
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
+        state = dict(state)
+        sched = state.get("scheduler")
+        if sched is not None and not isinstance(sched, str):
+            state["scheduler"] = None       # a live distributed.Client does not pickle
+        return state
+
+    def _fit_source(self, source, Xmem, w, t0):
         rc = self._check_params(source.n_rows)
         K = int(self.n_clusters)
         rng = self._rng()
@@ -322,8 +381,9 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         # data scale: mean squared distance to the mean (trace of the covariance)
         m0 = source.moments(mean[None, :], 1.0, 2, None, hard_sums=False)
         scale = m0.hard_distortion / source.total_weight
-        if Xmem is not None and K > 1:
-            nd = _n_distinct_rows(Xmem[w > 0], rng, K)
+        if K > 1 and (Xmem is not None or hasattr(source, "n_distinct_rows")):
+            nd = (_n_distinct_rows(Xmem[w > 0], rng, K) if Xmem is not None
+                  else source.n_distinct_rows(rng, K))
             if nd < K:
                 raise ValueError(f"n_clusters={K} is larger than the number of distinct "
                                  f"points with non-zero weight ({nd})")
@@ -361,8 +421,6 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.n_steps_ = int(result.n_steps)
         self.n_relocations_ = int(result.relocations)
         self.trace_ = trace
-        if hasattr(source, "close"):
-            source.close()
         return self
 
     def _initial_centers(self, source, Xmem, w, K, rng, mean_c):
