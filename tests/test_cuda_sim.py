@@ -123,7 +123,8 @@ def reference(X, C, T, w, metric="euclidean", resp="softmax", log_prior=None):
     if K > 1:
         marg = ds[:, 1] - ds[:, 0]
         out["margin_sum"] = w @ np.exp(-marg / T) if T > 0 else 0.0
-        out["min_margin"] = marg.min()
+        # zero-weight rows are absent rows (weights equal repetition): not in the minimum
+        out["min_margin"] = marg[w > 0].min() if (w > 0).any() else math.inf
     else:
         out["margin_sum"] = 0.0
         out["min_margin"] = math.inf
