@@ -3,7 +3,6 @@
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -170,28 +169,9 @@ def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0
     soft_F = m.free_energy
     soft_obj = m.soft_distortion
     # ---------------------------------------------------------------- polish at T = 0
-    if cfg.polish:
-        for _ in range(cfg.max_polish_iter):
-            mh = source.moments(C, T_final, RESP_HARD, None, hard_sums=True)
-            upd = mh.finalize(previous_centers=C, hard=True)
-            Cn = upd.centers
-            n_iter += 1
-            relocated = 0
-            if upd.empty.any():
-                for k in np.nonzero(upd.empty)[0]:
-                    _split_largest(Cn, mh.hard_counts, k, rng, delta)
-                    relocated += 1
-                Cn = _project(Cn, source.metric)
-                relocations_total += relocated
-            shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
-            C = Cn
-            if shift <= tol_abs * 1e-4 and relocated == 0:
-                converged = True
-                break
-        dmin, _ = min_center_distance(C)
-        _record(trace, -1, n_iter, 0.0, mh, C, shift, relocated, 0, K, t0, dmin)
-    else:
-        converged = True
+    C, n_iter, relocated, converged = polish(source, C, T_final, cfg, rng, trace, t0, n_iter,
+                                             tol_abs, delta)
+    relocations_total += relocated
     return EngineResult(centers=C, temperature=T_final, free_energy=soft_F,
                         soft_objective=soft_obj, hard_objective=m.hard_distortion,
                         n_iter=n_iter, n_steps=step, relocations=relocations_total,
@@ -211,6 +191,40 @@ def certificate_bounds(m, logp=None):
         lp = np.where(m.hard_counts > 0, logp, 0.0)
         return float(m.temperature * (m.hard_counts @ lp)), 0.0
     return 0.0, ob["certificate_bound"]
+
+
+def polish(source, C, T_final, cfg, rng, trace, t0, n_iter, tol_abs, delta):
+    """Lloyd at ``T = 0`` (hard moments with hard sums) until the centers stop moving, with
+    empty clusters relocated by splitting the heaviest one; one trace record (step -1).
+    Shared by every solver. Returns ``(C, n_iter, relocations, converged)``."""
+    if not cfg.polish:
+        return C, n_iter, 0, True
+    K = cfg.n_clusters
+    converged = False
+    relocations = 0
+    relocated = 0
+    shift = math.nan
+    mh = None
+    for _ in range(cfg.max_polish_iter):
+        mh = source.moments(C, T_final, RESP_HARD, None, hard_sums=True)
+        upd = mh.finalize(previous_centers=C, hard=True)
+        Cn = upd.centers
+        n_iter += 1
+        relocated = 0
+        if upd.empty.any():
+            for k in np.nonzero(upd.empty)[0]:
+                _split_largest(Cn, mh.hard_counts, k, rng, delta)
+                relocated += 1
+            Cn = _project(Cn, source.metric)
+            relocations += relocated
+        shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
+        C = Cn
+        if shift <= tol_abs * 1e-4 and relocated == 0:
+            converged = True
+            break
+    dmin, _ = min_center_distance(C)
+    _record(trace, -1, n_iter, 0.0, mh, C, shift, relocated, 0, K, t0, dmin)
+    return C, n_iter, relocations, converged
 
 
 def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, dmin=None,

@@ -238,44 +238,10 @@ def anneal_gradient(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace
     T_final = m.temperature
     soft_F = m.free_energy
     soft_obj = m.soft_distortion
-    C, n_iter, relocated, converged = _polish(source, C, T_final, cfg, rng, scale, trace, t0,
-                                              n_iter, tol_abs, delta)
+    C, n_iter, relocated, converged = E.polish(source, C, T_final, cfg, rng, trace, t0,
+                                               n_iter, tol_abs, delta)
     relocations_total += relocated
     return E.EngineResult(centers=C, temperature=T_final, free_energy=soft_F,
                           soft_objective=soft_obj, hard_objective=m.hard_distortion,
                           n_iter=n_iter, n_steps=step, relocations=relocations_total,
                           converged=converged, last_moments=m)
-
-
-def _polish(source, C, T_final, cfg, rng, scale, trace, t0, n_iter, tol_abs, delta):
-    """Lloyd at ``T = 0`` until the centers stop moving: the polish block of
-    :func:`fastanneal._engine.anneal`, line for line (same moments, relocation, stopping
-    rule and trace record). Returns ``(C, n_iter, relocations, converged)``."""
-    K = cfg.n_clusters
-    if not cfg.polish:
-        return C, n_iter, 0, True
-    converged = False
-    relocations = 0
-    relocated = 0
-    shift = math.nan
-    mh = None
-    for _ in range(cfg.max_polish_iter):
-        mh = source.moments(C, T_final, E.RESP_HARD, None, hard_sums=True)
-        upd = mh.finalize(previous_centers=C, hard=True)
-        Cn = upd.centers
-        n_iter += 1
-        relocated = 0
-        if upd.empty.any():
-            for k in np.nonzero(upd.empty)[0]:
-                E._split_largest(Cn, mh.hard_counts, k, rng, delta)
-                relocated += 1
-            Cn = E._project(Cn, source.metric)
-            relocations += relocated
-        shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
-        C = Cn
-        if shift <= tol_abs * 1e-4 and relocated == 0:
-            converged = True
-            break
-    dmin, _ = E.min_center_distance(C)
-    E._record(trace, -1, n_iter, 0.0, mh, C, shift, relocated, 0, K, t0, dmin)
-    return C, n_iter, relocations, converged

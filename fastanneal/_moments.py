@@ -6,7 +6,7 @@ turns the total into new centers and objectives.
 """
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numba

@@ -8,12 +8,10 @@ import numpy as np
 from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from . import _kernels as K_
 from ._engine import (AnnealingWarning, EngineConfig, anneal, anneal_critical,
                       min_center_distance)
 from ._gradient_solver import anneal_gradient
 from ._moments import assign as _assign
-from ._moments import blas_single_thread, log_eps_for
 from ._sources import InMemorySource
 from ._trace import Trace
 from ._validation import metric_code, normalize_rows, resp_code

@@ -9,7 +9,6 @@ read entropy and gradient norms from the state; the others ignore them.
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 
 
 @dataclass
