@@ -1,0 +1,220 @@
+"""Render the tables of ``BENCHMARKS.md`` from ``benchmarks/results/*.json``.
+
+    python benchmarks/render_md.py            # rewrite the tables in BENCHMARKS.md in place
+    python benchmarks/render_md.py --print    # print them instead
+
+Every table in BENCHMARKS.md sits between ``<!-- BEGIN name -->`` and ``<!-- END name -->``
+markers and is regenerated from the JSON the benchmark wrote, so no figure is typed by hand.
+The verdicts around the tables are prose, written against these numbers.
+"""
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DOC = HERE.parent / "BENCHMARKS.md"
+
+
+def table(rows, cols):
+    """Markdown table; cols = [(key or callable, header, fmt)]."""
+    head = "| " + " | ".join(h for _, h, _ in cols) + " |"
+    sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _, fmt in cols:
+            v = key(r) if callable(key) else r.get(key)
+            if v is None:
+                cells.append("–")
+            elif isinstance(v, str):
+                cells.append(v)
+            elif isinstance(v, bool):
+                cells.append("yes" if v else "**no**")
+            else:
+                cells.append(format(v, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load(name):
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def machine_line(m, date=None):
+    if not m:
+        return ""
+    parts = [f"{m.get('cpus')} CPUs"]
+    if m.get("cpu_model"):
+        parts.append(m["cpu_model"])
+    for k in ("python", "numpy", "numba", "scikit-learn"):
+        if m.get(k):
+            parts.append(f"{k} {m[k]}")
+    d = date or m.get("date")
+    return f"\n\n_Run {d}; {', '.join(parts)}._" if d else f"\n\n_{', '.join(parts)}._"
+
+
+# ----------------------------------------------------------------------------- renderers
+def r_kernels(d):
+    by = {}
+    for r in d["rows"]:
+        by.setdefault(r["case"], {})[r["K"]] = r["ratio_to_gemm"]
+    ks = d["ks"]
+    rows = [{"case": c, **{f"K{k}": v.get(k) for k in ks}} for c, v in by.items()
+            if any(x == x for x in v.values())]          # drop all-NaN (non-timing) rows
+    out = table(rows, [("case", "pass (N=%d, D=%d, float32)" % (d["n"], d["d"]), "")]
+                + [(f"K{k}", f"K={k} ×GEMM", ".2f") for k in ks])
+    c, m = d["compile"], d["memory"]
+    out += (f"\n\nCold compile of all kernels (one dtype): {c['cold_first_calls_s']:.1f} s; warm "
+            f"import + first call: {c['warm_import_plus_first_call_s']:.2f} s. Peak extra memory "
+            f"of one pass at N={m['n']:,}, K={m['k']}: {m['extra_mb']:.0f} MB = "
+            f"{100 * m['extra_fraction_of_X']:.1f} % of X.")
+    return out + machine_line(d["machine"], d.get("date"))
+
+
+def r_quality(d):
+    return table(d["summary"], [
+        ("dataset", "dataset", ""), ("method", "method", ""), ("runs", "seeds", "d"),
+        ("ari", "ARI", ".3f"), ("ari_min", "ARI min", ".3f"), ("nmi", "NMI", ".3f"),
+        ("sse_vs_ref", "SSE / sklearn n_init=10", ".4f"),
+        ("time_vs_ref", "time / sklearn n_init=10", ".2f")]) + \
+        f"\n\n_Run {d.get('date')}; {d.get('cpus')} CPUs._"
+
+
+def r_dask(d):
+    fb = d["full_batch"]
+    rows = [{"path": k, "s": fb["seconds"][k], "r": fb["ratio_to_in_memory"][k],
+             "g": fb["ratio_to_gemm"][k]} for k in fb["seconds"]]
+    out = (f"One moments pass, N={fb['n']:,}, D={fb['d']}, K={fb['k']}, chunks of "
+           f"{fb['chunk_rows']:,} rows, median of {fb['repeats']}:\n\n")
+    out += table(rows, [("path", "path", ""), ("s", "seconds", ".2f"),
+                        ("r", "× in-memory", ".2f"), ("g", "× GEMM", ".2f")])
+    mb = d["minibatch"]
+    rows = [{"rows": s["rows"], "gb": s["dataset_bytes"] / 2 ** 30, "rps": s["rows_per_s"],
+             "peak": s["peak_rss_bytes"] / 2 ** 20, "frac": s["peak_fraction_of_dataset"],
+             "lab": s["labels_written"]} for s in mb["sizes"]]
+    out += "\n\nMini-batch annealing out of core (Parquet, D=%d, K=%d):\n\n" % (mb["d"], mb["k"])
+    out += table(rows, [("rows", "rows", ","), ("gb", "data GiB", ".2f"),
+                        ("rps", "rows/s", ",.0f"), ("peak", "peak RSS MiB", ".0f"),
+                        ("frac", "peak / data", ".3f"), ("lab", "labels written", ",")])
+    q = mb["quality_vs_full_batch"]["mean"]
+    out += (f"\n\nMini-batch vs full batch ({mb['quality_vs_full_batch']['rows']:,} rows, "
+            f"{mb['quality_vs_full_batch']['seeds']} seeds): J ratio {q['J_ratio']:.4f}, time "
+            f"{q['minibatch_s']:.1f} s vs {q['full_batch_s']:.1f} s.")
+    return out + f"\n\n_Command: `{d.get('command')}`; {d['machine'].get('cpus')} CPUs._"
+
+
+def r_gpu(d):
+    rows = []
+    for t in d["timing"]:
+        for mode, v in t["modes"].items():
+            rows.append({"K": t["K"], "mode": mode, "s": v["seconds"],
+                         "r": v["ratio_to_gemm"], "g": t["gemm_seconds"]})
+    out = table(rows, [("K", "K", "d"), ("mode", "pass (N=1e6, D=384)", ""),
+                       ("s", "seconds", ".3f"), ("g", "cuBLAS GEMM s", ".4f"),
+                       ("r", "× GEMM", ".1f")])
+    return out + f"\n\n_Device: {d['meta'].get('device')}; correctness: {d['status']}._"
+
+
+def r_hubness(d):
+    out = table(d["k_occurrence"], [
+        ("k", "k", "d"), ("skew_clinc", "skewness of N_k", ".2f"),
+        ("skew_null", "Gaussian null", ".2f"), ("max_clinc", "max N_k", "d"),
+        ("max_null", "null max", "d"), ("antihub_frac", "anti-hubs (N_k = 0)", ".3f"),
+        ("antihub_frac_null", "null anti-hubs", ".3f")])
+    s = d["schedule"]
+    pick = [0, 3, 6, 9, 12, 15, len(s["T_over_Tc"]) - 1]
+    rows = [{"t": s["T_over_Tc"][j], **{g: s["entropy"][g][j] for g in s["entropy"]}}
+            for j in pick if j < len(s["T_over_Tc"])]
+    out += ("\n\nMean responsibility entropy (nats) by group along the schedule "
+            "(`T_c = 2 λ_max(C)`):\n\n")
+    out += table(rows, [("t", "T / T_c", ".3g"), ("hubs", "hubs (top 1 % N_10)", ".3f"),
+                        ("anti-hubs", "anti-hubs", ".3f"), ("rest", "rest", ".3f")])
+    res = s["resolution_T_over_Tc_median"]
+    rows = [{"g": g, "rows": v["rows"], "t": res[g], "pur": v["purity"]}
+            for g, v in d["final_fit"].items()]
+    out += "\n\n" + table(rows, [("g", "group", ""), ("rows", "rows", "d"),
+                                 ("t", "median resolution T / T_c", ".3f"),
+                                 ("pur", "cluster purity (default fit)", ".3f")])
+    out += (f"\n\nSpearman(N_10, distance to the mean) = "
+            f"{d['spearman_N10_vs_dist_to_mean']:.3f}; n = {d['n']:,}, D = {d['d']}, K = {d['K']}.")
+    return out + machine_line(d["machine"])
+
+
+def r_peers(d):
+    out = ""
+    for ds, sh in d["shapes"].items():
+        out += f"\n\n**{ds}** (n = {sh['n']:,}, D = {sh['d']}, K = {sh['K']}; one GEMM "
+        out += f"`X @ C.T` = {1e3 * d['gemm_seconds'][ds]:.1f} ms):\n\n"
+        rows = [r for r in d["summary"] if r["dataset"] == ds]
+        out += table(rows, [("method", "method", ""), ("runs", "seeds", "d"),
+                            ("seconds", "fit s (median)", ".2f"),
+                            ("time_vs_sklearn1", "× sklearn n_init=1", ".2f"),
+                            ("time_vs_gemm", "× GEMM", ".0f"),
+                            ("sse_vs_best", "SSE / best", ".4f"), ("ari", "ARI", ".3f"),
+                            ("ari_min", "ARI min", ".3f")])
+    miss = [k for k, v in d["peers_available"].items() if not v]
+    if miss:
+        out += "\n\nNot installed, so no figure: " + ", ".join(miss) + "."
+    return out.strip() + machine_line(d["machine"])
+
+
+RENDERERS = {"bench_kernels": r_kernels, "bench_quality": r_quality, "bench_dask": r_dask,
+             "gpu_check": r_gpu, "study_hubness": r_hubness, "bench_peers": r_peers}
+
+
+def register(name):
+    def deco(fn):
+        RENDERERS[name] = fn
+        return fn
+    return deco
+
+
+def render_all():
+    # study modules may add renderers (study_theory.render_md, study_hardening.render_md)
+    import importlib
+    import sys
+    sys.path.insert(0, str(HERE))
+    for mod in ("study_theory", "study_hardening"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        if hasattr(m, "render_md"):
+            RENDERERS[mod] = m.render_md
+    out = {}
+    for name, fn in RENDERERS.items():
+        d = load(name)
+        if d is not None:
+            out[name] = fn(d)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--print", action="store_true")
+    args = ap.parse_args(argv)
+    tables = render_all()
+    if args.print:
+        for k, v in tables.items():
+            print(f"## {k}\n\n{v}\n")
+        return
+    text = DOC.read_text()
+    missing = []
+    for name, md in tables.items():
+        pat = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(\n<!-- END {name} -->)", re.S)
+        if not pat.search(text):
+            missing.append(name)
+            continue
+        text = pat.sub(lambda m: m.group(1) + md + m.group(2), text)
+    tmp = DOC.with_name(DOC.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, DOC)
+    print(f"updated {DOC}" + (f"; no markers for {missing}" if missing else ""))
+
+
+if __name__ == "__main__":
+    main()
