@@ -196,7 +196,30 @@ def r_hardening(d):
     return out + machine_line(d["machine"])
 
 
-RENDERERS = {"study_hardening": r_hardening, "bench_kernels": r_kernels, "bench_quality": r_quality, "bench_dask": r_dask,
+def r_regimes(d):
+    return table(d["summary"], [
+        ("dataset", "dataset", ""), ("method", "solver / schedule", ""), ("runs", "seeds", "d"),
+        ("ari", "ARI", ".3f"), ("J", "J / scale", ".4f"), ("H_end", "final entropy", ".3g"),
+        ("dmu_min", "min center sep.", ".3g"), ("t_star", "t*", ".3g"),
+        ("seconds", "s", ".1f")]) + f"\n\n_Command: `{d.get('command')}`; run {d.get('date')}._"
+
+
+def r_theory(d):
+    return table(d["summary"], [
+        ("dataset", "dataset", ""), ("n", "n", ","), ("d", "D", "d"), ("K", "K", "d"),
+        ("cert", "certificate", ""), ("cert_ratio", "max (J−F)/(TW log K)", ".5f"),
+        ("cert_ent_ratio", "entmax: max gap / bound", ".4f"),
+        ("tc2", "T_c found / 2λ_max (K=2)", ".4f"),
+        (lambda r: r["tcK"] if isinstance(r["tcK"], str) else format(r["tcK"], ".4f"),
+         "same, dataset K", ""),
+        ("tc2g", "growth estimate", ".6f"), ("dmin_rel", "Δ_min / median d", ".2e"),
+        ("slope", "fitted slope / Δ_min", ".3f"), ("corr", "corr(log dist, log Σe^(−Δ/T))", ".4f"),
+        ("ent", "entmax exact at 0.9, moved at 1.1 ×Δ_min/2", ""),
+        ("ent_strict", "same at 0.99 / 1.01", ""), ("sec", "s", ".1f")]) + machine_line(
+        d["machine"])
+
+
+RENDERERS = {"study_theory": r_theory, "bench_regimes": r_regimes, "study_hardening": r_hardening, "bench_kernels": r_kernels, "bench_quality": r_quality, "bench_dask": r_dask,
              "gpu_check": r_gpu, "study_hubness": r_hubness, "bench_peers": r_peers}
 
 
