@@ -30,7 +30,7 @@ def table(rows, cols):
             if v is None:
                 cells.append("–")
             elif isinstance(v, str):
-                cells.append(v)
+                cells.append(v.replace("|", "\\|"))
             elif isinstance(v, bool):
                 cells.append("yes" if v else "**no**")
             else:
@@ -262,11 +262,11 @@ def main(argv=None):
     text = DOC.read_text()
     missing = []
     for name, md in tables.items():
-        pat = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(\n<!-- END {name} -->)", re.S)
+        pat = re.compile(rf"(<!-- BEGIN {name} -->\n)(?:.*?\n)?(<!-- END {name} -->)", re.S)
         if not pat.search(text):
             missing.append(name)
             continue
-        text = pat.sub(lambda m: m.group(1) + md + m.group(2), text)
+        text = pat.sub(lambda m: m.group(1) + md + "\n" + m.group(2), text)
     tmp = DOC.with_name(DOC.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, DOC)

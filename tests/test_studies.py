@@ -1,0 +1,76 @@
+"""The building blocks of the fidelity studies (benchmarks/) against brute-force references,
+so that a wrong study helper fails here and not only as an odd figure in a notebook."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _study  # noqa: E402
+
+
+def test_clinc_domains_partition_the_intents():
+    intents = [i for v in _study.CLINC_DOMAINS.values() for i in v]
+    assert len(_study.CLINC_DOMAINS) == 10
+    assert all(len(v) == 15 for v in _study.CLINC_DOMAINS.values())
+    assert len(set(intents)) == 150
+    _, labels = _study.load_clinc_table()        # shared file, else the bundled sample
+    assert set(np.unique(labels)) <= set(intents)
+    if _study.clinc_available():
+        assert set(np.unique(labels)) == set(intents)
+
+
+@pytest.mark.parametrize("name", ["iris", "blobs-separated", "highdim-sparse"])
+def test_lloyd_fixed_point_is_a_fixed_point(name):
+    ds = _study.load(name, quick=True)
+    C, labels = _study.lloyd_fixed_point(ds.X, ds.K, seed=1)
+    d = ((ds.X[:, None, :] - C[None]) ** 2).sum(-1)           # direct, not the GEMM form
+    np.testing.assert_array_equal(d.argmin(1), labels)
+    for k in range(ds.K):
+        np.testing.assert_allclose(C[k], ds.X[labels == k].mean(0), rtol=1e-12, atol=1e-12)
+    m = _study.margins(ds.X, C)
+    s = np.sort(d, axis=1)
+    np.testing.assert_allclose(m, s[:, 1] - s[:, 0], rtol=1e-9, atol=1e-9)
+
+
+def test_partition_sse_matches_direct_sum(rng):
+    X = rng.standard_normal((300, 5))
+    lab = rng.integers(0, 7, 300)
+    direct = sum(((X[lab == k] - X[lab == k].mean(0)) ** 2).sum() for k in np.unique(lab))
+    assert _study.partition_sse(X, lab) == pytest.approx(direct, rel=1e-10)
+
+
+def test_k_occurrence_matches_brute_force(rng):
+    hub = pytest.importorskip("study_hubness")
+    X = rng.standard_normal((250, 12))
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    occ = hub.k_occurrence(X, ks=(3, 7))
+    S = X @ X.T
+    np.fill_diagonal(S, -np.inf)
+    for k in (3, 7):
+        nn = np.argsort(-S, axis=1, kind="stable")[:, :k]
+        ref = np.bincount(nn.ravel(), minlength=len(X))
+        np.testing.assert_array_equal(occ[k], ref)
+        assert occ[k].sum() == k * len(X)
+    assert hub.skewness(np.r_[np.zeros(99), 100.0]) > 5
+
+
+def test_hartigan_ends_in_a_single_move_optimum(rng):
+    hs = pytest.importorskip("study_hardening")
+    X = np.concatenate([rng.standard_normal((80, 3)) + c for c in ([0, 0, 0], [3, 0, 0],
+                                                                    [0, 3, 0])])
+    start = rng.integers(0, 3, len(X))
+    lab, moves, _ = hs.hartigan(X, start, 3)
+    sse = _study.partition_sse(X, lab, 3)
+    assert sse <= _study.partition_sse(X, start, 3) + 1e-9 and moves > 0
+    # brute force: no single point move lowers the objective
+    for i in range(len(X)):
+        for b in range(3):
+            if b == lab[i] or (lab == lab[i]).sum() == 1:
+                continue
+            trial = lab.copy()
+            trial[i] = b
+            assert _study.partition_sse(X, trial, 3) >= sse - 1e-9
