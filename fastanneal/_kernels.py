@@ -241,6 +241,15 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
         Nacc[kmin] += w
         return d1, 0.0, d1, d1, d2, kmin, 1
     if resp == RESP_SOFTMAX:
+        if not use_prior and (d2 - d1) - 4e-16 * d2 > (1e-9 - log_eps) * T:
+            # Every other logit is below log_eps (the drop threshold), with room for the
+            # rounding of z: the row is exactly one-hot, as the general path would find after
+            # K exponentials. Common at low T; K = 1 lands here too (d2 = inf).
+            for k in range(K):
+                G[i, k] = 0.0
+            G[i, kmin] = w
+            Nacc[kmin] += w
+            return d1, 0.0, d1, d1, d2, kmin, 1
         s, sed, sez, nnz = _softmax_row(G, i, logp, use_prior, T, log_eps, w, zmax, cand,
                                         scratch[0], ibits, scratch[1], Nacc)
         soft = sed / s

@@ -830,3 +830,32 @@ def test_valid_edge_inputs_are_accepted(rng):
     fa.moments(X.tolist(), C.tolist(), 1.0)                  # lists are arrays
     fa.moments(np.asfortranarray(X), C, 1.0)                 # any memory layout
     fa.moments(X[::2], C, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_one_hot_shortcut_at_the_drop_threshold(rng, dtype):
+    """Rows whose second-best logit sits just above / just below the drop threshold
+    ``log eps`` take the one-hot shortcut or the general path; both must agree with the
+    float64 reference (all K exponentials, nothing dropped)."""
+    log_eps = math.log(2.0 ** (-24 if dtype == np.float32 else -53))
+    T = 0.01
+    C = np.array([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    # points on the segment c0-c1 at a: margin = (1 - a)^2 - a^2 = 1 - 2a; margin / T = g
+    gs = -log_eps * np.array([1 - 1e-3, 1 - 1e-7, 1 + 1e-7, 1 + 1e-3, 0.5, 2.0, 5.0])
+    gs = np.concatenate([gs, rng.uniform(0.1, 80.0, 40)])
+    a = (1.0 - gs * T) / 2.0
+    X = np.zeros((len(a), 3))
+    X[:, 0] = a
+    X[:, 1:] = 1e-3 * rng.standard_normal((len(a), 2))
+    X, C = X.astype(dtype), C.astype(dtype)
+    w = rng.uniform(0.5, 2.0, len(a))
+    m = fa.moments(X, C, T, weights=w)
+    want = ref.moments(X, C, T, weights=w)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    assert_record_close(m, want, T, tol, ref.sqeuclidean(X, C), "threshold rows")
+    R = fa.responsibilities(X, C, T)
+    Rref = ref.responsibilities(X, C, T)
+    assert np.abs(R - Rref).max() <= (1e-13 if dtype == np.float64 else 1e-5)   # d / T rounding
+    one_hot = (R == 1.0).all(axis=1) | ((R == 0.0).sum(1) == 2)
+    assert one_hot[gs > -log_eps * 1.01].all()
+    assert 0.0 <= m.hard_distortion - m.free_energy <= T * m.weight * math.log(3)
