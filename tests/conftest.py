@@ -12,6 +12,47 @@ if os.environ.get("FASTANNEAL_REAL_CUDA") != "1":
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+
+def _serialise_simulator_shared_arrays():
+    """numba-cuda's simulator creates a static ``cuda.shared.array`` lazily per block with an
+    unlocked check-then-insert (``FakeCUDAShared.array``): two simulated threads can race and
+    each get a private copy, so a shared counter is not shared (seen as a rare IndexError in
+    ``accum_sparse_kernel``). Real GPUs allocate static shared memory before launch; this
+    makes the simulator do the equivalent by serialising the lazy allocation."""
+    import threading
+    try:
+        from numba.cuda.simulator import kernelapi
+    except ImportError:
+        return
+    import sys
+    import traceback
+    cls = kernelapi.FakeCUDAShared
+    if getattr(cls, "_fastanneal_locked", False):
+        return
+    original = cls.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:        # dynamic shared memory: no race
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        # same key as the simulator: the kernel source line that asks for the array
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+        return res
+
+    cls.array = array
+    cls._fastanneal_locked = True
+
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    _serialise_simulator_shared_arrays()
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "clinc150.parquet"
 
 
