@@ -152,10 +152,15 @@ def r_peers(d):
         rows = [r for r in d["summary"] if r["dataset"] == ds]
         out += table(rows, [("method", "method", ""), ("runs", "seeds", "d"),
                             ("seconds", "fit s (median)", ".2f"),
+                            (lambda r: (f"{r['seconds_min']:.2f}–{r['seconds_max']:.2f}"
+                                        if "seconds_min" in r else None), "range", ""),
                             ("time_vs_sklearn1", "× sklearn n_init=1", ".2f"),
                             ("time_vs_gemm", "× GEMM", ".0f"),
                             ("sse_vs_best", "SSE / best", ".4f"), ("ari", "ARI", ".3f"),
                             ("ari_min", "ARI min", ".3f")])
+        notes = [f"{r['method']}: {'; '.join(r['notes'])}" for r in rows if r.get("notes")]
+        if notes:
+            out += "\n\nLogged by the peers during the timed fits: " + " / ".join(notes) + "."
     miss = [k for k, v in d["peers_available"].items() if not v]
     if miss:
         out += "\n\nNot installed, so no figure: " + ", ".join(miss) + "."
