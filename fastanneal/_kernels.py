@@ -535,3 +535,43 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
     for t in range(nch):
         out += acc[t]
     return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
+    """One greedy k-means++ step, fused: for each candidate center (column ``j`` of ``CcT``,
+    in the dtype of ``X``) write ``out[j, i] = min(closest[i], ||x_i - c_j||^2)`` and return
+    the potentials ``sum_i w_i out[j, i]`` (float64). Per row block one small GEMM and one
+    epilogue, instead of a float64 copy of ``X`` and five full-length temporaries per step.
+    ``closest`` may hold ``inf`` (first step)."""
+    n = X.shape[0]
+    m = CcT.shape[1]
+    nch = (n + block - 1) // block
+    if nch > nth:
+        nch = nth
+    if nch < 1:
+        nch = 1
+    acc = np.zeros((nch, m))
+    for t in prange(nch):
+        r0 = t * n // nch
+        r1 = (t + 1) * n // nch
+        G = np.empty((block, m), X.dtype)
+        for b0 in range(r0, r1, block):
+            b1 = min(b0 + block, r1)
+            Gb = G[:b1 - b0]
+            np.dot(X[b0:b1], CcT, Gb)
+            for ii in range(b1 - b0):
+                i = b0 + ii
+                ci = closest[i]
+                wi = w[i]
+                for j in range(m):
+                    d = xsq[i] - 2.0 * np.float64(Gb[ii, j]) + csq[j]
+                    d = d if d > 0.0 else 0.0
+                    v = d if d < ci else ci
+                    out[j, i] = v
+                    acc[t, j] += wi * v
+    pots = np.zeros(m)
+    for u in range(nch):
+        for j in range(m):
+            pots[j] += acc[u, j]
+    return pots

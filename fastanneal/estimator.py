@@ -21,18 +21,44 @@ __all__ = ["AnnealedKMeans", "AnnealingWarning"]
 
 
 def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
-    """Greedy k-means++ seeding (weighted), as in scikit-learn: returns (K, D) float64."""
+    """Greedy k-means++ seeding (weighted), as in scikit-learn: returns (K, D) float64.
+
+    Each step draws ``n_local_trials`` candidates with probability proportional to
+    ``w_i min_c d(x_i, c)`` and keeps the one that lowers the potential most; the candidate
+    distances are computed by one fused Numba pass over ``X`` (blocked GEMM in the dtype of
+    ``X``, float64 epilogue: :func:`fastanneal._kernels.kpp_candidates_kernel`).
+    """
+    import numba
+    from . import _config
+    from ._kernels import kpp_candidates_kernel
+    from ._moments import blas_single_thread
     n = X.shape[0]
-    Xd = X.astype(np.float64, copy=False)
-    xsq = np.einsum("ij,ij->i", Xd, Xd)
+    X = np.ascontiguousarray(X)
+    if X.dtype not in (np.float32, np.float64):
+        X = X.astype(np.float64)
+    w = np.ascontiguousarray(w, dtype=np.float64)
+    xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
+    nth = int(numba.get_num_threads())
+    block = int(_config.CPU_BLOCK_ROWS)
+
+    def step(Cc, closest, out):
+        CcT = np.ascontiguousarray(Cc.T, dtype=X.dtype)
+        with blas_single_thread():
+            return kpp_candidates_kernel(X, xsq, CcT, np.einsum("ij,ij->i", Cc, Cc), w,
+                                         closest, out, block, nth)
+
     if n_local_trials is None:
         n_local_trials = 2 + int(math.log(K))
     p = w / w.sum()
     first = rng.choice(n, p=p)
     centers = np.empty((K, X.shape[1]))
-    centers[0] = Xd[first]
-    closest = np.maximum(xsq - 2 * Xd @ centers[0] + xsq[first], 0.0)
-    pot = float(w @ closest)
+    centers[0] = X[first]
+    buf = np.empty((n_local_trials, n))
+    closest = np.full(n, np.inf)
+    C1 = centers[:1].copy()
+    pots = step(C1, closest, buf[:1])
+    closest = buf[0].copy()
+    pot = float(pots[0])
     for c in range(1, K):
         if pot <= 0:
             # all remaining mass sits on chosen points: pick among the rest uniformly
@@ -41,13 +67,12 @@ def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
             r = rng.random(n_local_trials) * pot
             cand = np.searchsorted(np.cumsum(w * closest), r)
             cand = np.minimum(cand, n - 1)
-        dc = np.maximum(xsq[None, :] - 2 * Xd[cand] @ Xd.T + xsq[cand, None], 0.0)
-        np.minimum(closest[None, :], dc, out=dc)
-        pots = dc @ w
+        Cc = np.ascontiguousarray(X[cand], dtype=np.float64)
+        pots = step(Cc, closest, buf)
         best = int(np.argmin(pots))
         pot = float(pots[best])
-        closest = dc[best]
-        centers[c] = Xd[cand[best]]
+        closest, buf[best] = buf[best].copy(), closest
+        centers[c] = Cc[best]
     return centers
 
 

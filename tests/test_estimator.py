@@ -514,3 +514,33 @@ def test_clinc150_quality():
     ari = adjusted_rand_score(labels, km.labels_)
     assert ari >= 0.65, f"ARI {ari:.3f} < 0.65"
     assert min_pairwise(km.cluster_centers_) > 0
+
+
+def _reference_kmeans_plusplus(X, w, K, rng, n_local_trials):
+    """Greedy weighted k-means++ in float64 NumPy (full distance matrices)."""
+    X = X.astype(np.float64)
+    n = len(X)
+    first = rng.choice(n, p=w / w.sum())
+    C = [X[first]]
+    closest = ((X - X[first]) ** 2).sum(1)
+    pot = float(w @ closest)
+    for _ in range(1, K):
+        r = rng.random(n_local_trials) * pot
+        cand = np.minimum(np.searchsorted(np.cumsum(w * closest), r), n - 1)
+        dc = np.minimum(closest[None, :], ((X[None, :, :] - X[cand][:, None, :]) ** 2).sum(-1))
+        pots = dc @ w
+        best = int(np.argmin(pots))
+        pot, closest = float(pots[best]), dc[best]
+        C.append(X[cand[best]])
+    return np.array(C)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kmeans_plusplus_matches_numpy_reference(rng, dtype):
+    from fastanneal.estimator import kmeans_plusplus
+    X = (rng.standard_normal((700, 6)) * rng.uniform(0.5, 3.0, 6)).astype(dtype)
+    w = rng.uniform(0.2, 2.0, 700)
+    seed = int(rng.integers(2 ** 31))
+    got = kmeans_plusplus(X, w, 12, np.random.default_rng(seed), n_local_trials=4)
+    want = _reference_kmeans_plusplus(X, w, 12, np.random.default_rng(seed), 4)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0)      # the same rows of X, in order
