@@ -138,18 +138,14 @@ def _clinc(domain, quick, per_intent=None):
 def _synthetic(kind, quick, seed=2026):
     rng = np.random.default_rng(seed)
     n = 1500 if quick else 6000
-    if kind == "blobs-separated":
+    if kind in ("blobs-separated", "blobs-overlapping"):
         K, d = 8, 8
-        means = rng.standard_normal((K, d)) * 6.0
+        spread, sd = (6.0, 0.5) if kind == "blobs-separated" else (2.0, 1.0)
+        means = rng.standard_normal((K, d)) * spread
         y = rng.integers(0, K, n)
-        X = means[y] + 0.5 * rng.standard_normal((n, d))
-        desc = "8 isotropic Gaussians in 8-D, center spread 6, sd 0.5"
-    elif kind == "blobs-overlapping":
-        K, d = 8, 8
-        means = rng.standard_normal((K, d)) * 2.0
-        y = rng.integers(0, K, n)
-        X = means[y] + 1.0 * rng.standard_normal((n, d))
-        desc = "8 isotropic Gaussians in 8-D, center spread 2, sd 1 (heavy overlap)"
+        X = means[y] + sd * rng.standard_normal((n, d))
+        desc = (f"8 isotropic Gaussians in 8-D, center spread {spread:g}, sd {sd:g}"
+                + (" (heavy overlap)" if kind == "blobs-overlapping" else ""))
     elif kind == "anisotropic":
         K, d = 6, 4
         means = rng.standard_normal((K, d)) * 4.0

@@ -29,8 +29,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._kernels import (METRIC_COSINE, RESP_ENTMAX15, entmax15_tau_bisect,
-                       entmax15_tau_sort)
+from ._kernels import (METRIC_COSINE, RESP_ENTMAX15, entmax15_support_probs,
+                       n_row_ranges)
 
 PHI_IDENTITY = 0
 PHI_LOG = 1
@@ -101,16 +101,7 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
             cand[n] = zp
             cidx[n] = k
             n += 1
-    if n <= sort_max:
-        tau = entmax15_tau_sort(cand, n)
-    else:
-        tau = entmax15_tau_bisect(cand, n)
-    psum = 0.0
-    for j in range(n):
-        t = cand[j] - tau
-        p = t * t if t > 0.0 else 0.0
-        cand[j] = p
-        psum += p
+    psum = entmax15_support_probs(cand, n, sort_max)
     for k in range(K):
         G[i, k] = 0.0
     p15 = 0.0
@@ -131,11 +122,7 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
     """
     n, D = X.shape
     K = Ct.shape[1]
-    nch = (n + block - 1) // block
-    if nch > nth:
-        nch = nth
-    if nch < 1:
-        nch = 1
+    nch = n_row_ranges(n, block, nth)
     accN = np.zeros((nch, K))
     accS = np.zeros((nch, K, D))
     accH = np.zeros(nch)
@@ -199,11 +186,7 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
     K3 = B.shape[0]
     K = K3 // 3
     K2 = 2 * K
-    nch = (n + block - 1) // block
-    if nch > nth:
-        nch = nth
-    if nch < 1:
-        nch = 1
+    nch = n_row_ranges(n, block, nth)
     cosine = metric == METRIC_COSINE
     entmax = resp == RESP_ENTMAX15
     twoT = 2.0 / T

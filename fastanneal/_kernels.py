@@ -43,6 +43,36 @@ LOG_EPS64 = math.log(2.0 ** -53)
 
 
 # ----------------------------------------------------------------------------- helpers
+@njit(cache=True, nogil=True)
+def n_row_ranges(n, block, nth):
+    """Number of static row ranges of a parallel pass: one per thread, no more than there
+    are row blocks, at least one (an empty input still gives its zero record)."""
+    nch = (n + block - 1) // block
+    if nch > nth:
+        nch = nth
+    if nch < 1:
+        nch = 1
+    return nch
+
+
+@njit(cache=True, nogil=True)
+def entmax15_support_probs(cand, n, sort_max):
+    """Turn the halved, shifted logits ``cand[:n]`` (the entries that can be in the support)
+    into unnormalised entmax-1.5 weights ``[z - tau]_+^2`` in place; returns their sum.
+    ``tau`` by sorting for ``n <= sort_max``, else by bisection (THEORY.md section 4)."""
+    if n <= sort_max:
+        tau = entmax15_tau_sort(cand, n)
+    else:
+        tau = entmax15_tau_bisect(cand, n)
+    psum = 0.0
+    for j in range(n):
+        t = cand[j] - tau
+        p = t * t if t > 0.0 else 0.0
+        cand[j] = p
+        psum += p
+    return psum
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _sqnorm(Xb, i):
     """``||Xb[i]||^2`` in float64; re-association lets the sum vectorise (a sequential
@@ -276,16 +306,7 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
             cand[n] = zp
             cidx[n] = k
             n += 1
-    if n <= sort_max:
-        tau = entmax15_tau_sort(cand, n)
-    else:
-        tau = entmax15_tau_bisect(cand, n)
-    psum = 0.0
-    for j in range(n):
-        t = cand[j] - tau
-        p = t * t if t > 0.0 else 0.0
-        cand[j] = p
-        psum += p
+    psum = entmax15_support_probs(cand, n, sort_max)
     soft = 0.0
     p15 = 0.0
     for j in range(n):
@@ -317,11 +338,7 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
     """
     n, D = X.shape
     K = C.shape[0]
-    nch = (n + block - 1) // block
-    if nch > nth:
-        nch = nth
-    if nch < 1:
-        nch = 1
+    nch = n_row_ranges(n, block, nth)
     Ct = C.T
     HK = K if hard_sums else 0
     accN = np.zeros((nch, K))
@@ -546,11 +563,7 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
     ``closest`` may hold ``inf`` (first step)."""
     n = X.shape[0]
     m = CcT.shape[1]
-    nch = (n + block - 1) // block
-    if nch > nth:
-        nch = nth
-    if nch < 1:
-        nch = 1
+    nch = n_row_ranges(n, block, nth)
     acc = np.zeros((nch, m))
     for t in prange(nch):
         r0 = t * n // nch
