@@ -6,6 +6,7 @@ on failure).
 """
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,9 @@ from sklearn.metrics import adjusted_rand_score
 from fastanneal import AnnealedKMeans, AnnealingWarning
 
 from conftest import SHARED_DATA
+
+BUNDLED_SAMPLE = (Path(__file__).resolve().parents[1] / "fastanneal" / "data"
+                  / "clinc150_demo.parquet")
 
 FAST = dict(n_steps=5, max_iter=3)
 
@@ -501,18 +505,25 @@ def test_temperature_end_ratio_one_is_valid(rng):
 @pytest.mark.slow
 def test_clinc150_quality():
     """CLINC150 (22,500 MiniLM embeddings, 150 intents): scikit-learn KMeans(n_init=4) reaches
-    ARI 0.704 (shared/data/README.md); the annealed fit must reach 0.65."""
-    if not SHARED_DATA.exists():
-        pytest.skip(f"{SHARED_DATA} not found (the shared data folder sits next to the clone)")
+    ARI 0.704 (shared/data/README.md); the annealed fit must reach 0.65. Without the shared
+    folder (a clone on its own), the bundled 4,500-query sample (30 intents) is used and the
+    bar is scikit-learn's KMeans(n_init=4) on the same unit rows, run here, minus 0.05."""
     import pyarrow.parquet as pq
-    table = pq.read_table(SHARED_DATA, columns=["label", "embedding"])
+    path = SHARED_DATA if SHARED_DATA.exists() else BUNDLED_SAMPLE
+    table = pq.read_table(path, columns=["label", "embedding"])
     emb = table.column("embedding").combine_chunks()
     X = np.array(emb.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
     X = X.reshape(len(emb), -1)
     labels = np.asarray(table.column("label").to_pylist())
-    km = AnnealedKMeans(n_clusters=150, metric="cosine", random_state=0).fit(X)
+    K = len(np.unique(labels))
+    km = AnnealedKMeans(n_clusters=K, metric="cosine", random_state=0).fit(X)
     ari = adjusted_rand_score(labels, km.labels_)
-    assert ari >= 0.65, f"ARI {ari:.3f} < 0.65"
+    if path == SHARED_DATA:
+        assert K == 150 and ari >= 0.65, f"ARI {ari:.3f} < 0.65"
+    else:
+        Xu = X / np.linalg.norm(X, axis=1, keepdims=True)
+        bar = adjusted_rand_score(labels, KMeans(K, n_init=4, random_state=0).fit(Xu).labels_)
+        assert ari >= bar - 0.05, f"ARI {ari:.3f} < scikit-learn {bar:.3f} - 0.05"
     assert min_pairwise(km.cluster_centers_) > 0
 
 

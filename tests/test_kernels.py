@@ -367,8 +367,23 @@ _THREAD_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _moments_in_subprocess(tmp_path, threads):
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / f"out{threads}.npz"
+    res = subprocess.run([sys.executable, "-c", _THREAD_SCRIPT, str(tmp_path / "in.npz"),
+                          str(out)], env=env, cwd=root, timeout=300,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = np.load(out)
+    assert int(got["threads"]) == threads
+    return got
+
+
 def test_no_drift_with_thread_count(rng, tmp_path):
-    """NUMBA_NUM_THREADS=1 (subprocess) vs the default thread count (here).
+    """NUMBA_NUM_THREADS=1 and =3 (subprocesses; 3 whatever the core count, so the row ranges
+    always differ) vs the default thread count (here).
 
     Only the association of the sums changes: float64 input agrees to 1e-12 norm-wise; float32
     input also changes which rows share a float32 GEMM block, so it agrees to 1e-5.
@@ -377,26 +392,20 @@ def test_no_drift_with_thread_count(rng, tmp_path):
     w = rng.uniform(0.0, 2.0, 3000)
     T = scale_of(X, C)
     np.savez(tmp_path / "in.npz", Xf32=X.astype(np.float32), Xf64=X, C=C, w=w, T=T)
-    env = dict(os.environ, NUMBA_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _THREAD_SCRIPT, str(tmp_path / "in.npz"),
-                          str(tmp_path / "out.npz")], env=env, cwd=root, timeout=300,
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    one = np.load(tmp_path / "out.npz")
-    assert int(one["threads"]) == 1
-    if numba.get_num_threads() == 1:
-        pytest.skip("only one thread available: nothing to compare")  # pragma: no cover
+    runs = {1: _moments_in_subprocess(tmp_path, 1), 3: _moments_in_subprocess(tmp_path, 3)}
     dist = ref.sqeuclidean(X, C)
     for dt, Xd in (("f32", X.astype(np.float32)), ("f64", X)):
         tol = 1e-5 if dt == "f32" else 1e-12
         for resp in RESPS:
             m = fa.moments(Xd, C, T, weights=w, responsibilities=resp)
-            other = {f: one[f"{dt}_{resp}_{f}"][()] for f in ref.FIELDS}
-            assert_record_close(m, other, T, tol, dist, f"{dt} {resp} 1 vs "
-                                f"{numba.get_num_threads()} threads")
-            assert m.nnz == int(one[f"{dt}_{resp}_nnz"])
+            for threads, run in runs.items():
+                other = {f: run[f"{dt}_{resp}_{f}"][()] for f in ref.FIELDS}
+                assert_record_close(m, other, T, tol, dist, f"{dt} {resp} {threads} vs "
+                                    f"{numba.get_num_threads()} threads")
+                assert m.nnz == int(run[f"{dt}_{resp}_nnz"])
+            one = {f: runs[1][f"{dt}_{resp}_{f}"][()] for f in ref.FIELDS}
+            three = {f: runs[3][f"{dt}_{resp}_{f}"][()] for f in ref.FIELDS}
+            assert_record_close(three, one, T, tol, dist, f"{dt} {resp} 3 vs 1 threads")
 
 
 # ----------------------------------------------------------------------------- THEORY oracles
