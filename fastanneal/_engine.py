@@ -1,9 +1,23 @@
-"""The annealing engine. It never touches rows directly: it asks a moment source
-(:mod:`fastanneal._sources`) for :class:`~fastanneal.Moments` and updates the centers."""
+"""The annealing engine: one loop for every solver and every backend.
+
+The engine never touches rows: it asks a moment source (:mod:`fastanneal._protocol`) for
+additive :class:`~fastanneal.Moments` and updates the centers. What differs between the
+solvers is the *update rule* applied at one temperature:
+
+* :class:`EMRule` -- closed-form EM (soft Lloyd), optionally mass-constrained;
+* :class:`AdamRule` -- Adam on the separation objective (:mod:`fastanneal._gradient_solver`);
+* :class:`StochasticEMRule` -- stochastic EM over mini-batches (:mod:`fastanneal._minibatch`).
+
+Everything around the rule exists once, here: the temperature loop, the critical
+(phase-transition) pre-phase, relocation of empty clusters, the handling of coincident
+centers, the trace record with its certificate, the checkpointable :class:`AnnealState`
+and the Lloyd polish at ``T = 0``. The theory is in ``docs/theory.md``.
+"""
 import logging
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -17,6 +31,8 @@ RESP_HARD = 2
 #: Clusters with soft mass at most this fraction of the total weight are empty (relocated):
 #: one threshold for float32 and float64, at float32's resolution.
 MIN_MASS = 2.0 ** -24
+#: Testing aid: seconds to sleep after each temperature step (kill-and-resume tests).
+STEP_DELAY_ENV = "FASTANNEAL_TEST_STEP_DELAY"
 
 
 class AnnealingWarning(UserWarning):
@@ -51,6 +67,41 @@ class EngineResult:
     last_moments: object
 
 
+@dataclass
+class AnnealState:
+    """Everything the engine carries from one temperature step to the next.
+
+    Saved at step boundaries (:mod:`fastanneal._checkpoint`) and resumed from: a resumed run
+    repeats the uninterrupted one. ``phase`` is ``"critical"`` (phase-transition pre-phase),
+    ``"anneal"``, ``"polish"`` or ``"done"``; ``temperature`` is the temperature of the next
+    step; ``step`` its number; ``phase_step0`` the step at which the phase started (the
+    schedule sees ``step - phase_step0``).
+    """
+    centers: np.ndarray
+    temperature: float
+    T_start: float
+    T_end: float
+    scale: float
+    log_masses: Optional[np.ndarray] = None
+    phase: str = "anneal"
+    step: int = 0
+    phase_step0: int = 0
+    n_iter: int = 0
+    relocations: int = 0
+    rng_state: Optional[dict] = None
+    schedule_state: dict = field(default_factory=dict)
+    rule_state: dict = field(default_factory=dict)
+    last: dict = field(default_factory=dict)     # free energy etc. of the last annealing pass
+    converged: bool = False
+    last_moments: object = field(default=None, repr=False)   # not saved in checkpoints
+
+
+# ---------------------------------------------------------------------------- helpers
+def perturbation(scale):
+    """Norm of the nudge that separates duplicate or relocated centers: ``1e-3 sqrt(scale)``."""
+    return 1e-3 * math.sqrt(max(float(scale), 1e-300))
+
+
 def min_center_distance(C):
     """min_{k != l} ||c_k - c_l|| (inf for K = 1), via the Gram matrix."""
     K = C.shape[0]
@@ -81,6 +132,22 @@ def _split_largest(C, N, k_empty, rng, delta):
     return donor
 
 
+def relocate_empty(C, N, empty, rng, delta, metric):
+    """Relocate every empty cluster by splitting the heaviest one (its mass is shared).
+
+    ``C`` (K, D) and ``N`` (K,) are updated in place (``N`` of the empty clusters is set to
+    0 first); returns ``(C, donors)`` with ``C`` projected for cosine."""
+    donors = []
+    if not empty.any():
+        return C, donors
+    N[empty] = 0.0
+    for k in np.nonzero(empty)[0]:
+        donor = _split_largest(C, N, k, rng, delta)
+        N[k] = N[donor] = N[donor] / 2.0
+        donors.append(donor)
+    return _project(C, metric), donors
+
+
 def _project(C, metric):
     if metric == 1:
         n = np.linalg.norm(C, axis=1, keepdims=True)
@@ -88,94 +155,8 @@ def _project(C, metric):
     return C
 
 
-def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0=None,
-           state_hook=None, n_iter0=0, step0=0):
-    """Run the schedule from ``C0`` and polish; returns :class:`EngineResult`.
-
-    ``scale`` is the data scale (mean squared distance to the mean): tolerances and
-    perturbations are relative to it. ``state_hook(step, C, logp, T)`` is called after each
-    temperature step (checkpointing).
-    """
-    t0 = time.perf_counter() if t0 is None else t0
-    trace = Trace() if trace is None else trace
-    K = cfg.n_clusters
-    D = C0.shape[1]
-    C = _project(np.array(C0, dtype=np.float64), source.metric)
-    tol_abs = cfg.tol * scale / max(D, 1)
-    delta = 1e-3 * math.sqrt(scale)          # duplicate perturbation (norm)
-    eps2 = (0.05 * delta) ** 2               # "coincident" threshold (squared)
-    logp = np.full(K, -math.log(K)) if cfg.mass_constrained and cfg.resp == 0 else None
-    schedule.start(T_start, T_end)
-    T = float(T_start)
-    step = step0
-    n_iter = n_iter0
-    relocations_total = 0
-    m = None
-    converged = False
-    while T is not None:
-        relocated = 0
-        shift = math.nan
-        for _ in range(max(1, cfg.max_iter)):
-            m = source.moments(C, T, cfg.resp, logp, hard_sums=False)
-            logp_m = logp
-            upd = m.finalize(previous_centers=C, min_mass=MIN_MASS)
-            Cn = upd.centers
-            n_iter += 1
-            if logp is not None:
-                p = m.N / max(m.weight, 1e-300)
-                logp = np.log(np.maximum(p, 1e-300))
-            if upd.empty.any():
-                Nk = np.where(upd.empty, 0.0, m.N)
-                for k in np.nonzero(upd.empty)[0]:
-                    donor = _split_largest(Cn, Nk, k, rng, delta)
-                    Nk[k] = Nk[donor] = Nk[donor] / 2.0   # the donor's mass is shared
-                    relocated += 1
-                if logp is not None:                        # masses still sum to 1
-                    logp = np.log(np.maximum(Nk / max(Nk.sum(), 1e-300), 1e-300))
-                Cn = _project(Cn, source.metric)
-            shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
-            C = Cn
-            if cfg.diagnostics == "full":
-                _record(trace, step, n_iter, T, m, C, shift, relocated, 0, K, t0,
-                        logp=logp_m)
-            if shift <= tol_abs:
-                break
-        relocations_total += relocated
-        dmin, D2 = min_center_distance(C)
-        dup = coincident_groups(D2, eps2)
-        if len(dup):
-            # perturbed duplicates: they separate when T falls below their cluster's T_c
-            u = rng.standard_normal((len(dup), D))
-            u *= delta / np.linalg.norm(u, axis=1, keepdims=True)
-            C[dup] += u
-            C = _project(C, source.metric)
-        n_distinct = K - len(dup)
-        ent = m.objectives()["entropy"]
-        if cfg.diagnostics != "full":
-            _record(trace, step, n_iter, T, m, C, shift, relocated, len(dup), K, t0, dmin,
-                    logp=logp_m)
-        if cfg.progress is not None:
-            cfg.progress(step, T, trace[-1])
-        if cfg.verbose:
-            log.info("step %d T=%.4g F=%.6g J=%.6g H=%.3f distinct=%d", step, T, m.free_energy,
-                     m.hard_distortion, ent, n_distinct)
-        state = ScheduleState(step=step - step0, T=T, T_start=T_start, T_end=T_end, entropy=ent,
-                              n_distinct=n_distinct, n_clusters=K, extra={"scale": scale})
-        if state_hook is not None:
-            state_hook(step, C, logp, T)
-        T = schedule.next_temperature(state)
-        step += 1
-    T_final = m.temperature
-    soft_F = m.free_energy
-    soft_obj = m.soft_distortion
-    # ---------------------------------------------------------------- polish at T = 0
-    C, n_iter, relocated, converged = polish(source, C, T_final, cfg, rng, trace, t0, n_iter,
-                                             tol_abs, delta)
-    relocations_total += relocated
-    return EngineResult(centers=C, temperature=T_final, free_energy=soft_F,
-                        soft_objective=soft_obj, hard_objective=m.hard_distortion,
-                        n_iter=n_iter, n_steps=step, relocations=relocations_total,
-                        converged=converged, last_moments=m)
+def _shift(Cn, C):
+    return float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
 
 
 def certificate_bounds(m, logp=None):
@@ -193,42 +174,8 @@ def certificate_bounds(m, logp=None):
     return 0.0, ob["certificate_bound"]
 
 
-def polish(source, C, T_final, cfg, rng, trace, t0, n_iter, tol_abs, delta):
-    """Lloyd at ``T = 0`` (hard moments with hard sums) until the centers stop moving, with
-    empty clusters relocated by splitting the heaviest one; one trace record (step -1).
-    Shared by every solver. Returns ``(C, n_iter, relocations, converged)``."""
-    if not cfg.polish:
-        return C, n_iter, 0, True
-    K = cfg.n_clusters
-    converged = False
-    relocations = 0
-    relocated = 0
-    shift = math.nan
-    mh = None
-    for _ in range(cfg.max_polish_iter):
-        mh = source.moments(C, T_final, RESP_HARD, None, hard_sums=True)
-        upd = mh.finalize(previous_centers=C, hard=True)
-        Cn = upd.centers
-        n_iter += 1
-        relocated = 0
-        if upd.empty.any():
-            for k in np.nonzero(upd.empty)[0]:
-                _split_largest(Cn, mh.hard_counts, k, rng, delta)
-                relocated += 1
-            Cn = _project(Cn, source.metric)
-            relocations += relocated
-        shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
-        C = Cn
-        if shift <= tol_abs * 1e-4 and relocated == 0:
-            converged = True
-            break
-    dmin, _ = min_center_distance(C)
-    _record(trace, -1, n_iter, 0.0, mh, C, shift, relocated, 0, K, t0, dmin)
-    return C, n_iter, relocations, converged
-
-
 def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, dmin=None,
-            logp=None):
+            logp=None, grad_norm=math.nan):
     ob = m.objectives()
     if dmin is None:
         dmin, _ = min_center_distance(C)
@@ -248,105 +195,405 @@ def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, d
                  certificate_ok=bool(hard or (lower - tol <= gap <= upper + tol)),
                  min_center_distance=dmin, center_shift=shift, relocations=relocated,
                  coincident=coincident, n_distinct=K - coincident,
-                 margin_sum=ob["margin_sum"], grad_norm=math.nan,
+                 margin_sum=ob["margin_sum"], grad_norm=grad_norm,
                  wall_time=time.perf_counter() - t0)
 
 
-def _top_eigs(source, centers, n_iter, rng):
-    """(lambda_max, top eigenvector) per cluster; random unit vectors for sources that do
-    not return eigenvectors."""
-    try:
-        return source.cluster_top_eigenvalues(centers, n_iter, rng, return_vectors=True)
-    except TypeError:
-        lam = source.cluster_top_eigenvalues(centers, n_iter, rng)
-        V = rng.standard_normal(centers.shape)
-        return lam, V / np.linalg.norm(V, axis=1, keepdims=True)
+# ---------------------------------------------------------------------------- context
+class Context:
+    """What an update rule may use: the source, the configuration, the random generator,
+    tolerances relative to the data scale, and the trace."""
+
+    def __init__(self, source, cfg, rng, scale, trace, t0, D):
+        self.source = source
+        self.cfg = cfg
+        self.rng = rng
+        self.scale = float(scale)
+        self.trace = trace
+        self.t0 = t0
+        self.metric = source.metric
+        self.tol_abs = cfg.tol * scale / max(D, 1)
+        self.delta = perturbation(scale)
+        self.eps2 = (0.05 * self.delta) ** 2
+
+    def record(self, step, n_iter, T, m, C, shift, relocated=0, coincident=0, dmin=None,
+               logp=None, grad_norm=math.nan):
+        _record(self.trace, step, n_iter, T, m, C, shift, relocated, coincident,
+                self.cfg.n_clusters, self.t0, dmin, logp=logp, grad_norm=grad_norm)
 
 
-def anneal_critical(source, mean, schedule, T_start, T_end, cfg, rng, scale, trace=None,
-                    t0=None):
-    """Deterministic annealing with phase transitions (THEORY.md section 2).
+@dataclass
+class StepResult:
+    """What a rule reports after one temperature: the moments record of the step, the log
+    prior it used, the last center shift, relocations and (gradient) the gradient norm."""
+    moments: object
+    logp: Optional[np.ndarray] = None
+    shift: float = math.nan
+    relocated: int = 0
+    grad_norm: float = math.nan
+    record_moments: object = None      # what the trace shows (mini-batch: scaled batch sums)
 
-    Starts with one effective cluster at the mean. At each temperature, mass-constrained EM
-    (``r_ik ~ p_k exp(-d_ik / T)``) runs to convergence; then each cluster's own critical
-    temperature ``2 lambda_max(C_k)`` is computed (power iteration on additive moments of
-    the cluster's rows) and every cluster with ``T < 2 lambda_max(C_k)`` -- the ones whose
-    single center has become unstable -- is split into two codevectors displaced along
-    its top eigenvector (the unstable direction), each with half the mass. Largest
-    ``lambda`` first, until ``K`` clusters exist. Cooling is geometric
-    (``schedule.cooling``) until ``K`` clusters exist and ``T <= T_end``; the K centers are
-    then polished as in :func:`anneal`.
-    """
-    t0 = time.perf_counter() if t0 is None else t0
-    trace = Trace() if trace is None else trace
-    K = cfg.n_clusters
-    D = mean.shape[0]
-    tol_abs = cfg.tol * scale / max(D, 1)
-    C = _project(np.array(mean, dtype=np.float64)[None, :], source.metric)
-    p = np.ones(1)
-    T = float(T_start)
-    step = 0
-    n_iter = 0
-    m = None
-    shift = math.nan
-    cooling = getattr(schedule, "cooling", 0.85)
-    max_steps = getattr(schedule, "max_steps", 200)
-    while True:
+
+class EMRule:
+    """Soft Lloyd: up to ``cfg.max_iter`` closed-form EM updates per temperature (fewer once
+    the centers move less than the tolerance). Mass-constrained when ``st.log_masses`` is
+    set. ``critical=True``: the textbook variant of the phase-transition pre-phase (clusters
+    of zero mass keep their center, no relocation)."""
+
+    name = "lloyd"
+
+    def __init__(self, critical=False):
+        self.critical = critical
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, d):
+        pass
+
+    def begin(self, ctx, st):
+        pass
+
+    def step(self, ctx, st, T):
+        cfg, source = ctx.cfg, ctx.source
+        C, logp = st.centers, st.log_masses
+        relocated = 0
+        shift = math.nan
+        m = logp_m = None
         for _ in range(max(1, cfg.max_iter)):
-            logp = np.log(np.maximum(p, 1e-300)) if cfg.resp == 0 else None
             m = source.moments(C, T, cfg.resp, logp, hard_sums=False)
-            upd = m.finalize(previous_centers=C)
-            shift = float(np.max(np.einsum("ij,ij->i", upd.centers - C, upd.centers - C)))
-            C = _project(upd.centers, source.metric)
-            p = m.N / max(m.weight, 1e-300)
-            n_iter += 1
-            if shift <= tol_abs:
+            logp_m = logp
+            upd = m.finalize(previous_centers=C, min_mass=0.0 if self.critical else MIN_MASS)
+            Cn = upd.centers
+            st.n_iter += 1
+            Nk = m.N.copy()
+            denom = m.weight
+            if not self.critical and upd.empty.any():
+                Cn, donors = relocate_empty(Cn, Nk, upd.empty, ctx.rng, ctx.delta, ctx.metric)
+                relocated += len(donors)
+                denom = Nk.sum()                  # the masses still sum to 1
+            elif self.critical:
+                Cn = _project(Cn, ctx.metric)
+            if logp is not None:
+                logp = np.log(np.maximum(Nk / max(denom, 1e-300), 1e-300))
+            shift = _shift(Cn, C)
+            C = Cn
+            if cfg.diagnostics == "full" and not self.critical:
+                ctx.record(st.step, st.n_iter, T, m, C, shift, relocated, logp=logp_m)
+            if shift <= ctx.tol_abs:
                 break
+        st.centers, st.log_masses = C, logp
+        return StepResult(moments=m, logp=logp_m, shift=shift, relocated=relocated)
+
+
+# ---------------------------------------------------------------------------- the loop
+class _CriticalPhase:
+    """Deterministic annealing with phase transitions, as a phase of the engine loop.
+
+    Starts with one effective cluster at the mean. After the EM of each temperature (run to
+    convergence, mass-constrained), each cluster's own critical temperature
+    ``2 lambda_max(C_k)`` is computed (Lanczos on additive moments of the cluster's rows)
+    and every cluster with ``T < 2 lambda_max(C_k)`` is split along its top eigenvector into
+    two codevectors with half the mass each, largest ``lambda`` first, until ``K`` clusters
+    exist. The temperature is held while clusters split and cools by ``cooling`` otherwise;
+    the phase ends once ``K`` clusters exist and ``T <= T_end`` (or after ``max_steps``).
+    """
+
+    def __init__(self, cooling=0.85, max_steps=200):
+        self.cooling = float(cooling)
+        self.max_steps = int(max_steps)
+
+    def after_step(self, ctx, st, T):
+        """Split the unstable clusters; returns the number of splits."""
+        K = ctx.cfg.n_clusters
+        C = st.centers
         ke = C.shape[0]
-        n_split = 0
-        if ke < K:
-            lam, V = _top_eigs(source, C, 30, rng)
-            unstable = np.nonzero(2.0 * lam > T)[0]
-            if unstable.size == 0 and T <= T_end * cooling ** 6:
-                unstable = np.argsort(-lam)[:1]     # nothing left to split on its own
-            order = unstable[np.argsort(-lam[unstable])][:K - ke]
-            if order.size:
-                eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * scale))[:, None] * V[order]
-                newc = C[order] + eps
-                C[order] -= eps
-                C = _project(np.concatenate([C, newc]), source.metric)
-                p[order] /= 2.0
-                p = np.concatenate([p, p[order]])
-                n_split = order.size
-        dmin, _ = min_center_distance(C)
-        _record(trace, step, n_iter, T, m, C, shift, 0, K - C.shape[0], K, t0, dmin, logp=logp)
-        if cfg.progress is not None:
-            cfg.progress(step, T, trace[-1])
-        if cfg.verbose:
-            log.info("critical step %d T=%.4g clusters=%d (+%d)", step, T, C.shape[0], n_split)
-        step += 1
-        if (C.shape[0] >= K and T <= T_end) or step >= max_steps:
-            break
-        if n_split == 0 or C.shape[0] >= K:
-            T *= cooling
-    if C.shape[0] < K:        # max_steps reached: fill up by splitting the heaviest clusters
+        if ke >= K:
+            return 0
+        lam, V = ctx.source.cluster_top_eigenvalues(C, 30, ctx.rng, return_vectors=True)
+        unstable = np.nonzero(2.0 * lam > T)[0]
+        if unstable.size == 0 and T <= st.T_end * self.cooling ** 6:
+            unstable = np.argsort(-lam)[:1]     # nothing left to split on its own
+        order = unstable[np.argsort(-lam[unstable])][:K - ke]
+        if order.size:
+            eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * ctx.scale))[:, None] * V[order]
+            newc = C[order] + eps
+            C[order] -= eps
+            st.centers = _project(np.concatenate([C, newc]), ctx.metric)
+            p = st.rule_state["p"]
+            p[order] /= 2.0
+            st.rule_state["p"] = np.concatenate([p, p[order]])
+        return int(order.size)
+
+    def next_temperature(self, st, T, n_split):
+        K_now = st.centers.shape[0]
+        K = st.rule_state["K"]
+        if (K_now >= K and T <= st.T_end) or st.step + 1 - st.phase_step0 >= self.max_steps:
+            return None
+        if n_split == 0 or K_now >= K:
+            return T * self.cooling
+        return T
+
+    def finish(self, ctx, st):
+        """Fill up to K by splitting the heaviest clusters (max_steps reached)."""
+        K = ctx.cfg.n_clusters
+        C, p = st.centers, st.rule_state["p"]
+        D = C.shape[1]
         while C.shape[0] < K:
             j = int(np.argmax(p))
-            v = rng.standard_normal(D)
-            v *= 1e-3 * math.sqrt(scale) / np.linalg.norm(v)
+            v = ctx.rng.standard_normal(D)
+            v *= ctx.delta / np.linalg.norm(v)
             C = np.concatenate([C, (C[j] + v)[None]])
             p[j] /= 2.0
             p = np.concatenate([p, [p[j]]])
-        C = _project(C, source.metric)
-    return anneal(source, C, _OneStep(), T, T, cfg, rng, scale, trace, t0,
-                  n_iter0=n_iter, step0=step)
+        st.centers = _project(C, ctx.metric)
+
+
+def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical=None,
+        hook=None):
+    """Run (or resume) the annealing described by the state ``st`` and polish.
+
+    ``rule`` is the update rule of the ``"anneal"`` phase (default :class:`EMRule`);
+    ``critical`` (a :class:`_CriticalPhase`) runs first when ``st.phase == "critical"``.
+    ``hook(st)`` is called at every step boundary (checkpoints) with the state of the next
+    step. Returns :class:`EngineResult`.
+    """
+    from ._protocol import check_source
+    check_source(source)
+    t0 = time.perf_counter() if t0 is None else t0
+    trace = Trace() if trace is None else trace
+    rule = EMRule() if rule is None else rule
+    D = st.centers.shape[1]
+    ctx = Context(source, cfg, rng, st.scale, trace, t0, D)
+    delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+    st.centers = _project(np.array(st.centers, dtype=np.float64), source.metric)
+    if st.phase == "critical":
+        crit_rule = EMRule(critical=True)
+        st.rule_state.setdefault("p", np.ones(st.centers.shape[0]))
+        st.rule_state["K"] = cfg.n_clusters
+        _loop(ctx, st, crit_rule, None, critical, hook, delay)
+        critical.finish(ctx, st)
+        # one last temperature with K centers, then the polish (the textbook variant)
+        st.phase, st.phase_step0 = "anneal", st.step
+        st.temperature = st.last["temperature"]
+        st.rule_state = {}
+        st.log_masses = _initial_log_masses(cfg)
+        st.schedule_state = schedule_state_dict(_OneStep())
+        if hook is not None:
+            hook(st)
+    if st.phase == "anneal":
+        if st.schedule_state.get("one_step"):
+            schedule = _OneStep()
+        elif not st.schedule_state:
+            schedule.start(st.T_start, st.T_end)
+        else:
+            load_schedule_state(schedule, st.schedule_state)
+        rule.load_state_dict(st.rule_state)
+        rule.begin(ctx, st)
+        _loop(ctx, st, rule, schedule, None, hook, delay)
+        st.phase = "polish"
+        st.rule_state = {}
+        if hook is not None:
+            hook(st)
+    res_last = st.last
+    if st.phase == "polish":
+        polish_state(ctx, st, st.last.get("temperature", st.temperature) or 0.0,
+                     getattr(rule, "polish_source", None))
+        st.phase = "done"
+    return EngineResult(centers=st.centers, temperature=res_last.get("temperature", math.nan),
+                        free_energy=res_last.get("free_energy", math.nan),
+                        soft_objective=res_last.get("soft_distortion", math.nan),
+                        hard_objective=res_last.get("hard_distortion", math.nan),
+                        n_iter=st.n_iter, n_steps=res_last.get("n_steps", st.step),
+                        relocations=st.relocations, converged=st.converged,
+                        last_moments=st.last_moments)
+
+
+def _initial_log_masses(cfg):
+    K = cfg.n_clusters
+    return np.full(K, -math.log(K)) if cfg.mass_constrained and cfg.resp == 0 else None
+
+
+def _loop(ctx, st, rule, schedule, critical, hook, delay):
+    """The temperature loop (shared by every phase and rule)."""
+    cfg = ctx.cfg
+    K = cfg.n_clusters
+    T = st.temperature
+    while T is not None:
+        if critical is not None:
+            p = st.rule_state["p"]
+            st.log_masses = np.log(np.maximum(p, 1e-300)) if cfg.resp == 0 else None
+        res = rule.step(ctx, st, T)
+        m = res.moments
+        if critical is not None:
+            st.rule_state["p"] = m.N / max(m.weight, 1e-300)
+            n_split = critical.after_step(ctx, st, T)
+            dmin, _ = min_center_distance(st.centers)
+            n_coinc = K - st.centers.shape[0]
+        else:
+            st.relocations += res.relocated
+            dmin, D2 = min_center_distance(st.centers)
+            dup = coincident_groups(D2, ctx.eps2)
+            if len(dup):
+                # perturbed duplicates: they separate when T falls below their cluster's T_c
+                u = ctx.rng.standard_normal((len(dup), st.centers.shape[1]))
+                u *= ctx.delta / np.linalg.norm(u, axis=1, keepdims=True)
+                st.centers[dup] += u
+                st.centers = _project(st.centers, ctx.metric)
+                if hasattr(rule, "reset_rows"):
+                    rule.reset_rows(dup)
+            n_coinc = len(dup)
+        ent = m.objectives()["entropy"]
+        if cfg.diagnostics != "full" or critical is not None or res.record_moments is not None:
+            ctx.record(st.step, st.n_iter, T, res.record_moments or m, st.centers, res.shift,
+                       0 if critical is not None else res.relocated, n_coinc, dmin,
+                       logp=res.logp, grad_norm=res.grad_norm)
+        elif not math.isnan(res.grad_norm):
+            ctx.trace[-1]["grad_norm"] = res.grad_norm
+        if cfg.progress is not None:
+            cfg.progress(st.step, T, ctx.trace[-1])
+        if cfg.verbose:
+            log.info("%s step %d T=%.4g F=%.6g J=%.6g H=%.3f distinct=%d",
+                     "critical" if critical is not None else rule.name, st.step, T,
+                     ctx.trace[-1]["free_energy"], ctx.trace[-1]["hard_distortion"], ent,
+                     K - n_coinc)
+        rm = res.record_moments or m
+        st.last_moments = m
+        st.last = dict(temperature=float(m.temperature), free_energy=float(rm.free_energy),
+                       soft_distortion=float(rm.soft_distortion),
+                       hard_distortion=float(rm.hard_distortion), n_steps=st.step + 1)
+        if critical is not None:
+            T = critical.next_temperature(st, T, n_split)
+        else:
+            sstate = ScheduleState(step=st.step - st.phase_step0, T=T, T_start=st.T_start,
+                                   T_end=st.T_end, entropy=ent, grad_norm=res.grad_norm,
+                                   n_distinct=K - n_coinc, n_clusters=K,
+                                   extra={"scale": ctx.scale})
+            T = schedule.next_temperature(sstate)
+            st.schedule_state = schedule_state_dict(schedule)
+        st.step += 1
+        st.temperature = T
+        st.rule_state = rule.state_dict() if critical is None else st.rule_state
+        st.rng_state = ctx.rng.bit_generator.state
+        if T is not None and hook is not None:
+            hook(st)
+        if delay > 0:
+            time.sleep(delay)
 
 
 class _OneStep:
     """Schedule of exactly one temperature (the last one of a critical run)."""
+
+    def __init__(self):
+        self.one_step = True
 
     def start(self, T_start, T_end):
         pass
 
     def next_temperature(self, state):
         return None
+
+
+# ---------------------------------------------------------------------------- schedules
+def schedule_state_dict(schedule):
+    """JSON-able internal state of a schedule (its public and private attributes)."""
+    out = {}
+    for k, v in vars(schedule).items():
+        if callable(v):
+            continue
+        out[k] = _jsonable(v)
+    return out
+
+
+def load_schedule_state(schedule, d):
+    for k, v in d.items():
+        if callable(getattr(schedule, k, None)):
+            continue
+        setattr(schedule, k, v)
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
+# ---------------------------------------------------------------------------- polish
+def polish_state(ctx, st, T_final, source=None):
+    """Lloyd at ``T = 0`` (hard moments with hard sums) until the centers stop moving, with
+    empty clusters relocated; one trace record (step -1). Shared by every solver."""
+    cfg = ctx.cfg
+    source = ctx.source if source is None else source
+    if not cfg.polish:
+        st.converged = True
+        return
+    C = st.centers
+    converged = False
+    relocated = 0
+    shift = math.nan
+    mh = None
+    for _ in range(cfg.max_polish_iter):
+        mh = source.moments(C, T_final, RESP_HARD, None, hard_sums=True)
+        upd = mh.finalize(previous_centers=C, hard=True)
+        st.n_iter += 1
+        Cn, donors = relocate_empty(upd.centers, mh.hard_counts.copy(), upd.empty, ctx.rng,
+                                    ctx.delta, ctx.metric)
+        relocated = len(donors)
+        st.relocations += relocated
+        shift = _shift(Cn, C)
+        C = Cn
+        if shift <= ctx.tol_abs * 1e-4 and relocated == 0:
+            converged = True
+            break
+    dmin, _ = min_center_distance(C)
+    ctx.record(-1, st.n_iter, 0.0, mh, C, shift, relocated, 0, dmin)
+    st.centers, st.converged = C, converged
+
+
+def polish(source, C, T_final, cfg, rng, trace, t0, n_iter, tol_abs, delta):
+    """Compatibility wrapper of :func:`polish_state`: returns ``(C, n_iter, relocations,
+    converged)``."""
+    D = C.shape[1]
+    scale = (delta / 1e-3) ** 2
+    ctx = Context(source, cfg, rng, scale, trace, t0, D)
+    ctx.tol_abs = tol_abs
+    st = AnnealState(centers=C, temperature=T_final, T_start=T_final, T_end=T_final,
+                     scale=scale, n_iter=n_iter)
+    polish_state(ctx, st, T_final)
+    return st.centers, st.n_iter, st.relocations, st.converged
+
+
+# ---------------------------------------------------------------------------- entry points
+def anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None, t0=None,
+           state_hook=None, n_iter0=0, step0=0, rule=None):
+    """Run the schedule from ``C0`` with ``rule`` (default EM) and polish; returns
+    :class:`EngineResult`. ``scale`` is the data scale (mean squared distance to the
+    mean): tolerances and perturbations are relative to it. ``state_hook(st)`` is called
+    at every step boundary with the :class:`AnnealState` of the next step."""
+    st = AnnealState(centers=np.asarray(C0, dtype=np.float64), temperature=float(T_start),
+                     T_start=float(T_start), T_end=float(T_end), scale=float(scale),
+                     log_masses=_initial_log_masses(cfg) if rule is None or
+                     getattr(rule, "name", "") == "lloyd" else None,
+                     step=step0, phase_step0=step0, n_iter=n_iter0)
+    return run(source, st, schedule, cfg, rng, trace, t0, rule=rule, hook=state_hook)
+
+
+def anneal_critical(source, mean, schedule, T_start, T_end, cfg, rng, scale, trace=None,
+                    t0=None, state_hook=None):
+    """Deterministic annealing with phase transitions (see :class:`_CriticalPhase`), then
+    one temperature with ``K`` centers and the polish."""
+    st = critical_state(mean, T_start, T_end, scale)
+    crit = _CriticalPhase(getattr(schedule, "cooling", 0.85), getattr(schedule, "max_steps", 200))
+    return run(source, st, schedule, cfg, rng, trace, t0, critical=crit, hook=state_hook)
+
+
+def critical_state(mean, T_start, T_end, scale):
+    return AnnealState(centers=np.asarray(mean, dtype=np.float64)[None, :],
+                       temperature=float(T_start), T_start=float(T_start), T_end=float(T_end),
+                       scale=float(scale), phase="critical", rule_state={"p": np.ones(1)})

@@ -190,6 +190,7 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
     cosine = metric == METRIC_COSINE
     entmax = resp == RESP_ENTMAX15
     twoT = 2.0 / T
+    want_gx = gX.shape[0] == n and n > 0    # a 0-row gX: sums only (the solver's pass)
     accA = np.zeros((nch, K2, D))
     acca = np.zeros((nch, K2))
     accC = np.zeros(nch)
@@ -271,10 +272,11 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
                 if not cosine:
                     dg -= twoT * gsum
                 diag[i] = dg
-            np.dot(Cf[:m], B, out[:m])
-            for i in range(m):
-                for j in range(D):
-                    gX[b0 + i, j] = out[i, j] + diag[i] * Xb[i, j]
+            if want_gx:
+                np.dot(Cf[:m], B, out[:m])
+                for i in range(m):
+                    for j in range(D):
+                        gX[b0 + i, j] = out[i, j] + diag[i] * Xb[i, j]
             np.dot(GG[:m].T, Xb[:m], Ab)
             for k in range(K2):
                 for j in range(D):

@@ -1,4 +1,4 @@
-"""Gradient solver: Adam on the centers of the separation objective (THEORY.md section 5).
+"""Gradient solver: Adam on the centers of the separation objective (docs/theory.md section 5).
 
 :func:`anneal_gradient` has the calling convention and the result type of
 :func:`fastanneal._engine.anneal`; instead of soft Lloyd it takes, at every temperature of the
@@ -35,21 +35,20 @@ Adam's moment estimates are reset at every temperature by default (``reset_adam=
 the gradient scale jumps with ``1 / T``, and a second moment carried over from a hotter
 temperature would make the first steps at the colder one too long.
 
-Not supported here: the mass-constrained prior (``value_and_grad`` has no ``log p``; the
-solver ignores ``cfg.mass_constrained``) and sources without rows in memory (the solver needs
-``source.X`` and ``source.w``, as :class:`~fastanneal._sources.InMemorySource` has).
+The gradient comes from two additive passes of the moment source (forward: the ordinary
+moments; backward: ``source.grad_moments``), so the solver runs on every backend (in memory,
+Dask, CUDA). Not supported: the mass-constrained prior (``value_and_grad`` has no ``log p``;
+the solver ignores ``cfg.mass_constrained``).
 With ``metric="cosine"`` (source.metric == 1) the gradient is projected onto the tangent
 space of the sphere and the centers are renormalized after each step.
 """
 import math
-import time
 
 import numpy as np
 
 from . import _engine as E
-from ._trace import Trace
-from .gradient import value_and_grad
-from .schedules import ScheduleState
+from .gradient import _PHIS, LOG_EPS_DEFAULT, value_and_grad_from_source
+from . import _grad_kernels as G_
 
 _RESP_NAMES = {0: "softmax", 1: "entmax15"}
 
@@ -94,15 +93,119 @@ def _tangent(G, C):
     return G - C * np.einsum("ij,ij->i", G, C)[:, None]
 
 
+class AdamRule:
+    """The engine's update rule for the gradient solver: ``steps_per_temperature`` Adam
+    steps on ``L = L_comp - lam * L_sep`` (+ ``rho F_T / W``) per temperature, then one
+    moments pass at the new centers for the record and the relocation of empty clusters.
+    Parameters as :func:`anneal_gradient`."""
+
+    name = "gradient"
+
+    def __init__(self, cfg, scale, D, *, learning_rate=0.05, betas=(0.9, 0.999),
+                 steps_per_temperature=10, separation_weight=0.1, phi="identity", margin=None,
+                 eps=None, adam_eps=1e-8, reset_adam=True, anchor_weight=0.0):
+        if cfg.resp not in _RESP_NAMES:
+            raise ValueError("the gradient solver needs softmax or entmax15 responsibilities")
+        lr = float(learning_rate)
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"learning_rate must be > 0; got {learning_rate!r}")
+        b1, b2 = (float(b) for b in betas)
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"betas must be in [0, 1); got {betas!r}")
+        self.n_inner = int(steps_per_temperature)
+        if self.n_inner < 1:
+            raise ValueError(f"steps_per_temperature must be >= 1; got "
+                             f"{steps_per_temperature!r}")
+        self.rho = float(anchor_weight)
+        if not (math.isfinite(self.rho) and self.rho >= 0):
+            raise ValueError(f"anchor_weight must be >= 0; got {anchor_weight!r}")
+        try:
+            self.pc = _PHIS[phi]
+        except (KeyError, TypeError):
+            raise ValueError(f"phi must be one of 'identity', 'log', 'hinge'; got "
+                             f"{phi!r}") from None
+        self.margin = 0.0
+        self.eps = 0.0
+        if self.pc == G_.PHI_HINGE:
+            if margin is None or not float(margin) > 0:
+                raise ValueError("phi='hinge' needs a margin > 0 (in units of scale)")
+            self.margin = float(margin) * scale
+        elif margin is not None:
+            raise ValueError(f"margin applies only to phi='hinge'; got phi={phi!r}")
+        if self.pc == G_.PHI_LOG:
+            self.eps = LOG_EPS_DEFAULT if eps is None else float(eps) * scale
+            if not self.eps > 0:
+                raise ValueError(f"eps must be > 0; got {eps!r}")
+        elif eps is not None:
+            raise ValueError(f"eps applies only to phi='log'; got phi={phi!r}")
+        self.lam = float(separation_weight)
+        self.betas = (b1, b2)
+        self.adam_eps = float(adam_eps)
+        self.reset_adam = bool(reset_adam)
+        self.lr_abs = lr * math.sqrt(scale / max(D, 1))
+        self.adam = AdamState((cfg.n_clusters, D))
+
+    def state_dict(self):
+        return {"adam_m": self.adam.m.copy(), "adam_v": self.adam.v.copy(),
+                "adam_t": int(self.adam.t)}
+
+    def load_state_dict(self, d):
+        if d:
+            self.adam.m = np.array(d["adam_m"], dtype=np.float64)
+            self.adam.v = np.array(d["adam_v"], dtype=np.float64)
+            self.adam.t = int(d["adam_t"])
+
+    def begin(self, ctx, st):
+        pass
+
+    def reset_rows(self, rows):
+        self.adam.reset(rows=rows)
+
+    def step(self, ctx, st, T):
+        cfg, source, metric = ctx.cfg, ctx.source, ctx.metric
+        C = st.centers
+        if self.reset_adam:
+            self.adam.reset()
+        shift = math.nan
+        g_last = math.nan
+        for _ in range(self.n_inner):
+            res = value_and_grad_from_source(source, C, T, cfg.resp, self.lam, self.pc,
+                                             self.margin, self.eps)
+            g_last = res.separation_grad_norm
+            G = res.grad_centers
+            if self.rho:
+                # + rho * F_T / W, exact gradient by the envelope theorem (r minimizes F):
+                # 2 rho (N_k c_k - S_k) / W; cosine (d = 2 - 2 x.c): -2 rho S_k / W
+                ma = source.moments(C, T, cfg.resp, None, hard_sums=False)
+                GF = -ma.S if metric == 1 else ma.N[:, None] * C - ma.S
+                G = G + (2.0 * self.rho / ma.weight) * GF
+            if metric == 1:
+                G = _tangent(G, C)
+            Cn = E._project(C - adam_step(G, self.adam, self.lr_abs, self.betas,
+                                          self.adam_eps), metric)
+            st.n_iter += 1
+            shift = E._shift(Cn, C)
+            C = Cn
+            if cfg.diagnostics == "full":
+                mf = source.moments(C, T, cfg.resp, None, hard_sums=False)
+                ctx.record(st.step, st.n_iter, T, mf, C, shift, grad_norm=g_last)
+            if shift <= ctx.tol_abs:
+                break
+        # one moments pass at the new centers: the record, the entropy, empty clusters
+        m = source.moments(C, T, cfg.resp, None, hard_sums=False)
+        upd = m.finalize(previous_centers=C)
+        C, donors = E.relocate_empty(C, m.N.copy(), upd.empty, ctx.rng, ctx.delta, metric)
+        for k, donor in zip(np.nonzero(upd.empty)[0], donors):
+            self.adam.reset(rows=[k, donor])
+        st.centers = C
+        return E.StepResult(moments=m, shift=shift, relocated=len(donors), grad_norm=g_last)
+
+
 def anneal_gradient(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace=None,
-                    t0=None, state_hook=None, n_iter0=0, step0=0, *, learning_rate=0.05,
-                    betas=(0.9, 0.999), steps_per_temperature=10, separation_weight=0.1,
-                    phi="identity", margin=None, eps=None, adam_eps=1e-8, reset_adam=True,
-                    anchor_weight=0.0):
+                    t0=None, state_hook=None, n_iter0=0, step0=0, **rule_kw):
     """Anneal with Adam on ``L = L_comp - lam * L_sep`` and polish; returns ``EngineResult``.
 
-    Parameters as :func:`fastanneal._engine.anneal` (``source`` must hold its rows as
-    ``source.X``, ``source.w``), plus:
+    Parameters as :func:`fastanneal._engine.anneal`, plus (the :class:`AdamRule`):
 
     learning_rate : float > 0, default 0.05
         Adam step per coordinate in units of ``sqrt(scale / D)`` (a center moves at most
@@ -128,120 +231,6 @@ def anneal_gradient(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace
     the separation-gradient norm of the last Adam step; the polish is recorded as in the
     engine (step -1, ``grad_norm`` NaN). ``ScheduleState.grad_norm`` carries the same value.
     """
-    t0 = time.perf_counter() if t0 is None else t0
-    trace = Trace() if trace is None else trace
-    if not (hasattr(source, "X") and hasattr(source, "w")):
-        raise ValueError("the gradient solver needs the rows in memory (a source with .X and "
-                         ".w, e.g. InMemorySource); use backend='cpu'")
-    if cfg.resp not in _RESP_NAMES:
-        raise ValueError("the gradient solver needs softmax or entmax15 responsibilities")
-    lr = float(learning_rate)
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"learning_rate must be > 0; got {learning_rate!r}")
-    b1, b2 = (float(b) for b in betas)
-    if not (0 <= b1 < 1 and 0 <= b2 < 1):
-        raise ValueError(f"betas must be in [0, 1); got {betas!r}")
-    n_inner = int(steps_per_temperature)
-    if n_inner < 1:
-        raise ValueError(f"steps_per_temperature must be >= 1; got {steps_per_temperature!r}")
-    lam = float(separation_weight)
-    rho = float(anchor_weight)
-    if not (math.isfinite(rho) and rho >= 0):
-        raise ValueError(f"anchor_weight must be >= 0; got {anchor_weight!r}")
-    X, w = source.X, source.w
-    metric = source.metric
-    metric_name = "cosine" if metric == 1 else "euclidean"
-    resp_name = _RESP_NAMES[cfg.resp]
-    K = cfg.n_clusters
-    D = C0.shape[1]
-    vg_kw = dict(lam=lam, phi=phi, weights=w, metric=metric_name, responsibilities=resp_name)
-    if margin is not None:
-        vg_kw["margin"] = float(margin) * scale
-    if eps is not None:
-        vg_kw["eps"] = float(eps) * scale
-    lr_abs = lr * math.sqrt(scale / max(D, 1))
-    C = E._project(np.array(C0, dtype=np.float64), metric)
-    tol_abs = cfg.tol * scale / max(D, 1)
-    delta = 1e-3 * math.sqrt(scale)
-    eps2 = (0.05 * delta) ** 2
-    adam = AdamState(C.shape)
-    schedule.start(T_start, T_end)
-    T = float(T_start)
-    step = step0
-    n_iter = n_iter0
-    relocations_total = 0
-    m = None
-    g_last = math.nan
-    while T is not None:
-        if reset_adam:
-            adam.reset()
-        shift = math.nan
-        for _ in range(n_inner):
-            res = value_and_grad(X, C, T, **vg_kw)
-            g_last = res.separation_grad_norm
-            G = res.grad_centers
-            if rho:
-                # + rho * F_T / W, exact gradient by the envelope theorem (r minimizes F):
-                # 2 rho (N_k c_k - S_k) / W; cosine (d = 2 - 2 x.c): -2 rho S_k / W
-                ma = source.moments(C, T, cfg.resp, None, hard_sums=False)
-                GF = -ma.S if metric == 1 else ma.N[:, None] * C - ma.S
-                G = G + (2.0 * rho / ma.weight) * GF
-            if metric == 1:
-                G = _tangent(G, C)
-            Cn = E._project(C - adam_step(G, adam, lr_abs, (b1, b2), adam_eps), metric)
-            n_iter += 1
-            shift = float(np.max(np.einsum("ij,ij->i", Cn - C, Cn - C)))
-            C = Cn
-            if cfg.diagnostics == "full":
-                mf = source.moments(C, T, cfg.resp, None, hard_sums=False)
-                E._record(trace, step, n_iter, T, mf, C, shift, 0, 0, K, t0)
-                trace[-1]["grad_norm"] = g_last
-            if shift <= tol_abs:
-                break
-        # one moments pass at the new centers: the record, the entropy, empty clusters
-        m = source.moments(C, T, cfg.resp, None, hard_sums=False)
-        upd = m.finalize(previous_centers=C)
-        relocated = 0
-        if upd.empty.any():
-            for k in np.nonzero(upd.empty)[0]:
-                E._split_largest(C, m.N, k, rng, delta)
-                adam.reset(rows=[k, int(np.argmax(m.N))])
-                relocated += 1
-            C = E._project(C, metric)
-        relocations_total += relocated
-        dmin, D2 = E.min_center_distance(C)
-        dup = E.coincident_groups(D2, eps2)
-        if len(dup):
-            # coincident centers get identical gradients and would stay together: perturb
-            u = rng.standard_normal((len(dup), D))
-            u *= delta / np.linalg.norm(u, axis=1, keepdims=True)
-            C[dup] += u
-            C = E._project(C, metric)
-            adam.reset(rows=dup)
-        n_distinct = K - len(dup)
-        ent = m.objectives()["entropy"]
-        if cfg.diagnostics != "full":
-            E._record(trace, step, n_iter, T, m, C, shift, relocated, len(dup), K, t0, dmin)
-            trace[-1]["grad_norm"] = g_last
-        if cfg.progress is not None:
-            cfg.progress(step, T, trace[-1])
-        if cfg.verbose:
-            E.log.info("gradient step %d T=%.4g F=%.6g J=%.6g H=%.3f g=%.4g", step, T,
-                       m.free_energy, m.hard_distortion, ent, g_last)
-        state = ScheduleState(step=step - step0, T=T, T_start=T_start, T_end=T_end,
-                              entropy=ent, grad_norm=g_last, n_distinct=n_distinct,
-                              n_clusters=K, extra={"scale": scale})
-        if state_hook is not None:
-            state_hook(step, C, None, T)
-        T = schedule.next_temperature(state)
-        step += 1
-    T_final = m.temperature
-    soft_F = m.free_energy
-    soft_obj = m.soft_distortion
-    C, n_iter, relocated, converged = E.polish(source, C, T_final, cfg, rng, trace, t0,
-                                               n_iter, tol_abs, delta)
-    relocations_total += relocated
-    return E.EngineResult(centers=C, temperature=T_final, free_energy=soft_F,
-                          soft_objective=soft_obj, hard_objective=m.hard_distortion,
-                          n_iter=n_iter, n_steps=step, relocations=relocations_total,
-                          converged=converged, last_moments=m)
+    rule = AdamRule(cfg, scale, np.shape(C0)[1], **rule_kw)
+    return E.anneal(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace, t0,
+                    state_hook=state_hook, n_iter0=n_iter0, step0=step0, rule=rule)

@@ -1,20 +1,12 @@
-"""Moment sources: where the data lives. The annealing engine only talks to this interface.
-
-A source provides, for the whole dataset it holds:
-
-* ``n_rows``, ``n_features``, ``dtype``, ``total_weight``, ``metric`` (0 euclidean, 1 cosine);
-* ``moments(centers, T, resp, log_prior=None, hard_sums=False) -> Moments`` -- one full pass;
-* ``sample(n, rng) -> (rows, weights)`` -- an in-memory sample for seeding (k-means++);
-* ``mean() -> (D,)`` -- the weighted mean (cosine: of the unit rows);
-* ``cluster_top_eigenvalues(centers, n_iter, rng, return_vectors=False) -> (K,)`` --
-  ``lambda_max`` of the weighted covariance (1/W_k) of each cluster of the hard partition
-  induced by ``centers`` (``centers`` of shape (1, D) at the mean gives the data's own
-  ``lambda_max``); with ``return_vectors`` also the top eigenvectors ``(lam, V)``;
-* ``assign(centers) -> (labels, d_min, margin)`` -- only sources that hold the rows in memory.
+"""Moment sources: where the data lives. The annealing engine only talks to the
+:class:`~fastanneal._protocol.MomentSource` protocol; this module has the in-memory source and
+the Lanczos iteration every source uses for the critical temperatures.
 
 CPU (this module), CUDA (:mod:`fastanneal.cuda`) and Dask (:mod:`fastanneal.dask`) sources
 differ only in how they produce and add :class:`~fastanneal.Moments` records.
 """
+import hashlib
+
 import numba
 import numpy as np
 
@@ -100,6 +92,25 @@ class InMemorySource:
         return compute_moments(self.X, self.w, centers, T, self.metric, resp, log_prior,
                                hard_sums)
 
+    def grad_moments(self, centers, T, resp, globals_):
+        from .gradient import backward_moments
+        return backward_moments(self.X, self.w, centers, T, self.metric, resp, globals_)
+
+    def covariance(self, mean):
+        return exact_covariance(self.X, self.w, mean)
+
+    def n_distinct_rows(self, rng, cap):
+        return n_distinct_rows(self.X, self.w, rng)
+
+    def labels(self, centers):
+        return self.assign(centers)[0]
+
+    def fingerprint(self):
+        return data_fingerprint(self.X, self.w, self.metric)
+
+    def close(self):
+        pass
+
     def sample(self, n, rng):
         if n >= self.n_rows:
             return self.X, self.w
@@ -124,3 +135,36 @@ class InMemorySource:
         def matvec(mu, V):
             return K_.cluster_cov_matvec_kernel(self.X, self.w, labels, mu, V, nth)
         return power_iteration_eigs(matvec, centers, wk, n_iter, rng, return_vectors)
+
+
+#: Largest D for which sources form the exact D x D covariance (else Lanczos).
+COVARIANCE_MAX_D = 2048
+
+
+def exact_covariance(X, w, mean, block=16384):
+    """``sum w (x - mean)(x - mean)^T / W`` by float64 GEMMs over row blocks (None when
+    ``D > COVARIANCE_MAX_D``)."""
+    D = X.shape[1]
+    if D > COVARIANCE_MAX_D:
+        return None
+    Cov = np.zeros((D, D))
+    for b in range(0, X.shape[0], block):
+        Z = X[b:b + block].astype(np.float64) - mean
+        Cov += (Z * w[b:b + block, None]).T @ Z
+    return Cov / w.sum()
+
+
+def n_distinct_rows(X, w, rng):
+    """Number of distinct rows with non-zero weight (hash by a random projection)."""
+    v = rng.standard_normal(X.shape[1])
+    h = X[w > 0].astype(np.float64, copy=False) @ v
+    return len(np.unique(h))
+
+
+def data_fingerprint(X, w, metric):
+    """sha256 of the rows, the weights and the metric (checkpoint key of in-memory data)."""
+    h = hashlib.sha256()
+    h.update(f"{X.dtype}{X.shape}{metric}".encode())
+    h.update(np.ascontiguousarray(X).data)
+    h.update(np.ascontiguousarray(w, dtype=np.float64).data)
+    return h.hexdigest()

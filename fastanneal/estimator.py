@@ -1,6 +1,11 @@
-"""``AnnealedKMeans``: a scikit-learn estimator for annealed soft k-means."""
+"""The estimators: :class:`AnnealedKMeans` (full-batch annealing on any backend) and
+:class:`MiniBatchAnnealedKMeans` (stochastic-EM annealing over batches, in process for NumPy
+input, out of core over Dask chunks or Parquet row groups). Both share
+:class:`_BaseAnnealedKMeans` (validation, inference) and run the one engine loop of
+:mod:`fastanneal._engine`; seeding lives in :mod:`fastanneal._seeding`."""
 import math
 import numbers
+import os
 import time
 import warnings
 
@@ -8,99 +13,198 @@ import numpy as np
 from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ._engine import (AnnealingWarning, EngineConfig, anneal, anneal_critical,
-                      min_center_distance)
-from ._gradient_solver import anneal_gradient
+from . import _engine as E
+from ._engine import AnnealingWarning, EngineConfig, min_center_distance
+from ._minibatch import (MINIBATCH_SCHEDULES, ArrayStream, RunningMoments, StochasticEMRule,
+                         check_learning)
 from ._moments import assign as _assign
+from ._protocol import check_source
+from ._seeding import (check_n_clusters, critical_temperature, data_stats, initial_centers,
+                       kmeans_plusplus, start_temperature)
 from ._sources import InMemorySource
+from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
 from ._validation import metric_code, normalize_rows, resp_code
 from .schedules import CriticalSchedule, make_schedule
 
-__all__ = ["AnnealedKMeans", "AnnealingWarning"]
-
-
-def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
-    """Greedy k-means++ seeding (weighted), as in scikit-learn: returns (K, D) float64.
-
-    Each step draws ``n_local_trials`` candidates with probability proportional to
-    ``w_i min_c d(x_i, c)`` and keeps the one that lowers the potential most; the candidate
-    distances are computed by one fused Numba pass over ``X`` (blocked GEMM in the dtype of
-    ``X``, float64 epilogue: :func:`fastanneal._kernels.kpp_candidates_kernel`).
-    """
-    import numba
-    from . import _config
-    from ._kernels import kpp_candidates_kernel
-    from ._moments import blas_single_thread
-    n = X.shape[0]
-    X = np.ascontiguousarray(X)
-    if X.dtype not in (np.float32, np.float64):
-        X = X.astype(np.float64)
-    w = np.ascontiguousarray(w, dtype=np.float64)
-    xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
-    nth = int(numba.get_num_threads())
-    block = int(_config.CPU_BLOCK_ROWS)
-
-    def step(Cc, closest, out):
-        CcT = np.ascontiguousarray(Cc.T, dtype=X.dtype)
-        with blas_single_thread():
-            return kpp_candidates_kernel(X, xsq, CcT, np.einsum("ij,ij->i", Cc, Cc), w,
-                                         closest, out, block, nth)
-
-    if n_local_trials is None:
-        n_local_trials = 2 + int(math.log(K))
-    p = w / w.sum()
-    first = rng.choice(n, p=p)
-    centers = np.empty((K, X.shape[1]))
-    centers[0] = X[first]
-    buf = np.empty((n_local_trials, n))
-    closest = np.full(n, np.inf)
-    C1 = centers[:1].copy()
-    pots = step(C1, closest, buf[:1])
-    closest = buf[0].copy()
-    pot = float(pots[0])
-    for c in range(1, K):
-        if pot <= 0:
-            # all remaining mass sits on chosen points: pick among the rest uniformly
-            cand = rng.choice(n, size=n_local_trials)
-        else:
-            r = rng.random(n_local_trials) * pot
-            cand = np.searchsorted(np.cumsum(w * closest), r)
-            cand = np.minimum(cand, n - 1)
-        Cc = np.ascontiguousarray(X[cand], dtype=np.float64)
-        pots = step(Cc, closest, buf)
-        best = int(np.argmin(pots))
-        pot = float(pots[best])
-        closest, buf[best] = buf[best].copy(), closest
-        centers[c] = Cc[best]
-    return centers
-
-
-def _top_eigenvalue(source, Xmem, w, mean, rng):
-    """lambda_max of the weighted covariance (1/W). In memory with D <= 2048: the exact
-    covariance by float64 GEMMs over row blocks and ``eigvalsh`` (fast, no iteration);
-    otherwise power iteration on additive moments through the source."""
-    if Xmem is None and hasattr(source, "covariance") and source.n_features <= 2048:
-        return float(max(np.linalg.eigvalsh(source.covariance(mean))[-1], 0.0))
-    if Xmem is not None and Xmem.shape[1] <= 2048:
-        D = Xmem.shape[1]
-        Cov = np.zeros((D, D))
-        for b in range(0, Xmem.shape[0], 16384):
-            Z = Xmem[b:b + 16384].astype(np.float64) - mean
-            Cov += (Z * w[b:b + 16384, None]).T @ Z
-        Cov /= w.sum()
-        return float(max(np.linalg.eigvalsh(Cov)[-1], 0.0))
-    return float(source.cluster_top_eigenvalues(mean[None, :], 100, rng)[0])
+__all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kmeans_plusplus"]
 
 
 def _n_distinct_rows(X, rng, cap):
-    """Number of distinct rows, counted up to ``cap`` (hash by a random projection)."""
-    v = rng.standard_normal(X.shape[1])
-    h = X.astype(np.float64, copy=False) @ v
-    return len(np.unique(h))
+    """Number of distinct rows (all weights positive; see :func:`_sources.n_distinct_rows`)."""
+    return _n_distinct_rows_exact(X, np.ones(X.shape[0]), rng)
 
 
-class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
+def _positive_int(est, name):
+    v = getattr(est, name)
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive integer; got {v!r}")
+    return int(v)
+
+
+class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
+    """What both estimators share: parameter checks, the random generator, input
+    validation, the checkpoint, the fitted attributes and inference."""
+
+    # ------------------------------------------------------------------ validation
+    def _check_common(self, n_samples=None):
+        K = self.n_clusters
+        if not isinstance(K, numbers.Integral) or isinstance(K, bool) or K < 1:
+            raise ValueError(f"n_clusters must be a positive integer; got {K!r}")
+        if n_samples is not None and n_samples < K:
+            raise ValueError(f"n_samples={n_samples} should be >= n_clusters={K}")
+        metric_code(self.metric)
+        rc = resp_code(self.responsibilities)
+        if rc == 2:
+            raise ValueError("responsibilities must be 'softmax' or 'entmax15' for fitting")
+        _positive_int(self, "n_steps")
+        r = self.temperature_end_ratio
+        if not (isinstance(r, numbers.Real) and 0 < r <= 1):
+            raise ValueError(f"temperature_end_ratio must be in (0, 1]; got {r!r}")
+        f = self.auto_start_fraction
+        if not (isinstance(f, numbers.Real) and 0 < f):
+            raise ValueError(f"auto_start_fraction must be > 0; got {f!r}")
+        ts = self.temperature_start
+        if isinstance(ts, str):
+            if ts not in ("auto", "critical"):
+                raise ValueError("temperature_start must be 'auto', 'critical' or a positive "
+                                 f"number; got {ts!r}")
+        elif not (isinstance(ts, numbers.Real) and math.isfinite(ts) and ts > 0):
+            raise ValueError(f"temperature_start must be 'auto', 'critical' or a positive "
+                             f"number; got {ts!r}")
+        if not (isinstance(self.mass_constrained, bool) or self.mass_constrained == "auto"):
+            raise ValueError(f"mass_constrained must be True, False or 'auto'; got "
+                             f"{self.mass_constrained!r}")
+        check_learning(self.learning_decay, self.learning_offset) \
+            if hasattr(self, "learning_decay") else None
+        return rc
+
+    def _rng(self):
+        rs = self.random_state
+        if isinstance(rs, np.random.Generator):
+            return rs
+        if isinstance(rs, np.random.RandomState):
+            return np.random.default_rng(rs.randint(2 ** 31))
+        return np.random.default_rng(rs)
+
+    def _validate_X(self, X, reset):
+        X = validate_data(self, X, reset=reset, dtype=[np.float64, np.float32], order="C",
+                          accept_sparse=False)
+        if metric_code(self.metric) == 1:
+            X = normalize_rows(X)
+        return X
+
+    @staticmethod
+    def _validate_weights(sample_weight, n):
+        if sample_weight is None:
+            return np.ones(n)
+        w = np.asarray(sample_weight, dtype=np.float64)
+        if w.ndim == 0:
+            w = np.full(n, float(w))
+        if w.shape != (n,):
+            raise ValueError(f"sample_weight.shape == {w.shape}, expected ({n},)!")
+        if not np.isfinite(w).all():
+            raise ValueError("sample_weight contains NaN or infinity")
+        if (w < 0).any():
+            raise ValueError("sample_weight contains negative values")
+        if not w.sum() > 0:
+            raise ValueError("sample_weight sums to zero: no row carries weight")
+        return np.ascontiguousarray(w)
+
+    def _fit_params(self):
+        """The parameters that decide a fit's result (the checkpoint key)."""
+        skip = {"verbose", "progress", "scheduler", "checkpoint", "backend", "prefetch"}
+        out = {}
+        for k, v in self.get_params(deep=False).items():
+            if k in skip:
+                continue
+            if isinstance(v, np.ndarray):
+                v = v.tolist()
+            elif isinstance(v, (np.random.Generator, np.random.RandomState)):
+                v = repr(v)        # a live generator: no reproducible key, best effort
+            out[k] = v
+        return dict(out, estimator=type(self).__name__)
+
+    def _make_checkpoint(self, source, K, run=None):
+        if self.checkpoint is None:
+            return None
+        from ._checkpoint import Checkpoint, params_key, resolve_path
+        path = resolve_path(self.checkpoint)
+        if run is not None:
+            path = path.with_name(f"{path.stem}.run{run}{path.suffix}")
+        key = params_key(source.fingerprint(), dict(self._fit_params(), run=run))
+        return Checkpoint(path, key, K, source.n_features)
+
+    # ------------------------------------------------------------------ inference
+    def _check_X(self, X):
+        check_is_fitted(self, "cluster_centers_")
+        return self._validate_X(X, reset=False)
+
+    def predict(self, X):
+        """Nearest center (the deployed hard rule). Dask arrays give a lazy Dask array."""
+        if hasattr(X, "__dask_graph__"):
+            from .dask import predict_labels
+            check_is_fitted(self, "cluster_centers_")
+            return predict_labels(X, self.cluster_centers_, self.metric)
+        X = self._check_X(X)
+        return _assign(X, self.cluster_centers_, metric_code(self.metric), _prepared=True)[0]
+
+    def fit_predict(self, X, y=None, sample_weight=None):
+        return self.fit(X, sample_weight=sample_weight).labels_
+
+    def predict_proba(self, X, temperature=None):
+        """Soft responsibilities at ``temperature`` (default: the final annealing T), with the
+        fitted cluster masses as prior when ``mass_constrained``."""
+        X = self._check_X(X)
+        T = self.temperature_ if temperature is None else float(temperature)
+        if not (math.isfinite(T) and T > 0):
+            raise ValueError(f"temperature must be finite and > 0; got {temperature!r}")
+        from ._moments import responsibilities as _resp
+        logp = None
+        if getattr(self, "_mass_constrained", False) and self.responsibilities == "softmax":
+            logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
+        C = self.cluster_centers_
+        return _resp(X, C, T, metric=self.metric, kind=self.responsibilities, log_prior=logp)
+
+    def transform(self, X):
+        """Distances to the centers (Euclidean, as scikit-learn; cosine: ``sqrt(2 - 2 cos)``)."""
+        X = self._check_X(X)
+        from ._moments import pairwise_distances
+        return np.sqrt(pairwise_distances(X, self.cluster_centers_,
+                                          metric="euclidean" if self.metric != "cosine"
+                                          else "cosine"))
+
+    def score(self, X, y=None, sample_weight=None):
+        """Opposite of the hard objective ``J`` on X."""
+        X = self._check_X(X)
+        w = self._validate_weights(sample_weight, X.shape[0])
+        _, dmin, _ = _assign(X, self.cluster_centers_, metric_code(self.metric), _prepared=True)
+        return -float(w @ dmin)
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
+        state = dict(state)
+        sched = state.get("scheduler")
+        if sched is not None and not isinstance(sched, str):
+            state["scheduler"] = None       # a live distributed.Client does not pickle
+        return state
+
+    # ------------------------------------------------------------------ partial_fit
+    def partial_fit(self, X, y=None, sample_weight=None):
+        """One stochastic-EM annealing update on the batch ``X`` (one temperature step per
+        call; the temperature holds at its end value after ``n_steps`` calls). The first call
+        seeds (k-means++) and sets the start temperature and scale from its batch."""
+        first = not hasattr(self, "_partial_state")
+        X = self._validate_X(X, reset=first)
+        w = self._validate_weights(sample_weight, X.shape[0])
+        if first:
+            self._partial_state = _PartialFit(self, X, w)
+        self._partial_state.update(X, w)
+        self._partial_state.apply_to(self)
+        return self
+
+
+class AnnealedKMeans(_BaseAnnealedKMeans):
     """Annealed soft k-means (deterministic annealing) with a hard, Lloyd-polished result.
 
     Each point gets soft responsibilities ``r_ik = softmax_k(log p_k - d_ik / T)`` (``d`` the
@@ -160,7 +264,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     solver : {"lloyd", "gradient"}, default="lloyd"
         ``"gradient"``: Adam on the centers for ``L = L_comp - separation_weight * L_sep``
         (:func:`fastanneal.value_and_grad`), ``gradient_steps`` steps per temperature,
-        gradient norms in ``trace_["grad_norm"]``; rows must be in memory.
+        gradient norms in ``trace_["grad_norm"]``; on every backend.
     learning_rate : float, default=0.05
         Adam step per coordinate is ``learning_rate * sqrt(scale / D)`` (scale = mean squared
         distance to the mean).
@@ -172,11 +276,21 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         Separation transform; ``phi_margin`` (hinge) and ``phi_eps`` (log) in units of scale.
     phi_margin, phi_eps : float or None
     batch_size : int or None, default=None
-        Set: out-of-core mini-batch annealing over Dask chunks (stochastic EM, step size
-        ``(t + learning_offset) ** -learning_decay``); ``labels_`` is then None (use
-        ``predict`` or :func:`fastanneal.dask.write_labels`).
+        Set: mini-batch annealing (stochastic EM, step size
+        ``(t + learning_offset) ** -learning_decay``) by :class:`MiniBatchAnnealedKMeans`:
+        in process for NumPy input, over Dask chunks otherwise (``labels_`` is then None:
+        use ``predict`` or :func:`fastanneal.dask.write_labels`).
     learning_decay : float in (0.5, 1], default=0.6
     learning_offset : float >= 1, default=1.0
+    checkpoint : str, path or None, default=None
+        Save the annealing state at every temperature step to ``PATH`` (a ``.npz`` file, or
+        a folder that gets ``anneal.npz``; written atomically) and resume from it: a fit
+        killed at any point and rerun with the same data and parameters continues where the
+        last step ended and returns the same centers as an uninterrupted fit. The file holds
+        a key of the data and parameters; a file for another fit is replaced, an unreadable
+        or inconsistent one is named in a :class:`~fastanneal._checkpoint.CheckpointWarning`
+        and ignored. After the fit it holds the finished state (a rerun only recomputes the
+        labels). With ``n_init > 1`` each run has its own file (``anneal.run0.npz``, ...).
     anchor_weight : float, default=0.0
         Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
         from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
@@ -212,7 +326,7 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                  learning_rate=0.05, adam_betas=(0.9, 0.999), gradient_steps=10,
                  separation_weight=0.1, phi="identity", phi_margin=None, phi_eps=None,
                  anchor_weight=0.0, batch_size=None, learning_decay=0.6,
-                 learning_offset=1.0):
+                 learning_offset=1.0, checkpoint=None):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -246,52 +360,21 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.batch_size = batch_size
         self.learning_decay = learning_decay
         self.learning_offset = learning_offset
+        self.checkpoint = checkpoint
 
     # ------------------------------------------------------------------ validation
     def _check_params(self, n_samples):
-        K = self.n_clusters
-        if not isinstance(K, numbers.Integral) or isinstance(K, bool) or K < 1:
-            raise ValueError(f"n_clusters must be a positive integer; got {K!r}")
-        if n_samples < K:
-            raise ValueError(f"n_samples={n_samples} should be >= n_clusters={K}")
-        metric_code(self.metric)
-        rc = resp_code(self.responsibilities)
-        if rc == 2:
-            raise ValueError("responsibilities must be 'softmax' or 'entmax15' for fitting")
-        for name in ("n_init", "max_iter", "n_steps", "max_polish_iter"):
-            v = getattr(self, name)
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        rc = self._check_common(n_samples)
+        for name in ("n_init", "max_iter", "max_polish_iter"):
+            _positive_int(self, name)
         if not (isinstance(self.tol, numbers.Real) and self.tol >= 0):
             raise ValueError(f"tol must be a non-negative number; got {self.tol!r}")
-        r = self.temperature_end_ratio
-        if not (isinstance(r, numbers.Real) and 0 < r <= 1):
-            raise ValueError(f"temperature_end_ratio must be in (0, 1]; got {r!r}")
-        f = self.auto_start_fraction
-        if not (isinstance(f, numbers.Real) and 0 < f):
-            raise ValueError(f"auto_start_fraction must be > 0; got {f!r}")
-        ts = self.temperature_start
-        if isinstance(ts, str):
-            if ts not in ("auto", "critical"):
-                raise ValueError("temperature_start must be 'auto', 'critical' or a positive "
-                                 f"number; got {ts!r}")
-        elif not (isinstance(ts, numbers.Real) and math.isfinite(ts) and ts > 0):
-            raise ValueError(f"temperature_start must be 'auto', 'critical' or a positive "
-                             f"number; got {ts!r}")
-        if not (isinstance(self.mass_constrained, bool) or self.mass_constrained == "auto"):
-            raise ValueError(f"mass_constrained must be True, False or 'auto'; got "
-                             f"{self.mass_constrained!r}")
         if self.diagnostics not in ("summary", "full"):
             raise ValueError(f"diagnostics must be 'summary' or 'full'; got {self.diagnostics!r}")
         bs = self.batch_size
         if bs is not None and (not isinstance(bs, numbers.Integral) or isinstance(bs, bool)
                                or bs < 1):
             raise ValueError(f"batch_size must be None or a positive integer; got {bs!r}")
-        if not (isinstance(self.learning_decay, numbers.Real)
-                and 0.5 < self.learning_decay <= 1):
-            raise ValueError(f"learning_decay must be in (0.5, 1]; got {self.learning_decay!r}")
-        if not (isinstance(self.learning_offset, numbers.Real) and self.learning_offset >= 1):
-            raise ValueError(f"learning_offset must be >= 1; got {self.learning_offset!r}")
         if self.solver not in ("lloyd", "gradient"):
             raise ValueError(f"solver must be 'lloyd' or 'gradient'; got {self.solver!r}")
         if self.solver == "gradient":
@@ -308,136 +391,96 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             raise ValueError(f"backend must be None, 'cpu', 'cuda' or 'dask'; got {self.backend!r}")
         return rc
 
-    def _rng(self):
-        rs = self.random_state
-        if isinstance(rs, np.random.Generator):
-            return rs
-        if isinstance(rs, np.random.RandomState):
-            return np.random.default_rng(rs.randint(2 ** 31))
-        return np.random.default_rng(rs)
-
-    def _validate_X(self, X, reset):
-        X = validate_data(self, X, reset=reset, dtype=[np.float64, np.float32], order="C",
-                          accept_sparse=False)
-        if metric_code(self.metric) == 1:
-            X = normalize_rows(X)
-        return X
-
-    @staticmethod
-    def _validate_weights(sample_weight, n):
-        if sample_weight is None:
-            return np.ones(n)
-        w = np.asarray(sample_weight, dtype=np.float64)
-        if w.ndim == 0:
-            w = np.full(n, float(w))
-        if w.shape != (n,):
-            raise ValueError(f"sample_weight.shape == {w.shape}, expected ({n},)!")
-        if not np.isfinite(w).all():
-            raise ValueError("sample_weight contains NaN or infinity")
-        if (w < 0).any():
-            raise ValueError("sample_weight contains negative values")
-        if not w.sum() > 0:
-            raise ValueError("sample_weight sums to zero: no row carries weight")
-        return np.ascontiguousarray(w)
-
     # ------------------------------------------------------------------ fit
     def _make_source(self, X, sample_weight):
+        """``(source, in_memory)`` for the backend: Dask for Dask collections / Parquet
+        paths (or ``backend="dask"``), CUDA for ``backend="cuda"``, else in memory."""
         backend = self.backend
         is_dask = hasattr(X, "__dask_graph__")
         if backend == "dask" or (backend is None and is_dask):
             from .dask import make_dask_source  # noqa: WPS433 (optional heavy import)
-            return make_dask_source(self, X, sample_weight)
+            return make_dask_source(self, X, sample_weight)[0], False
         X = self._validate_X(X, reset=True)
         w = self._validate_weights(sample_weight, X.shape[0])
         if backend == "cuda":
             from .cuda import CudaSource
-            return CudaSource(X, w, metric_code(self.metric)), X, w
-        return InMemorySource(X, w, metric_code(self.metric)), X, w
+            return CudaSource(X, w, metric_code(self.metric)), True
+        return InMemorySource(X, w, metric_code(self.metric)), True
 
     def fit(self, X, y=None, sample_weight=None):
         """Anneal from hot to hard; returns self.
 
         ``X``: array (n, D); a Dask array / DataFrame, Parquet path or
         :class:`fastanneal.dask.EmbeddingArrays` with the Dask backend. With ``batch_size``
-        set, out-of-core mini-batch annealing (:class:`fastanneal.dask.MiniBatchAnnealer`).
+        set, mini-batch annealing (:class:`MiniBatchAnnealedKMeans`).
         """
         self.__dict__.pop("_partial_state", None)
         if self.batch_size is not None:
-            from .dask import fit_minibatch_into
-            return fit_minibatch_into(self, X, sample_weight)
+            return self._fit_minibatch(X, sample_weight)
         t0 = time.perf_counter()
-        source, Xmem, w = self._make_source(X, sample_weight)
+        source, in_memory = self._make_source(X, sample_weight)
         try:
-            return self._fit_source(source, Xmem, w, t0)
+            return self.fit_source(source, in_memory=in_memory, _t0=t0)
         finally:
-            if hasattr(source, "close"):
-                source.close()
+            source.close()
 
-    def partial_fit(self, X, y=None, sample_weight=None):
-        """One stochastic-EM annealing update on the batch ``X`` (one temperature step per
-        call; the temperature holds at its end value after ``n_steps`` calls). The first call
-        seeds (k-means++) and sets the start temperature and scale from its batch."""
-        from .dask import partial_fit_update, start_partial_fit
-        first = not hasattr(self, "_partial_state")
-        X = self._validate_X(X, reset=first)
-        w = self._validate_weights(sample_weight, X.shape[0])
-        if first:
-            self._check_params(X.shape[0])
-            self._partial_state = start_partial_fit(self, X, w)
-        partial_fit_update(self._partial_state, X, w).apply_to(self)
+    def _fit_minibatch(self, X, sample_weight):
+        self._check_params(None)
+        mc = self.mass_constrained
+        mb = MiniBatchAnnealedKMeans(
+            self.n_clusters, metric=self.metric, responsibilities=self.responsibilities,
+            schedule=self.schedule, n_steps=self.n_steps, init=self.init,
+            temperature_start=self.temperature_start,
+            temperature_end_ratio=self.temperature_end_ratio,
+            auto_start_fraction=self.auto_start_fraction,
+            mass_constrained=False if mc == "auto" else bool(mc), batch_size=self.batch_size,
+            learning_decay=self.learning_decay, learning_offset=self.learning_offset,
+            polish_passes=1 if self.polish else 0, scheduler=self.scheduler,
+            random_state=self._rng(), tol=self.tol, verbose=self.verbose,
+            checkpoint=self.checkpoint)
+        mb.fit(X, sample_weight=sample_weight)
+        for name in ("cluster_centers_", "cluster_weights_", "inertia_", "free_energy_",
+                     "soft_distortion_", "hardening_gap_", "temperature_",
+                     "temperature_start_", "critical_temperature_", "n_steps_", "n_iter_",
+                     "n_relocations_", "trace_", "n_features_in_", "_mass_constrained",
+                     "labels_"):
+            setattr(self, name, getattr(mb, name))
         return self
 
-    def __getstate__(self):
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
-        state = dict(state)
-        sched = state.get("scheduler")
-        if sched is not None and not isinstance(sched, str):
-            state["scheduler"] = None       # a live distributed.Client does not pickle
-        return state
-
-    def _fit_source(self, source, Xmem, w, t0):
+    def fit_source(self, source, *, in_memory=False, _t0=None):
+        """Fit on a moment source (:class:`~fastanneal._protocol.MomentSource`): any backend,
+        including your own. ``in_memory``: the rows are cheap to read (k-means++ on all of
+        them up to 200,000 rows; labels gathered)."""
+        t0 = time.perf_counter() if _t0 is None else _t0
+        check_source(source)
         rc = self._check_params(source.n_rows)
         K = int(self.n_clusters)
         rng = self._rng()
-        metric = source.metric
-        mean = source.mean()
-        if metric == 1:
-            mean_c = mean / max(np.linalg.norm(mean), 1e-300)
-        else:
-            mean_c = mean
-        # data scale: mean squared distance to the mean (trace of the covariance)
-        m0 = source.moments(mean[None, :], 1.0, 2, None, hard_sums=False)
-        scale = m0.hard_distortion / source.total_weight
-        if K > 1 and (Xmem is not None or hasattr(source, "n_distinct_rows")):
-            nd = (_n_distinct_rows(Xmem[w > 0], rng, K) if Xmem is not None
-                  else source.n_distinct_rows(rng, K))
-            if nd < K:
-                raise ValueError(f"n_clusters={K} is larger than the number of distinct "
-                                 f"points with non-zero weight ({nd})")
-        if not scale > 0 and K > 1:
+        stats = data_stats(source)
+        check_n_clusters(source, K, rng)
+        if not stats.scale > 0 and K > 1:
             raise ValueError("all rows are identical: more than one cluster is undefined")
-        self.critical_temperature_ = 2.0 * _top_eigenvalue(source, Xmem, w, mean, rng)
-
+        self.n_features_in_ = source.n_features
+        self.critical_temperature_ = critical_temperature(source, stats.mean, rng)
         best = None
-        for run in range(int(self.n_init)):
-            res = self._fit_once(source, Xmem, w, K, rc, rng, mean_c, scale, t0)
+        n_init = int(self.n_init)
+        for run in range(n_init):
+            res = self._fit_once(source, in_memory, K, rc, rng, stats, t0,
+                                 run if n_init > 1 else None)
             if best is None or res[0].hard_objective_final < best[0].hard_objective_final:
                 best = res
         result, trace, T0 = best
         C = result.centers
-        # final hard E-step so that labels_ == predict(X)
-        if Xmem is not None:
-            labels, dmin, _ = _assign(Xmem, C, metric, _prepared=True)
-            self.labels_ = labels
-            self.inertia_ = float(w @ dmin)
-            counts = np.bincount(labels, weights=w, minlength=K)
+        if in_memory:
+            # final hard E-step so that labels_ == predict(X)
+            labels = source.labels(C)
         else:
-            self.labels_ = source.labels(C) if hasattr(source, "labels") else None
-            mh = source.moments(C, 1.0, 2, None, hard_sums=False)
-            self.inertia_ = float(mh.hard_distortion)
-            counts = mh.hard_counts
-        dtype = source.dtype
-        self.cluster_centers_ = C.astype(dtype)
+            labels = source.labels(C) if source.n_rows <= 50_000_000 else None
+        mh = source.moments(C, 1.0, 2, None, hard_sums=False)
+        self.labels_ = labels
+        self.inertia_ = float(mh.hard_distortion)
+        counts = mh.hard_counts
+        self.cluster_centers_ = C.astype(source.dtype)
         self.cluster_weights_ = counts / counts.sum()
         self.temperature_ = float(result.temperature)
         self.temperature_start_ = float(T0)
@@ -450,72 +493,14 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.trace_ = trace
         return self
 
-    def _initial_centers(self, source, Xmem, w, K, rng, mean_c):
-        init = self.init
-        if isinstance(init, str):
-            if init == "k-means++":
-                if Xmem is not None and source.n_rows <= 200_000:
-                    Xs, ws = Xmem, w
-                else:
-                    Xs, ws = source.sample(min(source.n_rows, max(100 * K, 20_000)), rng)
-                return kmeans_plusplus(Xs, ws, K, rng)
-            if init == "random":
-                Xs, ws = source.sample(min(source.n_rows, max(100 * K, 20_000)), rng)
-                p = ws / ws.sum()
-                idx = rng.choice(Xs.shape[0], size=K, replace=False, p=p if (p > 0).sum() >= K
-                                 else None)
-                return Xs[idx].astype(np.float64)
-            if init == "mean":
-                return np.repeat(mean_c[None, :], K, axis=0)
-            raise ValueError(f"init must be 'k-means++', 'random', 'mean' or an array; got {init!r}")
-        C = np.asarray(init, dtype=np.float64)
-        if C.shape != (K, source.n_features):
-            raise ValueError(f"init array must have shape ({K}, {source.n_features}); got {C.shape}")
-        if not np.isfinite(C).all():
-            raise ValueError("init array contains NaN or infinity")
-        return C.copy()
-
-    def _auto_start(self, source, C, rng):
-        """``auto_start_fraction * min_k 2 lambda_max(C_k)`` over clusters of >= 2 points of
-        the partition induced by the seeds (cluster means as centers)."""
-        mh = source.moments(C, 1.0, 2, None, hard_sums=True)
-        upd = mh.finalize(previous_centers=C, hard=True)
-        means = upd.centers
-        lam = source.cluster_top_eigenvalues(means, 15, rng)
-        ok = mh.hard_counts > 0
-        cand = lam[ok & (lam > 0)]
-        if cand.size == 0:
-            return None
-        return float(self.auto_start_fraction * 2.0 * cand.min())
-
-    def _fit_once(self, source, Xmem, w, K, rc, rng, mean_c, scale, t0):
+    def _fit_once(self, source, in_memory, K, rc, rng, stats, t0, run):
         schedule = make_schedule(self.schedule, int(self.n_steps))
         ts = self.temperature_start
         T_c = self.critical_temperature_
-        critical = isinstance(schedule, CriticalSchedule) or ts == "critical"
-        if critical:
-            C = np.repeat(mean_c[None, :], K, axis=0)
-            T0 = 1.02 * T_c if T_c > 0 else scale
-        else:
-            C = self._initial_centers(source, Xmem, w, K, rng, mean_c)
-            if ts == "auto":
-                T0 = self._auto_start(source, C, rng) if K > 1 else None
-                if T0 is None or not T0 > 0:
-                    T0 = 0.05 * scale if scale > 0 else 1.0
-            else:
-                T0 = float(ts)
-                if T0 > T_c > 0 and K > 1:
-                    warnings.warn(
-                        f"temperature_start={T0:.4g} is above the critical temperature "
-                        f"T_c={T_c:.4g}: all centers are pulled to the mean and clusters merge "
-                        "until T falls below T_c", AnnealingWarning, stacklevel=3)
-        if isinstance(ts, numbers.Real) and critical:
-            T0 = float(ts)
-        T_end = float(self.temperature_end_ratio) * T0
-        if isinstance(schedule, CriticalSchedule) and ts == "auto":
-            T_end = max(T_end, 0.0)
+        transitions = isinstance(schedule, CriticalSchedule)
+        from_mean = transitions or ts == "critical"
         mc = self.mass_constrained
-        mc = critical if isinstance(mc, str) and mc == "auto" else bool(mc)
+        mc = from_mean if isinstance(mc, str) and mc == "auto" else bool(mc)
         if self.solver == "gradient":
             mc = False                      # value_and_grad has no log-prior
         self._mass_constrained = mc
@@ -523,37 +508,56 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                            max_iter=int(self.max_iter), tol=float(self.tol),
                            polish=bool(self.polish), max_polish_iter=int(self.max_polish_iter),
                            diagnostics=self.diagnostics, verbose=int(self.verbose))
+        ckpt = self._make_checkpoint(source, K, run)
+        st = ckpt.load() if ckpt is not None else None
+        trace = Trace()
+        if st is not None:
+            trace._rows = list(st.trace_rows)
+            rng.bit_generator.state = st.rng_state
+            T0 = float(st.extra["T0"])
+        else:
+            if from_mean:
+                C = np.repeat(stats.mean_c[None, :], K, axis=0)
+            else:
+                C = initial_centers(self.init, source, K, rng, stats.mean_c,
+                                    200_000 if in_memory else 0)
+            T0 = start_temperature(ts, source, C, rng, K, T_c, stats.scale,
+                                   self.auto_start_fraction, critical=from_mean, stacklevel=5)
+            T_end = float(self.temperature_end_ratio) * T0
+            if transitions:
+                st = E.critical_state(C[0], T0, T_end, stats.scale)
+            else:
+                st = E.AnnealState(centers=C, temperature=T0, T_start=T0, T_end=T_end,
+                                   scale=stats.scale, log_masses=E._initial_log_masses(cfg))
+        rule = crit = None
+        if self.solver == "gradient":
+            from ._gradient_solver import AdamRule
+            rule = AdamRule(cfg, stats.scale, source.n_features,
+                            learning_rate=self.learning_rate, betas=self.adam_betas,
+                            steps_per_temperature=int(self.gradient_steps),
+                            separation_weight=self.separation_weight, phi=self.phi,
+                            margin=self.phi_margin, eps=self.phi_eps,
+                            anchor_weight=self.anchor_weight)
+        if transitions:
+            crit = E._CriticalPhase(schedule.cooling, schedule.max_steps)
+        hook = None
+        if ckpt is not None:
+            ckpt.trace = trace
+            ckpt.extra = {"T0": T0}
+            hook = ckpt.save
         bar = None
         if self.progress:
             bar = _progress_bar(schedule)
             cfg.progress = lambda step, T, rec: (bar.update(1), bar.set_postfix(
                 T=f"{T:.3g}", J=f"{rec['hard_distortion']:.5g}"))
-        trace = Trace()
         try:
-            with warnings.catch_warnings():
-                if self.solver == "gradient":
-                    gsrc = source
-                    if not hasattr(source, "X"):
-                        if Xmem is None:
-                            raise ValueError("solver='gradient' needs the rows in memory "
-                                             "(backend 'cpu' or 'cuda', not 'dask')")
-                        gsrc = InMemorySource(Xmem, w, source.metric)
-                    result = anneal_gradient(
-                        gsrc, C, schedule, T0, T_end, cfg, rng, scale, trace, t0,
-                        learning_rate=self.learning_rate, betas=self.adam_betas,
-                        steps_per_temperature=int(self.gradient_steps),
-                        separation_weight=self.separation_weight, phi=self.phi,
-                        margin=self.phi_margin, eps=self.phi_eps,
-                        anchor_weight=self.anchor_weight)
-                elif isinstance(schedule, CriticalSchedule):
-                    result = anneal_critical(source, C[0], schedule, T0, T_end, cfg, rng,
-                                             scale, trace, t0)
-                else:
-                    result = anneal(source, C, schedule, T0, T_end, cfg, rng, scale, trace,
-                                    t0)
+            result = E.run(source, st, schedule, cfg, rng, trace, t0, rule=rule,
+                           critical=crit, hook=hook)
         finally:
             if bar is not None:
                 bar.close()
+        if ckpt is not None:
+            ckpt.save(st)
         if not result.converged:
             warnings.warn(f"Lloyd polish did not converge in {self.max_polish_iter} iterations",
                           AnnealingWarning, stacklevel=3)
@@ -566,52 +570,319 @@ class AnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         result.hard_objective_final = float(trace["hard_distortion"][-1])
         return result, trace, T0
 
-    # ------------------------------------------------------------------ inference
-    def _check_X(self, X):
-        check_is_fitted(self, "cluster_centers_")
-        X = self._validate_X(X, reset=False)
-        return X
 
-    def predict(self, X):
-        """Nearest center (the deployed hard rule)."""
-        X = self._check_X(X)
-        return _assign(X, self.cluster_centers_, metric_code(self.metric), _prepared=True)[0]
+def _schedule_temperature(schedule, t, T_start, T_end, n_steps):
+    """Temperature of update ``t`` of ``partial_fit`` (held at ``T_end`` after ``n_steps``)."""
+    if schedule == "constant" or n_steps <= 1:
+        return float(T_start)
+    j = min(t, n_steps - 1) / (n_steps - 1)
+    if schedule == "linear":
+        return float(T_start + (T_end - T_start) * j)
+    return float(T_start * (T_end / T_start) ** j)
 
-    def fit_predict(self, X, y=None, sample_weight=None):
-        return self.fit(X, sample_weight=sample_weight).labels_
 
-    def predict_proba(self, X, temperature=None):
-        """Soft responsibilities at ``temperature`` (default: the final annealing T), with the
-        fitted cluster masses as prior when ``mass_constrained``."""
-        X = self._check_X(X)
-        T = self.temperature_ if temperature is None else float(temperature)
-        if not (math.isfinite(T) and T > 0):
-            raise ValueError(f"temperature must be finite and > 0; got {temperature!r}")
-        from ._moments import responsibilities as _resp
-        logp = None
-        if getattr(self, "_mass_constrained", False) and self.responsibilities == "softmax":
-            logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
-        C = self.cluster_centers_
-        return _resp(X, C, T, metric=self.metric, kind=self.responsibilities, log_prior=logp)
+def _seed_from_sample(est, Xs, ws, K, metric, rng):
+    """Seeds, ``T_start``, ``T_end``, ``T_c`` and the scale of a mini-batch fit from an
+    in-memory sample (validated rows; unit rows for cosine)."""
+    src = InMemorySource(Xs, ws, metric)
+    if not src.total_weight > 0:
+        raise ValueError("the seeding sample carries no weight")
+    stats = data_stats(src)
+    if not stats.scale > 0 and K > 1:
+        raise ValueError("all rows of the seeding sample are identical: more than one "
+                         "cluster is undefined")
+    T_c = critical_temperature(src, stats.mean, rng)
+    C = initial_centers(est.init, src, K, rng, stats.mean_c, sample_rows=Xs.shape[0])
+    C = E._project(C, metric)
+    T0 = start_temperature(est.temperature_start, src, C, rng, K, T_c, stats.scale,
+                           est.auto_start_fraction, stacklevel=5)
+    return C, float(T0), float(est.temperature_end_ratio) * float(T0), float(T_c), stats.scale
 
-    def transform(self, X):
-        """Distances to the centers (Euclidean, as scikit-learn; cosine: ``sqrt(2 - 2 cos)``)."""
-        X = self._check_X(X)
-        from ._moments import pairwise_distances
-        return np.sqrt(pairwise_distances(X, self.cluster_centers_,
-                                          metric="euclidean" if self.metric != "cosine"
-                                          else "cosine"))
 
-    def score(self, X, y=None, sample_weight=None):
-        """Opposite of the hard objective ``J`` on X."""
-        X = self._check_X(X)
-        w = self._validate_weights(sample_weight, X.shape[0])
-        _, dmin, _ = _assign(X, self.cluster_centers_, metric_code(self.metric), _prepared=True)
-        return -float(w @ dmin)
+class _PartialFit:
+    """State of ``partial_fit``: seeds from the first batch, one stochastic-EM update per
+    call (the running moments of :class:`~fastanneal._minibatch.RunningMoments`)."""
 
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        return tags
+    def __init__(self, est, X, w):
+        K = est.n_clusters
+        if not isinstance(K, numbers.Integral) or isinstance(K, bool) or K < 1:
+            raise ValueError(f"n_clusters must be a positive integer; got {K!r}")
+        if X.shape[0] < K:
+            raise ValueError(f"the first partial_fit batch has {X.shape[0]} rows; at least "
+                             f"n_clusters={K} are needed to seed the centers")
+        sched = est.schedule
+        if not (isinstance(sched, str) and sched in ("geometric", "linear", "constant")):
+            raise ValueError("partial_fit supports the schedules 'geometric', 'linear', "
+                             f"'constant'; got {sched!r}")
+        rc = est._check_common()
+        kd, t0 = check_learning(est.learning_decay, est.learning_offset)
+        self.metric = metric_code(est.metric)
+        self.rng = est._rng()
+        self.C, self.T_start, self.T_end, self.T_c, self.scale = _seed_from_sample(
+            est, X, w, int(K), self.metric, self.rng)
+        mc = est.mass_constrained
+        self.mass_constrained = False if mc == "auto" else bool(mc)
+        self.running = RunningMoments(self.metric, self.mass_constrained, rc, kd, t0,
+                                      self.scale)
+        self.schedule, self.n_steps, self.resp = sched, int(est.n_steps), rc
+        self.dtype = X.dtype
+        self.trace = Trace()
+        self.t0 = time.perf_counter()
+        self.relocations = 0
+        self.temperature = math.nan
+
+    def update(self, X, w):
+        from ._moments import compute_moments
+        if X.shape[1] != self.C.shape[1]:
+            raise ValueError(f"X has {X.shape[1]} features; the fit has {self.C.shape[1]}")
+        K = self.C.shape[0]
+        T = _schedule_temperature(self.schedule, self.running.t, self.T_start, self.T_end,
+                                  self.n_steps)
+        logp = self.running.log_prior(K)
+        m = compute_moments(X, w, self.C, T, self.metric, self.resp, logp, hard_sums=False)
+        self.C, rel = self.running.update(m, self.C, self.rng)
+        self.relocations += rel
+        self.temperature = T
+        E._record(self.trace, self.running.t - 1, self.running.t, T, m, self.C,
+                  self.running.last_shift, rel, 0, K, self.t0, logp=logp)
+
+    def apply_to(self, est):
+        est.cluster_centers_ = self.C.astype(self.dtype)
+        N = self.running.N if self.running.N is not None else np.ones(self.C.shape[0])
+        est.cluster_weights_ = N / N.sum()
+        est.temperature_ = float(self.temperature)
+        est.temperature_start_ = float(self.T_start)
+        est.critical_temperature_ = float(self.T_c)
+        est.n_steps_ = est.n_iter_ = int(self.running.t)
+        est.n_relocations_ = int(self.relocations)
+        est.trace_ = self.trace
+        est._mass_constrained = self.mass_constrained
+
+
+class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
+    """Annealed soft k-means by stochastic EM over mini-batches (scikit-learn's
+    ``MiniBatchKMeans`` is the model): in process for NumPy input, out of core for Dask
+    arrays / DataFrames, Parquet paths and :class:`fastanneal.dask.EmbeddingArrays`.
+
+    Each update reads the next batch of chunks (row ranges of ``batch_size`` rows for NumPy
+    input; whole Dask chunks / Parquet row groups otherwise, in a random order per epoch),
+    computes their moments at the current temperature (on the Dask workers for Dask input)
+    and updates the running moments with the step size ``(t + learning_offset) **
+    -learning_decay`` (``docs/theory.md`` section 6). The schedule lowers the temperature
+    every ``batches_per_step`` updates; then ``polish_passes`` full Lloyd passes (T = 0) and
+    a final pass compute ``J``, the free energy at the final temperature, the cluster
+    weights and the labels (NumPy input: ``labels_``; otherwise written to ``labels_path``
+    when given). Memory stays bounded by a few batches, whatever the size of the data.
+
+    Parameters
+    ----------
+    n_clusters, metric, responsibilities, n_steps, init, temperature_start,
+    temperature_end_ratio, auto_start_fraction, random_state, tol, verbose, checkpoint :
+        As :class:`AnnealedKMeans` (``schedule`` one of "geometric", "linear", "constant",
+        "adaptive"; ``mass_constrained`` a bool). Seeding (k-means++, ``T_start="auto"``,
+        ``T_c``) uses an in-memory sample of ``init_size`` rows (from random chunks).
+    init_size : int or None
+        Rows of the seeding sample; default ``max(100 * n_clusters, 20_000)``.
+    batch_size : int or None
+        Rows per update (rounded to whole chunks for Dask input); default 4096 rows for
+        NumPy input, one chunk per worker thread for Dask input.
+    batches_per_step : int or None
+        Updates per temperature; default ``ceil(n_epochs * batches per epoch / n_steps)``.
+    n_epochs : float, default=1.0
+        Passes over the data during annealing (when ``batches_per_step`` is None).
+    learning_decay, learning_offset : float, default 0.6 and 1.0
+        ``eta_t = (t + learning_offset) ** -learning_decay``; ``learning_decay`` in (0.5, 1].
+    polish_passes : int, default=1
+        Full Lloyd passes at T = 0 after annealing.
+    prefetch : int, default=1
+        Dask input: batches read ahead while the current one is reduced (0: none).
+    scheduler : str, distributed.Client or None
+        As ``AnnealedKMeans(scheduler=...)`` (Dask input only).
+
+    Attributes
+    ----------
+    cluster_centers_, cluster_weights_, inertia_ (J on all rows), free_energy_ and
+    soft_distortion_ (all rows, final centers, final temperature), labels_ (NumPy input;
+    None otherwise), temperature_, temperature_start_, critical_temperature_ (of the seeding
+    sample), n_batches_, n_steps_, n_passes_ (full passes), rows_seen_ (rows read by the
+    updates), n_rows_, n_relocations_, batch_chunks_, labels_path_, trace_ (annealing
+    records are batch sums scaled to the total weight), n_features_in_, n_iter_.
+    """
+
+    def __init__(self, n_clusters=8, *, metric="euclidean", responsibilities="softmax",
+                 schedule="geometric", n_steps=20, init="k-means++", init_size=None,
+                 temperature_start="auto", temperature_end_ratio=0.05, auto_start_fraction=0.5,
+                 mass_constrained=False, batch_size=None, batches_per_step=None, n_epochs=1.0,
+                 learning_decay=0.6, learning_offset=1.0, polish_passes=1, prefetch=1,
+                 scheduler=None, random_state=None, tol=1e-4, verbose=0, checkpoint=None):
+        self.n_clusters = n_clusters
+        self.metric = metric
+        self.responsibilities = responsibilities
+        self.schedule = schedule
+        self.n_steps = n_steps
+        self.init = init
+        self.init_size = init_size
+        self.temperature_start = temperature_start
+        self.temperature_end_ratio = temperature_end_ratio
+        self.auto_start_fraction = auto_start_fraction
+        self.mass_constrained = mass_constrained
+        self.batch_size = batch_size
+        self.batches_per_step = batches_per_step
+        self.n_epochs = n_epochs
+        self.learning_decay = learning_decay
+        self.learning_offset = learning_offset
+        self.polish_passes = polish_passes
+        self.prefetch = prefetch
+        self.scheduler = scheduler
+        self.random_state = random_state
+        self.tol = tol
+        self.verbose = verbose
+        self.checkpoint = checkpoint
+
+    def _check_params(self):
+        rc = self._check_common()
+        if not (isinstance(self.schedule, str) and self.schedule in MINIBATCH_SCHEDULES):
+            raise ValueError(f"mini-batch annealing supports the schedules "
+                             f"{MINIBATCH_SCHEDULES}; got {self.schedule!r}")
+        if not isinstance(self.mass_constrained, (bool, np.bool_)):
+            raise ValueError(f"mass_constrained must be True or False; got "
+                             f"{self.mass_constrained!r}")
+        pp = self.polish_passes
+        if not isinstance(pp, numbers.Integral) or isinstance(pp, bool) or pp < 0:
+            raise ValueError(f"polish_passes must be >= 0; got {pp!r}")
+        bs = self.batch_size
+        if bs is not None and (not isinstance(bs, numbers.Integral) or isinstance(bs, bool)
+                               or bs < 1):
+            raise ValueError(f"batch_size must be None or a positive integer; got {bs!r}")
+        return rc
+
+    def fit(self, X, y=None, sample_weight=None, *, ids=None, labels_path=None,
+            overwrite=False):
+        """Anneal over ``X``; with ``labels_path`` (Dask / Parquet input), write the labels
+        (and ids) as Parquet in the final pass (see :func:`fastanneal.dask.write_labels`).
+        Returns self."""
+        t_start = time.perf_counter()
+        self.__dict__.pop("_partial_state", None)
+        rc = self._check_params()
+        K = int(self.n_clusters)
+        metric = metric_code(self.metric)
+        if labels_path is not None and os.path.exists(labels_path) and not overwrite:
+            raise FileExistsError(f"{labels_path} exists; pass overwrite=True to replace it")
+        rng = self._rng()
+        if isinstance(X, np.ndarray) or (not hasattr(X, "__dask_graph__")
+                                         and not isinstance(X, (str, os.PathLike))
+                                         and type(X).__name__ != "EmbeddingArrays"):
+            if ids is not None or labels_path is not None:
+                raise ValueError("ids and labels_path are for Dask / Parquet input; with a "
+                                 "NumPy array the labels are in labels_")
+            Xv = self._validate_X(X, reset=True)
+            w = self._validate_weights(sample_weight, Xv.shape[0])
+            full = InMemorySource(Xv, w, metric)
+            stream = ArrayStream(Xv, w, metric, int(self.batch_size or 4096))
+            n_threads = 1
+        else:
+            from .dask import open_batch_stream
+            stream = open_batch_stream(X, sample_weight, ids, metric, self.scheduler,
+                                       int(max(0, self.prefetch)))
+            full = stream
+            n_threads = stream.n_threads_total
+        try:
+            return self._fit_stream(full, stream, K, rc, metric, rng, n_threads,
+                                    labels_path, overwrite, ids is not None, t_start)
+        finally:
+            full.close()
+
+    def _fit_stream(self, full, stream, K, rc, metric, rng, n_threads, labels_path, overwrite,
+                    with_ids, t_start):
+        if full.n_rows < K:
+            raise ValueError(f"n_samples={full.n_rows} should be >= n_clusters={K}")
+        self.n_features_in_ = full.n_features
+        self.n_rows_ = full.n_rows
+        W_total = full.total_weight
+        if not W_total > 0:
+            raise ValueError("sample_weight sums to zero: no row carries weight")
+        kd, lo = check_learning(self.learning_decay, self.learning_offset)
+        n_steps = int(self.n_steps)
+        ckpt = self._make_checkpoint(full, K)
+        st = ckpt.load() if ckpt is not None else None
+        trace = Trace()
+        # ---------------------------------------------------------- seeding
+        if st is None:
+            init_size = int(self.init_size or max(100 * K, 20_000))
+            Xs, ws = full.sample(min(init_size, full.n_rows), rng)
+            if Xs.shape[0] < K:
+                raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
+            C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng)
+            del Xs, ws
+            perm_seed = int(rng.integers(2 ** 62))
+            st = E.AnnealState(centers=C, temperature=T0, T_start=T0, T_end=T_end,
+                               scale=scale)
+            extra = {"T0": T0, "T_c": T_c, "perm_seed": perm_seed}
+        else:
+            trace._rows = list(st.trace_rows)
+            rng.bit_generator.state = st.rng_state
+            extra = st.extra
+        # ---------------------------------------------------------- batches
+        nonempty = [r for r in stream.chunk_rows if r > 0]
+        if isinstance(stream, ArrayStream):
+            batch_chunks = 1                    # its chunks are batch_size rows
+        elif self.batch_size:
+            batch_chunks = max(1, int(round(int(self.batch_size) / float(np.mean(nonempty)))))
+        else:
+            batch_chunks = n_threads
+        batch_chunks = max(1, min(batch_chunks, len(nonempty)))
+        per_epoch = math.ceil(len(nonempty) / batch_chunks)
+        bps = int(self.batches_per_step) if self.batches_per_step else \
+            max(1, math.ceil(float(self.n_epochs) * per_epoch / n_steps))
+        running = RunningMoments(metric, bool(self.mass_constrained), rc, kd, lo, st.scale)
+        rule = StochasticEMRule(stream, running, batch_chunks, bps, extra["perm_seed"],
+                                W_total)
+        cfg = EngineConfig(n_clusters=K, resp=rc, mass_constrained=False, max_iter=1,
+                           tol=float(self.tol), polish=int(self.polish_passes) > 0,
+                           max_polish_iter=max(1, int(self.polish_passes)),
+                           verbose=int(self.verbose))
+        hook = None
+        if ckpt is not None:
+            ckpt.trace, ckpt.extra, hook = trace, extra, ckpt.save
+        schedule = make_schedule(self.schedule, n_steps)
+        result = E.run(full, st, schedule, cfg, rng, trace, t_start, rule=rule, hook=hook)
+        if ckpt is not None:
+            ckpt.save(st)
+        C = result.centers
+        T_final = result.temperature
+        logp = running.log_prior(K) if self.mass_constrained else None
+        # ---------------------------------------------------------- final pass
+        if isinstance(stream, ArrayStream):
+            mf = full.moments(C, T_final, rc, logp, hard_sums=False)
+            self.labels_ = full.labels(C)
+            self.labels_path_ = None
+        else:
+            mf, self.labels_path_ = stream.final_pass(C, T_final, rc, logp, labels_path,
+                                                      overwrite, with_ids)
+            self.labels_ = None
+        self.cluster_centers_ = C.astype(full.dtype)
+        counts = mf.hard_counts
+        self.cluster_weights_ = counts / counts.sum()
+        self.inertia_ = float(mf.hard_distortion)
+        self.free_energy_ = float(mf.free_energy)
+        self.soft_distortion_ = float(mf.soft_distortion)
+        self.hardening_gap_ = float(mf.soft_distortion - mf.hard_distortion)
+        self.temperature_ = float(T_final)
+        self.temperature_start_ = float(extra["T0"])
+        self.critical_temperature_ = float(extra["T_c"])
+        self.n_batches_ = int(rule.n_batches)
+        self.n_steps_ = int(n_steps)
+        self.n_passes_ = int(result.n_iter - rule.n_batches) + 1     # polish + final pass
+        self.n_iter_ = int(result.n_iter) + 1
+        self.rows_seen_ = int(running.rows_seen)
+        self.n_relocations_ = int(result.relocations)
+        self.batch_chunks_ = int(batch_chunks)
+        self.trace_ = trace
+        self._mass_constrained = bool(self.mass_constrained)
+        if result.relocations:
+            warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
+                          AnnealingWarning, stacklevel=3)
+        return self
 
 
 def _progress_bar(schedule):

@@ -217,16 +217,34 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
                            mc, rc)
 
 
-def _value_and_grad(X, C, T, lam, pc, margin, eps, w, W, mc, rc):
-    """Fast path: validated ``X`` (C-contiguous float32/64), float64 ``C`` and ``w``."""
-    K, D = C.shape
-    csq = np.einsum("ij,ij->i", C, C)
-    block = int(_config.CPU_BLOCK_ROWS)
-    sort_max = int(_config.ENTMAX_SORT_MAX)
-    nth = int(numba.get_num_threads())
-    with blas_single_thread():
-        N, S, Hsum = G_.grad_forward_kernel(X, w, np.ascontiguousarray(C.T), csq, T, mc, rc,
-                                            block, sort_max, nth)
+class GradMoments(NamedTuple):
+    """Additive sums of the backward pass of :func:`value_and_grad` over a block of rows
+    (given the global soft centroids and separation gradient of the forward pass):
+    ``comp = sum_i w_i sum_k r_ik ||x_i - mu_k||^2``, ``A`` (2K, D) ``= sum_i g_ik x_i`` and
+    ``a`` (2K,) ``= sum_i g_ik`` for the full loss (rows ``:K``) and ``L_sep`` alone (rows
+    ``K:``). Blocks, chunks and devices add them with :meth:`merge`."""
+    comp: float
+    A: np.ndarray
+    a: np.ndarray
+
+    def merge(self, other):
+        return GradMoments(self.comp + other.comp, self.A + other.A, self.a + other.a)
+
+
+class GradGlobals(NamedTuple):
+    """What the backward pass needs from the forward one: the soft centroids ``mu``, the
+    separation gradient ``Gmu = dL_sep/dmu``, the soft counts ``N``, the total weight and
+    ``lam``."""
+    mu: np.ndarray
+    Gmu: np.ndarray
+    N: np.ndarray
+    W: float
+    lam: float
+
+
+def separation_terms(N, S, pc, margin, eps):
+    """Soft centroids, empty mask, ``L_sep`` and ``dL_sep/dmu`` from the forward sums."""
+    K, D = S.shape
     empty = ~(N > 0)
     mu = np.zeros((K, D))
     np.divide(S, N[:, None], out=mu, where=~empty[:, None])
@@ -237,19 +255,67 @@ def _value_and_grad(X, C, T, lam, pc, margin, eps, w, W, mc, rc):
         Gmu *= pair
     else:
         sep, Gmu = 0.0, np.zeros((K, D))
-    B = np.ascontiguousarray(np.concatenate([C, mu, Gmu]))
-    musq = np.einsum("ij,ij->i", mu, mu)
-    gmu = np.einsum("ij,ij->i", Gmu, mu)
-    gX = np.empty_like(X)
+    return mu, empty, float(sep), Gmu
+
+
+def backward_moments(X, w, C, T, metric, resp, g, gX=None):
+    """The backward pass over the rows ``X`` (weights ``w``) as :class:`GradMoments`;
+    writes ``dL/dX`` into ``gX`` when given (else nothing of size n x D is made)."""
+    C = np.asarray(C, dtype=np.float64)
+    csq = np.einsum("ij,ij->i", C, C)
+    B = np.ascontiguousarray(np.concatenate([C, g.mu, g.Gmu]))
+    musq = np.einsum("ij,ij->i", g.mu, g.mu)
+    gmu = np.einsum("ij,ij->i", g.Gmu, g.mu)
+    if gX is None:
+        gX = np.empty((0, X.shape[1]), dtype=X.dtype)
     with blas_single_thread():
-        comp, A, a = G_.grad_backward_kernel(X, w, B, np.ascontiguousarray(B.T), csq, musq,
-                                             gmu, N, 1.0 / W, lam, T, mc, rc, block, sort_max,
-                                             nth, gX)
-    gC = A[:K] if mc == 1 else A[:K] - C * a[:K, None]
-    gS = A[K:] if mc == 1 else A[K:] - C * a[K:, None]
-    gC *= 2.0 / T
-    gS *= 2.0 / T
-    comp /= W
+        comp, A, a = G_.grad_backward_kernel(
+            X, w, B, np.ascontiguousarray(B.T), csq, musq, gmu, g.N, 1.0 / g.W, g.lam, T,
+            metric, resp, int(_config.CPU_BLOCK_ROWS), int(_config.ENTMAX_SORT_MAX),
+            int(numba.get_num_threads()), gX)
+    return GradMoments(float(comp), A, a)
+
+
+def center_gradients(C, T, metric, gm):
+    """``(dL/dC, dL_sep/dC)`` from the merged backward sums."""
+    K = C.shape[0]
+    A, a = gm.A, gm.a
+    gC = A[:K] if metric == 1 else A[:K] - C * a[:K, None]
+    gS = A[K:] if metric == 1 else A[K:] - C * a[K:, None]
+    return gC * (2.0 / T), gS * (2.0 / T)
+
+
+def value_and_grad_from_source(source, C, T, resp, lam, pc, margin=0.0, eps=0.0):
+    """:func:`value_and_grad` for the rows of a moment source (in memory, Dask, CUDA): the
+    forward sums are the ordinary moments ``N``, ``S`` and entropy, the backward sums come
+    from ``source.grad_moments``; both are additive, so no backend needs the rows in one
+    place. ``grad_X`` is None."""
+    C = np.asarray(C, dtype=np.float64)
+    m = source.moments(C, T, resp, None, hard_sums=False)
+    W = float(m.weight)
+    mu, empty, sep, Gmu = separation_terms(m.N, m.S, pc, margin, eps)
+    gm = source.grad_moments(C, T, resp, GradGlobals(mu, Gmu, m.N, W, float(lam)))
+    gC, gS = center_gradients(C, T, source.metric, gm)
+    comp = gm.comp / W
+    return Loss(value=float(comp - lam * sep), grad_centers=gC, grad_X=None,
+                entropy=float(m.entropy / W), compactness=float(comp), separation=float(sep),
+                separation_grad_norm=float(np.linalg.norm(gS)), empty=empty)
+
+
+def _value_and_grad(X, C, T, lam, pc, margin, eps, w, W, mc, rc):
+    """Fast path: validated ``X`` (C-contiguous float32/64), float64 ``C`` and ``w``."""
+    csq = np.einsum("ij,ij->i", C, C)
+    block = int(_config.CPU_BLOCK_ROWS)
+    sort_max = int(_config.ENTMAX_SORT_MAX)
+    nth = int(numba.get_num_threads())
+    with blas_single_thread():
+        N, S, Hsum = G_.grad_forward_kernel(X, w, np.ascontiguousarray(C.T), csq, T, mc, rc,
+                                            block, sort_max, nth)
+    mu, empty, sep, Gmu = separation_terms(N, S, pc, margin, eps)
+    gX = np.empty_like(X)
+    gm = backward_moments(X, w, C, T, mc, rc, GradGlobals(mu, Gmu, N, W, lam), gX)
+    gC, gS = center_gradients(C, T, mc, gm)
+    comp = gm.comp / W
     return Loss(value=float(comp - lam * sep), grad_centers=gC, grad_X=gX,
                 entropy=float(Hsum / W), compactness=float(comp), separation=float(sep),
                 separation_grad_norm=float(np.linalg.norm(gS)), empty=empty)

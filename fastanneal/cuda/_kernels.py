@@ -94,6 +94,17 @@ def accum_shared_bytes(bx, by, itemsize):
 
 
 # ----------------------------------------------------------------------------- helpers
+@cuda.jit(device=True, inline="always")
+def _block_rows(rows_per_block, m):
+    """Rows ``[i0, i1)`` of this 1-D block: ``rows_per_block`` rows from ``blockIdx.x *
+    rows_per_block``, cut at ``m``."""
+    i0 = cuda.blockIdx.x * rows_per_block
+    i1 = i0 + rows_per_block
+    if i1 > m:
+        i1 = m
+    return i0, i1
+
+
 @cuda.jit(device=True)
 def _tree_sum(buf, nslot, nt, tid):
     """Sum ``buf[q * nt + t]`` over ``t`` into ``buf[q * nt]`` for ``q < nslot``.
@@ -109,6 +120,23 @@ def _tree_sum(buf, nslot, nt, tid):
                 buf[q * nt + tid] += buf[q * nt + tid + s]
         cuda.syncthreads()
         s //= 2
+
+
+@cuda.jit(device=True, inline="always")
+def _block_sum4(buf, nt, tid, a, b, c, d):
+    """Block-wide sums of the per-thread values ``a, b, c, d`` (through slots 0..3 of
+    ``buf``). Synchronizes before returning: ``buf`` may be written again at once."""
+    buf[tid] = a
+    buf[nt + tid] = b
+    buf[2 * nt + tid] = c
+    buf[3 * nt + tid] = d
+    _tree_sum(buf, 4, nt, tid)
+    a = buf[0]
+    b = buf[nt]
+    c = buf[2 * nt]
+    d = buf[3 * nt]
+    cuda.syncthreads()
+    return a, b, c, d
 
 
 @cuda.jit(device=True)
@@ -183,6 +211,58 @@ def _entmax_v(G, i, k, logp, use_prior, T, zmax):
     return 0.5 * (z - zmax)
 
 
+@cuda.jit(device=True, inline="always")
+def _gemm_thread(micro):
+    """This thread's place in a 2-D GEMM block of ``(bx, by)`` threads, each computing a
+    ``micro x micro`` register micro-tile: ``(tx, ty, bx, by, nt, tid, BR, BC, row0, col0)``
+    with the block's ``BR x BC = (micro by) x (micro bx)`` output tile at ``(row0, col0)``
+    (``blockIdx.y``, ``blockIdx.x``)."""
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    bx = cuda.blockDim.x
+    by = cuda.blockDim.y
+    nt = bx * by
+    tid = ty * bx + tx
+    BR = micro * by
+    BC = micro * bx
+    return tx, ty, bx, by, nt, tid, BR, BC, cuda.blockIdx.y * BR, cuda.blockIdx.x * BC
+
+
+@cuda.jit(device=True, inline="always")
+def _micro_gemm(sh, PA, OB, PB, ty, tx, by, bx, depth, micro, av, bv, acc):
+    """One shared-memory tile step of a register-tiled GEMM: for ``kk < depth``,
+    ``acc[a * micro + b] += A[kk, ty + a by] * B[kk, tx + b bx]`` (``a, b < micro``) with
+    ``A[kk, r] = sh[kk PA + r]`` and ``B[kk, c] = sh[OB + kk PB + c]``; ``av``/``bv`` are
+    the thread's ``micro`` register operands.
+
+    ``depth`` and ``micro`` are the callers' module constants (``TILE_D``/``MICRO_D``,
+    ``TILE_A``/``MICRO_A``). ``inline="always"`` splices this body into the kernel's Numba
+    IR before typing, so the kernel's LLVM is that of the loop written in place: the trip
+    counts are constants there, the loops unroll fully and ``acc``/``av``/``bv`` stay in
+    registers (same PTX as the former hand-written copies).
+    """
+    for kk in range(depth):
+        ba = uint32(kk * PA + ty)
+        bb = uint32(OB + kk * PB + tx)
+        for a in range(micro):
+            av[a] = sh[ba + uint32(a * by)]
+        for b in range(micro):
+            bv[b] = sh[bb + uint32(b * bx)]
+        for a in range(micro):
+            for b in range(micro):
+                acc[a * micro + b] += av[a] * bv[b]
+
+
+@cuda.jit(device=True, inline="always")
+def _entmax_t(G, i, k, logp, use_prior, T, zmax, tau):
+    """``v - tau`` of entry ``k`` if it is a candidate (``v > -1``, see :func:`_entmax_v`),
+    else 0: the entry is in the support at threshold ``tau`` iff the result is > 0."""
+    v = _entmax_v(G, i, k, logp, use_prior, T, zmax)
+    if v > -1.0:
+        return v - tau
+    return 0.0
+
+
 # ----------------------------------------------------------------------------- kernels
 @cuda.jit
 def distance_kernel(X, xsq, r0, m, C, csq, metric, G):
@@ -194,19 +274,10 @@ def distance_kernel(X, xsq, r0, m, C, csq, metric, G):
     negative-index wraparound: that alone nearly doubles the speed.
     """
     sh = cuda.shared.array(0, dtype=X.dtype)
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
-    bx = cuda.blockDim.x
-    by = cuda.blockDim.y
-    nt = bx * by
-    tid = ty * bx + tx
-    BM = MICRO_D * by
-    BN = MICRO_D * bx
+    tx, ty, bx, by, nt, tid, BM, BN, row0, col0 = _gemm_thread(MICRO_D)
     PA = BM + 1            # padded strides: the transposing stores avoid bank conflicts
     PB = BN + 1
     OB = TILE_D * PA
-    row0 = cuda.blockIdx.y * BM
-    col0 = cuda.blockIdx.x * BN
     D = X.shape[1]
     K = C.shape[0]
     acc = cuda.local.array(_MMD, dtype=X.dtype)
@@ -230,16 +301,7 @@ def distance_kernel(X, xsq, r0, m, C, csq, metric, G):
                 v = C[uint64(col0 + c), uint64(d0 + kk)]
             sh[uint32(OB + kk * PB + c)] = v
         cuda.syncthreads()
-        for kk in range(TILE_D):
-            ba = uint32(kk * PA + ty)
-            bb = uint32(OB + kk * PB + tx)
-            for a in range(MICRO_D):
-                av[a] = sh[ba + uint32(a * by)]
-            for b in range(MICRO_D):
-                bv[b] = sh[bb + uint32(b * bx)]
-            for a in range(MICRO_D):
-                for b in range(MICRO_D):
-                    acc[a * MICRO_D + b] += av[a] * bv[b]
+        _micro_gemm(sh, PA, OB, PB, ty, tx, by, bx, TILE_D, MICRO_D, av, bv, acc)
         cuda.syncthreads()
     for a in range(MICRO_D):
         row = row0 + ty + a * by
@@ -271,10 +333,7 @@ def rows_kernel(G, m, w, r0, logp, use_prior, T, resp, log_eps, rows_per_block, 
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     K = G.shape[1]
-    i0 = cuda.blockIdx.x * rows_per_block
-    i1 = i0 + rows_per_block
-    if i1 > m:
-        i1 = m
+    i0, i1 = _block_rows(rows_per_block, m)
     a_soft = 0.0
     a_ent = 0.0
     a_free = 0.0
@@ -313,16 +372,7 @@ def rows_kernel(G, m, w, r0, logp, use_prior, T, resp, log_eps, rows_per_block, 
                     sed += e * d
                     sez += e * z
                     cnt += 1.0
-            buf[tid] = s
-            buf[nt + tid] = sed
-            buf[2 * nt + tid] = sez
-            buf[3 * nt + tid] = cnt
-            _tree_sum(buf, 4, nt, tid)
-            s = buf[0]
-            sed = buf[nt]
-            sez = buf[2 * nt]
-            nnz = buf[3 * nt]
-            cuda.syncthreads()
+            s, sed, sez, nnz = _block_sum4(buf, nt, tid, s, sed, sez, cnt)
             scale = wi / s
             for k in range(tid, K, nt):
                 G[i, k] = G[i, k] * scale
@@ -358,12 +408,10 @@ def rows_kernel(G, m, w, r0, logp, use_prior, T, resp, log_eps, rows_per_block, 
                 f = 0.0
                 c = 0.0
                 for k in range(tid, K, nt):
-                    v = _entmax_v(G, i, k, logp, use_prior, T, zmax)
-                    if v > -1.0:
-                        t = v - mid
-                        if t > 0.0:
-                            f += t * t
-                            c += 1.0
+                    t = _entmax_t(G, i, k, logp, use_prior, T, zmax, mid)
+                    if t > 0.0:
+                        f += t * t
+                        c += 1.0
                 buf[tid] = f
                 buf[nt + tid] = c
                 _tree_sum(buf, 2, nt, tid)
@@ -403,32 +451,19 @@ def rows_kernel(G, m, w, r0, logp, use_prior, T, resp, log_eps, rows_per_block, 
             sp15 = 0.0
             cnt = 0.0
             for k in range(tid, K, nt):
-                v = _entmax_v(G, i, k, logp, use_prior, T, zmax)
-                if v > -1.0:
-                    t = v - tau
-                    if t > 0.0:
-                        p = t * t
-                        psum += p
-                        spd += p * float64(G[i, k])
-                        sp15 += p * math.sqrt(p)
-                        cnt += 1.0
-            buf[tid] = psum
-            buf[nt + tid] = spd
-            buf[2 * nt + tid] = sp15
-            buf[3 * nt + tid] = cnt
-            _tree_sum(buf, 4, nt, tid)
-            psum = buf[0]
-            spd = buf[nt]
-            sp15 = buf[2 * nt]
-            nnz = buf[3 * nt]
-            cuda.syncthreads()
+                t = _entmax_t(G, i, k, logp, use_prior, T, zmax, tau)
+                if t > 0.0:
+                    p = t * t
+                    psum += p
+                    spd += p * float64(G[i, k])
+                    sp15 += p * math.sqrt(p)
+                    cnt += 1.0
+            psum, spd, sp15, nnz = _block_sum4(buf, nt, tid, psum, spd, sp15, cnt)
             for k in range(tid, K, nt):
-                v = _entmax_v(G, i, k, logp, use_prior, T, zmax)
+                t = _entmax_t(G, i, k, logp, use_prior, T, zmax, tau)
                 p = 0.0
-                if v > -1.0:
-                    t = v - tau
-                    if t > 0.0:
-                        p = t * t
+                if t > 0.0:
+                    p = t * t
                 G[i, k] = wi * (p / psum)
             soft = spd / psum
             ent = (4.0 / 3.0) * (1.0 - sp15 / (psum * math.sqrt(psum)))
@@ -470,18 +505,10 @@ def accum_dense_kernel(G, X, r0, m, rows_per_split, flush_tiles, S, N):
     dtype over ``flush_tiles * TILE_A`` rows, then in float64.
     """
     sh = cuda.shared.array(0, dtype=X.dtype)
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
-    bx = cuda.blockDim.x
-    by = cuda.blockDim.y
-    nt = bx * by
-    tid = ty * bx + tx
-    BK = MICRO_A * by          # centers per tile
-    BD = MICRO_A * bx          # features per tile
+    # BK centers (from k0) by BD features (from j0) per tile
+    tx, ty, bx, by, nt, tid, BK, BD, k0, j0 = _gemm_thread(MICRO_A)
     PK = BK + 1
     OX = TILE_A * PK
-    k0 = cuda.blockIdx.y * BK
-    j0 = cuda.blockIdx.x * BD
     K = G.shape[1]
     D = X.shape[1]
     i_start = cuda.blockIdx.z * rows_per_split
@@ -538,16 +565,7 @@ def accum_dense_kernel(G, X, r0, m, rows_per_split, flush_tiles, S, N):
         if do_n:
             for rr in range(TILE_A):
                 nacc += float64(sh[uint32(rr * PK + tid)])
-        for rr in range(TILE_A):
-            ba = uint32(rr * PK + ty)
-            bb = uint32(OX + rr * BD + tx)
-            for a in range(MICRO_A):
-                av[a] = sh[ba + uint32(a * by)]
-            for b in range(MICRO_A):
-                bv[b] = sh[bb + uint32(b * bx)]
-            for a in range(MICRO_A):
-                for b in range(MICRO_A):
-                    acc[a * MICRO_A + b] += av[a] * bv[b]
+        _micro_gemm(sh, PK, OX, BD, ty, tx, by, bx, TILE_A, MICRO_A, av, bv, acc)
         cuda.syncthreads()
         tiles += 1
         if tiles == flush_tiles:
@@ -583,10 +601,7 @@ def accum_sparse_kernel(G, X, r0, m, rows_per_block, S, N):
     K = G.shape[1]
     D = X.shape[1]
     j = cuda.blockIdx.y * nt + tid
-    i0 = cuda.blockIdx.x * rows_per_block
-    i1 = i0 + rows_per_block
-    if i1 > m:
-        i1 = m
+    i0, i1 = _block_rows(rows_per_block, m)
     do_n = cuda.blockIdx.y == 0 and tid == 0
     kcur = -1
     acc = 0.0
@@ -638,10 +653,7 @@ def scatter_rows_kernel(X, r0, m, labels, lofs, wts, wofs, rows_per_block, out):
     j = cuda.blockIdx.y * nt + tid
     if j >= D:
         return
-    i0 = cuda.blockIdx.x * rows_per_block
-    i1 = i0 + rows_per_block
-    if i1 > m:
-        i1 = m
+    i0, i1 = _block_rows(rows_per_block, m)
     kcur = -1
     acc = 0.0
     for i in range(i0, i1):
@@ -665,10 +677,7 @@ def argmin_kernel(G, m, rows_per_block, r0, labels, dmin, margin):
     buf = cuda.shared.array(0, dtype=float64)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    i0 = cuda.blockIdx.x * rows_per_block
-    i1 = i0 + rows_per_block
-    if i1 > m:
-        i1 = m
+    i0, i1 = _block_rows(rows_per_block, m)
     for i in range(i0, i1):
         d1, d2, kmin, _z = _row_min2(G, i, G[0], False, 1.0, False, buf, nt, tid)
         if tid == 0:
@@ -685,10 +694,7 @@ def rowdot_kernel(X, n, labels, use_labels, mu, V, w, rows_per_block, out):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     D = X.shape[1]
-    i0 = cuda.blockIdx.x * rows_per_block
-    i1 = i0 + rows_per_block
-    if i1 > n:
-        i1 = n
+    i0, i1 = _block_rows(rows_per_block, n)
     for i in range(i0, i1):
         k = 0
         if use_labels:

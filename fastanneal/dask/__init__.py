@@ -5,9 +5,9 @@ annealing and streaming label output.
   ``AnnealedKMeans.fit`` uses for Dask input: chunks persisted once on the cluster, the same
   Numba kernel mapped over them, records merged by a tree of tasks.
 * :func:`read_parquet_embeddings`, :func:`embeddings_from_dataframe` -- lazy inputs.
-* :class:`MiniBatchAnnealer` -- stochastic-EM annealing over chunks read on demand (memory
-  bounded by a few chunks); :func:`partial_fit_update` -- one such update on an in-memory
-  batch (the engine of ``AnnealedKMeans.partial_fit``).
+* :class:`DaskBatchStream` / :func:`open_batch_stream` -- the batches of chunks (read on
+  demand, moments computed on the workers) that :class:`fastanneal.MiniBatchAnnealedKMeans`
+  anneals over out of core.
 * :func:`write_labels` -- a streaming pass that writes hard labels as Parquet, one file per
   chunk, into a folder published atomically.
 
@@ -17,11 +17,10 @@ embedded ``LocalCluster`` closed again after the fit. Fitted attributes are NumP
 from ._cluster import ClientHandle, resolve_client  # noqa: F401
 from ._inputs import (EmbeddingArrays, as_dask_inputs, embeddings_from_dataframe,  # noqa: F401
                       read_parquet_embeddings)
-from ._minibatch import (MiniBatchAnnealer, MiniBatchState, fit_minibatch_into,  # noqa: F401
-                         partial_fit_update, predict_labels, start_partial_fit, write_labels)
+from ._minibatch import (DaskBatchStream, open_batch_stream, predict_labels,  # noqa: F401
+                         write_labels)
 from ._source import DaskSource, make_dask_source  # noqa: F401
 
 __all__ = ["DaskSource", "make_dask_source", "read_parquet_embeddings",
            "embeddings_from_dataframe", "EmbeddingArrays", "as_dask_inputs", "resolve_client",
-           "MiniBatchAnnealer", "MiniBatchState", "partial_fit_update", "start_partial_fit",
-           "fit_minibatch_into", "write_labels", "predict_labels"]
+           "DaskBatchStream", "open_batch_stream", "write_labels", "predict_labels"]

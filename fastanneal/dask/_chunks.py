@@ -114,11 +114,19 @@ def chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads):
         return compute_moments(chunk.X, chunk.w, C, T, metric, resp, log_prior, hard_sums)
 
 
+def chunk_grad_moments(chunk, C, T, metric, resp, g, nthreads):
+    """The gradient's backward sums of a chunk (:class:`fastanneal.gradient.GradMoments`)."""
+    from ..gradient import backward_moments
+    set_threads(nthreads)
+    with _serialized():
+        return backward_moments(chunk.X, chunk.w, C, T, metric, resp, g)
+
+
 def merge_moments(*parts):
-    """Sum of Moments records in the given order (deterministic)."""
+    """Sum of Moments (or GradMoments) records in the given order (deterministic)."""
     out = parts[0]
     for p in parts[1:]:
-        out = out + p
+        out = out.merge(p)
     return out
 
 

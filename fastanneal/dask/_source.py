@@ -5,7 +5,7 @@ import weakref
 
 import numpy as np
 
-from .._sources import power_iteration_eigs
+from .._sources import COVARIANCE_MAX_D, power_iteration_eigs
 from .._validation import metric_code
 from . import _chunks as ch
 from ._cluster import resolve_client
@@ -76,7 +76,9 @@ class DaskSource(_Submitter):
 
     def __init__(self, X, w, metric, handle):
         import dask
+        import dask.base
         super().__init__(handle)
+        self._token = dask.base.tokenize(X, w)
         self._finalizer = weakref.finalize(self, handle.close)
         self.metric = int(metric)
         self.dtype = dask_dtype(X.dtype)
@@ -139,6 +141,18 @@ class DaskSource(_Submitter):
             return Moments.zeros(C.shape[0], self.n_features, T, hard_sums=hard_sums)
         return total.result()
 
+    def grad_moments(self, centers, T, resp, globals_):
+        """The gradient's backward pass, mapped over the chunks and tree-merged."""
+        C = np.ascontiguousarray(centers, dtype=np.float64)
+        parts = self.client.map(ch.chunk_grad_moments, self._chunks, C=self.put(C), T=float(T),
+                                metric=self.metric, resp=int(resp), g=self.put(globals_),
+                                nthreads=self._nthreads, pure=False)
+        return self.tree(parts, ch.merge_moments).result()
+
+    def fingerprint(self):
+        """Key of the data for checkpoints: Dask's token of the input collections."""
+        return f"dask:{self._token}:{self.metric}"
+
     def mean(self):
         parts = self.client.map(ch.chunk_weighted_sum, self._chunks, pure=False)
         tot = self.tree(parts, ch.add_arrays).result()
@@ -148,6 +162,8 @@ class DaskSource(_Submitter):
         """The weighted covariance ``sum w (x - mean)(x - mean)^T / W`` (D x D, float64,
         exact: per-chunk GEMMs, tree-summed). With it the critical temperature needs no
         random start vector, as in memory."""
+        if self.n_features > COVARIANCE_MAX_D:
+            return None
         mean = self.mean() if mean is None else np.asarray(mean, dtype=np.float64)
         mf = self.put(np.ascontiguousarray(mean))
         parts = self.client.map(ch.chunk_scatter, self._chunks, mean=mf, pure=False)

@@ -1,0 +1,154 @@
+"""Checkpoints of the annealing state (``AnnealedKMeans(checkpoint=...)``).
+
+The engine hands its :class:`~fastanneal._engine.AnnealState` to :class:`Checkpoint` at every
+step boundary; the state is written atomically as one ``.npz`` (arrays) with a JSON header
+(everything else: step, temperatures, the random generator's state, the schedule's state,
+the trace so far). A rerun with the same data and parameters loads it (``allow_pickle=False``),
+checks it -- version, the key of the data and parameters, shapes, finite values -- and resumes
+from it, so that it returns the same centers as an uninterrupted fit. A file that fails the
+checks is named in an :class:`CheckpointWarning` and ignored (the fit starts over); a file
+for other data or parameters is replaced. After the fit the file holds the finished state
+(``phase == "done"``): a rerun then only recomputes the labels.
+"""
+import hashlib
+import json
+import math
+import os
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from ._engine import AnnealState
+from ._io import atomic_save_npz
+
+VERSION = 2
+FILE_NAME = "anneal.npz"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint file could not be used (named in the message); the fit starts over."""
+
+
+def params_key(data_key, params):
+    """Key of the data and the parameters that decide a fit's result."""
+    h = hashlib.sha256()
+    h.update(data_key.encode())
+    h.update(json.dumps(params, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
+
+
+def resolve_path(path):
+    """``PATH.npz`` is the file; any other path is a folder holding ``anneal.npz``."""
+    p = Path(os.fspath(path))
+    if p.suffix == ".npz":
+        return p
+    return p / FILE_NAME
+
+
+class Checkpoint:
+    """Save / load :class:`AnnealState` for one fit (``key``: :func:`params_key`)."""
+
+    def __init__(self, path, key, n_clusters, n_features, extra=None):
+        self.path = resolve_path(path)
+        self.key = key
+        self.K = int(n_clusters)
+        self.D = int(n_features)
+        self.extra = dict(extra or {})     # estimator values to restore (T_c, ...)
+        self.saved = 0
+        self.trace = None
+
+    # ------------------------------------------------------------------ save
+    def save(self, st):
+        if self.path.parent and not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {"centers": np.asarray(st.centers, dtype=np.float64)}
+        if st.log_masses is not None:
+            arrays["log_masses"] = np.asarray(st.log_masses, dtype=np.float64)
+        rule_json = {}
+        for k, v in st.rule_state.items():
+            if isinstance(v, np.ndarray):
+                arrays[f"rule_{k}"] = np.asarray(v, dtype=np.float64)
+            else:
+                rule_json[k] = v
+        rows = self.trace._rows if self.trace is not None else []
+        meta = dict(version=VERSION, key=self.key, phase=st.phase, step=st.step,
+                    phase_step0=st.phase_step0, temperature=st.temperature, T_start=st.T_start,
+                    T_end=st.T_end, scale=st.scale, n_iter=st.n_iter,
+                    relocations=st.relocations, rng_state=st.rng_state,
+                    schedule_state=st.schedule_state, rule_json=rule_json, last=st.last,
+                    converged=st.converged, extra=self.extra, trace=rows)
+        arrays["meta"] = np.array(json.dumps(meta, default=_json_default))
+        atomic_save_npz(self.path, **arrays)
+        self.saved += 1
+
+    # ------------------------------------------------------------------ load
+    def load(self):
+        """The saved :class:`AnnealState` (with ``.trace_rows`` and ``.extra``), or None
+        (no file, another fit's file, or a bad file -- the latter with a warning)."""
+        if not self.path.exists():
+            return None
+        try:
+            with np.load(self.path, allow_pickle=False) as z:
+                data = {k: z[k] for k in z.files}
+            meta = json.loads(str(data.pop("meta")))
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            return self._bad(f"unreadable ({type(e).__name__}: {e})")
+        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+            return self._bad("written by another version of fastanneal")
+        if meta.get("key") != self.key:
+            return None                     # another fit's checkpoint: replaced by this one
+        try:
+            st = self._state(meta, data)
+        except (KeyError, TypeError, ValueError) as e:
+            return self._bad(str(e))
+        return st
+
+    def _state(self, meta, data):
+        C = np.asarray(data["centers"])
+        phase = meta["phase"]
+        if phase not in ("critical", "anneal", "polish", "done"):
+            raise ValueError(f"unknown phase {phase!r}")
+        K_ok = C.shape[0] <= self.K if phase == "critical" else C.shape[0] == self.K
+        if C.ndim != 2 or C.shape[1] != self.D or not K_ok:
+            raise ValueError(f"centers of shape {C.shape} do not fit n_clusters={self.K}, "
+                             f"{self.D} features")
+        if C.dtype != np.float64 or not np.isfinite(C).all():
+            raise ValueError("the centers contain NaN or infinity")
+        lm = data.get("log_masses")
+        if lm is not None and (lm.shape != (C.shape[0],) or np.isnan(lm).any()):
+            raise ValueError("bad log masses")
+        rule = dict(meta["rule_json"])
+        for k, v in data.items():
+            if k.startswith("rule_"):
+                if not np.isfinite(v).all():
+                    raise ValueError(f"{k} contains NaN or infinity")
+                rule[k[5:]] = v
+        T = meta["temperature"]
+        if T is not None and not (isinstance(T, (int, float)) and math.isfinite(T) and T >= 0):
+            raise ValueError(f"bad temperature {T!r}")
+        st = AnnealState(centers=C.copy(), temperature=T, T_start=float(meta["T_start"]),
+                         T_end=float(meta["T_end"]), scale=float(meta["scale"]),
+                         log_masses=None if lm is None else lm.copy(), phase=phase,
+                         step=int(meta["step"]), phase_step0=int(meta["phase_step0"]),
+                         n_iter=int(meta["n_iter"]), relocations=int(meta["relocations"]),
+                         rng_state=meta["rng_state"], schedule_state=meta["schedule_state"],
+                         rule_state=rule, last=dict(meta["last"]),
+                         converged=bool(meta["converged"]))
+        st.trace_rows = list(meta["trace"])
+        st.extra = dict(meta["extra"])
+        return st
+
+    def _bad(self, why):
+        warnings.warn(f"ignoring the checkpoint {self.path}: {why}; the fit starts over",
+                      CheckpointWarning, stacklevel=4)
+        return None
+
+
+def _json_default(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    raise TypeError(f"cannot store {type(v).__name__} in a checkpoint")

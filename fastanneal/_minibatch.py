@@ -1,0 +1,227 @@
+"""Stochastic-EM (mini-batch) annealing: the engine's :class:`StochasticEMRule`, the
+in-process batch stream for NumPy input and the state of ``partial_fit``.
+
+Step-size rule (stochastic EM, Cappe & Moulines 2009; the same rule as online LDA)
+-----------------------------------------------------------------------------------
+The running moments are per unit weight: ``N_k ~ E[w r_k] / E[w]`` and ``S_k ~ E[w r_k x] /
+E[w]``. A batch ``b`` with moments ``(N_b, S_b)`` and weight ``W_b`` at the current centers and
+temperature ``T`` updates them as::
+
+    N <- (1 - eta_t) N + eta_t N_b / W_b
+    S <- (1 - eta_t) S + eta_t S_b / W_b          centers c_k = S_k / N_k
+
+with ``eta_0 = 1`` (the first batch initializes the running moments) and
+``eta_t = (t + learning_offset) ** -learning_decay`` for the t-th update (t = 1, 2, ...),
+``learning_decay`` (kappa) in (0.5, 1] -- the Robbins-Monro conditions ``sum eta = inf``,
+``sum eta^2 < inf`` -- and ``learning_offset >= 1`` (larger values forget early batches more
+slowly). At a fixed ``T`` this is a stochastic approximation of the soft-Lloyd (EM) fixed
+point of ``F_T``; the schedule lowers ``T`` meanwhile. Clusters whose running mass is zero
+are relocated by splitting the heaviest cluster (as the full-batch engine does).
+
+Batches are whole chunks (row ranges of ``batch_size`` rows for NumPy input; Dask chunks or
+Parquet row groups otherwise) in a random order per epoch; the order of epoch ``e`` is the
+permutation drawn by ``default_rng([perm_seed, e])``, so batch ``b`` is a function of ``b``
+alone and a resumed fit reads the same batches as an uninterrupted one.
+"""
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from . import _engine as E
+from ._moments import compute_moments
+
+MINIBATCH_SCHEDULES = ("geometric", "linear", "constant", "adaptive")
+
+
+def check_learning(learning_decay, learning_offset):
+    kd = float(learning_decay)
+    if not 0.5 < kd <= 1.0:
+        raise ValueError(f"learning_decay (kappa) must be in (0.5, 1]; got {learning_decay!r}")
+    t0 = float(learning_offset)
+    if not (math.isfinite(t0) and t0 >= 1.0):
+        raise ValueError(f"learning_offset must be >= 1; got {learning_offset!r}")
+    return kd, t0
+
+
+def scaled(m, factor):
+    """``m`` with its additive fields multiplied by ``factor`` (a batch scaled to the data)."""
+    return replace(m, N=m.N * factor, S=m.S * factor,
+                   soft_distortion=m.soft_distortion * factor, entropy=m.entropy * factor,
+                   free_energy=m.free_energy * factor,
+                   hard_distortion=m.hard_distortion * factor,
+                   hard_counts=m.hard_counts * factor,
+                   hard_sums=None if m.hard_sums is None else m.hard_sums * factor,
+                   weight=m.weight * factor, rows=int(round(m.rows * factor)),
+                   margin_sum=m.margin_sum * factor)
+
+
+class RunningMoments:
+    """Running per-unit-weight moments of stochastic EM (``N`` (K,), ``S`` (K, D); None
+    before the first update) and the update rule of this module's docstring."""
+
+    def __init__(self, metric, mass_constrained, resp, learning_decay, learning_offset,
+                 scale):
+        self.metric = metric
+        self.mass_constrained = bool(mass_constrained)
+        self.resp = resp
+        self.kd = float(learning_decay)
+        self.t0 = float(learning_offset)
+        self.delta = E.perturbation(scale)
+        self.N = self.S = None
+        self.t = 0
+        self.rows_seen = 0
+        self.weight_seen = 0.0
+        self.last_shift = math.nan
+
+    def step_size(self, t=None):
+        """``eta_t``: 1 for the first update, then ``(t + learning_offset) ** -learning_decay``."""
+        t = self.t if t is None else t
+        return 1.0 if t == 0 else float((t + self.t0) ** -self.kd)
+
+    def log_prior(self, K):
+        if not (self.mass_constrained and self.resp == 0):
+            return None
+        if self.N is None:
+            return np.full(K, -math.log(K))
+        p = self.N / max(self.N.sum(), 1e-300)
+        return np.log(np.maximum(p, 1e-300))
+
+    def update(self, m, C_old, rng):
+        """One stochastic-EM step with the batch moments ``m`` (computed at ``C_old``);
+        returns ``(centers, relocations)``."""
+        W = m.weight
+        if not W > 0:
+            return C_old, 0
+        eta = self.step_size()
+        Nb, Sb = m.N / W, m.S / W
+        if self.N is None or eta >= 1.0:
+            N, S = Nb.copy(), Sb.copy()
+        else:
+            N = (1.0 - eta) * self.N + eta * Nb
+            S = (1.0 - eta) * self.S + eta * Sb
+        empty = ~(N > E.MIN_MASS * N.sum())
+        with np.errstate(invalid="ignore", divide="ignore"):
+            C = S / N[:, None]
+        if self.metric == 1:
+            norms = np.linalg.norm(C, axis=1)
+            ok = ~empty & (norms > 0)
+            C[ok] /= norms[ok, None]
+            empty |= ~(norms > 0)
+        C[empty] = C_old[empty]
+        C, donors = E.relocate_empty(C, N, empty, rng, self.delta, self.metric)
+        if donors:
+            S = C * N[:, None]
+        self.N, self.S = N, S
+        self.last_shift = E._shift(C, C_old)
+        self.t += 1
+        self.rows_seen += int(m.rows)
+        self.weight_seen += float(W)
+        return C, len(donors)
+
+    def state_dict(self):
+        d = {"t": self.t, "rows_seen": self.rows_seen, "weight_seen": self.weight_seen}
+        if self.N is not None:
+            d["N"], d["S"] = self.N.copy(), self.S.copy()
+        return d
+
+    def load_state_dict(self, d):
+        if not d:
+            return
+        self.t = int(d["t"])
+        self.rows_seen = int(d["rows_seen"])
+        self.weight_seen = float(d["weight_seen"])
+        if "N" in d:
+            self.N = np.array(d["N"], dtype=np.float64)
+            self.S = np.array(d["S"], dtype=np.float64)
+
+
+class StochasticEMRule:
+    """The engine's update rule for mini-batch annealing: ``batches_per_step`` stochastic-EM
+    updates per temperature, each with the moments of the next batch of chunks from
+    ``stream`` (``stream.batch_moments(chunk_ids, C, T, resp, log_prior)``). The trace
+    record of a step is the sum of its batches scaled to the total weight."""
+
+    name = "minibatch"
+
+    def __init__(self, stream, running, batch_chunks, batches_per_step, perm_seed,
+                 total_weight):
+        self.stream = stream
+        self.running = running
+        self.batch_chunks = int(batch_chunks)
+        self.bps = int(batches_per_step)
+        self.perm_seed = int(perm_seed)
+        self.total_weight = float(total_weight)
+        self.nonempty = np.array([i for i, r in enumerate(stream.chunk_rows) if r > 0],
+                                 dtype=np.int64)
+        self.n_batches = 0
+        self._perm = (-1, None)
+
+    # batch b = positions [b * bc, (b + 1) * bc) of the concatenated per-epoch permutations
+    def batch(self, b):
+        n = len(self.nonempty)
+        out = []
+        for pos in range(b * self.batch_chunks, (b + 1) * self.batch_chunks):
+            e, j = divmod(pos, n)
+            if self._perm[0] != e:
+                self._perm = (e, np.random.default_rng([self.perm_seed, e]).permutation(n))
+            out.append(int(self.nonempty[self._perm[1][j]]))
+        return out
+
+    def state_dict(self):
+        return dict(self.running.state_dict(), n_batches=self.n_batches)
+
+    def load_state_dict(self, d):
+        if d:
+            self.running.load_state_dict(d)
+            self.n_batches = int(d["n_batches"])
+
+    def begin(self, ctx, st):
+        pass
+
+    def step(self, ctx, st, T):
+        K = st.centers.shape[0]
+        step_m = None
+        rel = 0
+        logp_step = self.running.log_prior(K)
+        for _ in range(self.bps):
+            ids = self.batch(self.n_batches)
+            self.stream.prefetch([self.batch(self.n_batches + j)
+                                  for j in range(1, self.stream.prefetch_depth + 1)])
+            m = self.stream.batch_moments(ids, st.centers, T, ctx.cfg.resp,
+                                          self.running.log_prior(K))
+            st.centers, r = self.running.update(m, st.centers, ctx.rng)
+            rel += r
+            self.n_batches += 1
+            st.n_iter += 1
+            step_m = m if step_m is None else step_m + m
+        rec = scaled(step_m, self.total_weight / step_m.weight) if step_m.weight > 0 else step_m
+        st.log_masses = self.running.log_prior(K)
+        return E.StepResult(moments=rec, logp=logp_step, shift=self.running.last_shift,
+                            relocated=rel, record_moments=rec)
+
+
+class ArrayStream:
+    """Batches of an in-memory array, in process (no Dask): chunk ``i`` is the row range
+    ``[i * chunk_rows, (i + 1) * chunk_rows)``."""
+
+    prefetch_depth = 0
+
+    def __init__(self, X, w, metric, chunk_rows):
+        self.X, self.w, self.metric = X, w, metric
+        n = X.shape[0]
+        c = max(1, int(chunk_rows))
+        self.bounds = [(a, min(a + c, n)) for a in range(0, n, c)] or [(0, 0)]
+        self.chunk_rows = tuple(b - a for a, b in self.bounds)
+
+    def prefetch(self, batches):
+        pass
+
+    def batch_moments(self, ids, C, T, resp, log_prior):
+        m = None
+        for i in ids:
+            a, b = self.bounds[i]
+            mi = compute_moments(self.X[a:b], self.w[a:b], C, T, self.metric, resp,
+                                 log_prior, hard_sums=False)
+            m = mi if m is None else m + mi
+        return m

@@ -1,0 +1,160 @@
+"""Seeding in one place: k-means++, the data scale, the critical temperature ``T_c`` and the
+start temperature of a fit, for every estimator and backend (they only need a moment
+source). See ``docs/theory.md`` section 3 for the critical temperatures."""
+import math
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from ._engine import AnnealingWarning, _project
+
+
+def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
+    """Greedy k-means++ seeding (weighted), as in scikit-learn: returns (K, D) float64.
+
+    Each step draws ``n_local_trials`` candidates with probability proportional to
+    ``w_i min_c d(x_i, c)`` and keeps the one that lowers the potential most; the candidate
+    distances are computed by one fused Numba pass over ``X`` (blocked GEMM in the dtype of
+    ``X``, float64 epilogue: :func:`fastanneal._kernels.kpp_candidates_kernel`).
+    """
+    import numba
+    from . import _config
+    from ._kernels import kpp_candidates_kernel
+    from ._moments import blas_single_thread
+    n = X.shape[0]
+    X = np.ascontiguousarray(X)
+    if X.dtype not in (np.float32, np.float64):
+        X = X.astype(np.float64)
+    w = np.ascontiguousarray(w, dtype=np.float64)
+    xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
+    nth = int(numba.get_num_threads())
+    block = int(_config.CPU_BLOCK_ROWS)
+
+    def step(Cc, closest, out):
+        CcT = np.ascontiguousarray(Cc.T, dtype=X.dtype)
+        with blas_single_thread():
+            return kpp_candidates_kernel(X, xsq, CcT, np.einsum("ij,ij->i", Cc, Cc), w,
+                                         closest, out, block, nth)
+
+    if n_local_trials is None:
+        n_local_trials = 2 + int(math.log(K))
+    p = w / w.sum()
+    first = rng.choice(n, p=p)
+    centers = np.empty((K, X.shape[1]))
+    centers[0] = X[first]
+    buf = np.empty((n_local_trials, n))
+    closest = np.full(n, np.inf)
+    C1 = centers[:1].copy()
+    pots = step(C1, closest, buf[:1])
+    closest = buf[0].copy()
+    pot = float(pots[0])
+    for c in range(1, K):
+        if pot <= 0:
+            # all remaining mass sits on chosen points: pick among the rest uniformly
+            cand = rng.choice(n, size=n_local_trials)
+        else:
+            r = rng.random(n_local_trials) * pot
+            cand = np.searchsorted(np.cumsum(w * closest), r)
+            cand = np.minimum(cand, n - 1)
+        Cc = np.ascontiguousarray(X[cand], dtype=np.float64)
+        pots = step(Cc, closest, buf)
+        best = int(np.argmin(pots))
+        pot = float(pots[best])
+        closest, buf[best] = buf[best].copy(), closest
+        centers[c] = Cc[best]
+    return centers
+
+
+class DataStats(NamedTuple):
+    mean: np.ndarray        #: weighted mean (cosine: of the unit rows)
+    mean_c: np.ndarray      #: the mean as a center (cosine: projected on the sphere)
+    scale: float            #: mean squared distance to the mean (trace of the covariance)
+
+
+def data_stats(source):
+    """Mean and scale of the data of ``source`` (one hard moments pass at the mean)."""
+    mean = source.mean()
+    mean_c = _project(mean[None, :], source.metric)[0] if source.metric == 1 else mean
+    m0 = source.moments(mean[None, :], 1.0, 2, None, hard_sums=False)
+    return DataStats(mean, mean_c, float(m0.hard_distortion / source.total_weight))
+
+
+def check_n_clusters(source, K, rng):
+    """``ValueError`` when ``K`` exceeds the rows or the distinct rows, or the rows are all
+    identical (draws one random vector from ``rng``)."""
+    if source.n_rows < K:
+        raise ValueError(f"n_samples={source.n_rows} should be >= n_clusters={K}")
+    if K > 1:
+        nd = source.n_distinct_rows(rng, K)
+        if nd < K:
+            raise ValueError(f"n_clusters={K} is larger than the number of distinct points "
+                             f"with non-zero weight ({nd})")
+
+
+def critical_temperature(source, mean, rng, n_iter=100):
+    """``T_c = 2 lambda_max(C)``: exact (covariance + ``eigvalsh``) where the source can form
+    the D x D covariance, else Lanczos on additive covariance-vector products."""
+    cov = source.covariance(mean)
+    if cov is not None:
+        return 2.0 * float(max(np.linalg.eigvalsh(cov)[-1], 0.0))
+    return 2.0 * float(source.cluster_top_eigenvalues(mean[None, :], n_iter, rng)[0])
+
+
+def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000):
+    """Seeds: ``"k-means++"`` (on all rows up to ``sample_rows``, else on a sample of
+    ``max(100 K, 20000)`` rows), ``"random"`` rows, ``"mean"`` (K copies: the engine
+    separates coincident centers) or a (K, D) array."""
+    if isinstance(init, str):
+        if init == "k-means++":
+            n = source.n_rows if source.n_rows <= sample_rows else max(100 * K, 20_000)
+            Xs, ws = source.sample(min(source.n_rows, n), rng)
+            return kmeans_plusplus(Xs, ws, K, rng)
+        if init == "random":
+            Xs, ws = source.sample(min(source.n_rows, max(100 * K, 20_000)), rng)
+            p = ws / ws.sum()
+            idx = rng.choice(Xs.shape[0], size=K, replace=False,
+                             p=p if (p > 0).sum() >= K else None)
+            return Xs[idx].astype(np.float64)
+        if init == "mean":
+            return np.repeat(mean_c[None, :], K, axis=0)
+        raise ValueError(f"init must be 'k-means++', 'random', 'mean' or an array; got {init!r}")
+    C = np.asarray(init, dtype=np.float64)
+    if C.shape != (K, source.n_features):
+        raise ValueError(f"init array must have shape ({K}, {source.n_features}); got {C.shape}")
+    if not np.isfinite(C).all():
+        raise ValueError("init array contains NaN or infinity")
+    return C.copy()
+
+
+def auto_start(source, C, rng, fraction):
+    """``fraction * min_k 2 lambda_max(C_k)`` over the non-empty clusters of the partition
+    induced by the seeds ``C`` (cluster means as centers); None when undefined."""
+    mh = source.moments(C, 1.0, 2, None, hard_sums=True)
+    means = mh.finalize(previous_centers=C, hard=True).centers
+    lam = source.cluster_top_eigenvalues(means, 15, rng)
+    cand = lam[(mh.hard_counts > 0) & (lam > 0)]
+    if cand.size == 0:
+        return None
+    return float(fraction * 2.0 * cand.min())
+
+
+def start_temperature(temperature_start, source, C, rng, K, T_c, scale, fraction,
+                      critical=False, stacklevel=4):
+    """``T_start`` of a fit: ``"auto"`` (:func:`auto_start`, ``0.05 scale`` as fallback),
+    ``"critical"`` / the critical schedule (``1.02 T_c``) or a number (with a warning when it
+    is above ``T_c``)."""
+    ts = temperature_start
+    if isinstance(ts, str) and (ts == "critical" or (critical and ts == "auto")):
+        return 1.02 * T_c if T_c > 0 else scale
+    if isinstance(ts, str) and ts == "auto":
+        T0 = auto_start(source, C, rng, fraction) if K > 1 else None
+        if T0 is None or not T0 > 0:
+            T0 = 0.05 * scale if scale > 0 else 1.0
+        return T0
+    T0 = float(ts)
+    if T0 > T_c > 0 and K > 1 and not critical:
+        warnings.warn(f"temperature_start={T0:.4g} is above the critical temperature "
+                      f"T_c={T_c:.4g}: all centers are pulled to the mean and clusters merge "
+                      "until T falls below T_c", AnnealingWarning, stacklevel=stacklevel)
+    return T0
