@@ -1,7 +1,7 @@
 """fastanneal: annealed soft k-means for dense embeddings, Numba-compiled and CPU-first.
 
 Public names: :func:`moments` (the moments contract), :class:`Moments`,
-:func:`value_and_grad`, :class:`AnnealedKMeans`, the schedules, and the helpers
+:func:`value_and_grad`, :class:`AnnealedKMeans`, :class:`MiniBatchAnnealedKMeans`, the schedules, and the helpers
 :func:`responsibilities`, :func:`pairwise_distances`, :func:`assign`, :func:`entmax15`.
 Heavy modules (the estimator pulls in scikit-learn) load on first use, so that
 ``import fastanneal`` stays fast.
@@ -23,6 +23,7 @@ from ._moments import (Moments, assign, entmax15, moments, pairwise_distances,  
 
 _LAZY = {
     "AnnealedKMeans": ("estimator", "AnnealedKMeans"),
+    "MiniBatchAnnealedKMeans": ("estimator", "MiniBatchAnnealedKMeans"),
     "AnnealingWarning": ("_engine", "AnnealingWarning"),
     "Schedule": ("schedules", "Schedule"),
     "ConstantSchedule": ("schedules", "ConstantSchedule"),

@@ -206,6 +206,7 @@ class ArrayStream:
     ``[i * chunk_rows, (i + 1) * chunk_rows)``."""
 
     prefetch_depth = 0
+    has_ids = False
 
     def __init__(self, X, w, metric, chunk_rows):
         self.X, self.w, self.metric = X, w, metric

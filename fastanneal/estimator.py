@@ -788,7 +788,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             n_threads = stream.n_threads_total
         try:
             return self._fit_stream(full, stream, K, rc, metric, rng, n_threads,
-                                    labels_path, overwrite, ids is not None, t_start)
+                                    labels_path, overwrite, stream.has_ids, t_start)
         finally:
             full.close()
 

@@ -22,8 +22,9 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 import fastanneal as fa  # noqa: E402
 from fastanneal import _sources  # noqa: E402
-from fastanneal.dask import (DaskSource, MiniBatchAnnealer, partial_fit_update,  # noqa: E402
-                             read_parquet_embeddings, resolve_client, start_partial_fit,
+from fastanneal import MiniBatchAnnealedKMeans  # noqa: E402
+from fastanneal.dask import (DaskSource,  # noqa: E402
+                             read_parquet_embeddings, resolve_client,
                              write_labels)
 
 pytestmark = pytest.mark.dask
@@ -256,7 +257,7 @@ def test_nan_chunk_writes_nothing(client, data, tmp_path):
     with pytest.raises(ValueError, match=r"chunk 5 \(rows 5000-5999\); first at row 5001"):
         write_labels(da.from_array(Xb, chunks=(1000, -1)), X[:6], out, scheduler=client)
     with pytest.raises(ValueError, match=r"chunk 5 \(rows 5000-5999\)"):
-        MiniBatchAnnealer(6, random_state=0, scheduler=client, n_steps=3).fit(
+        MiniBatchAnnealedKMeans(6, random_state=0, scheduler=client, n_steps=3).fit(
             da.from_array(Xb, chunks=(1000, -1)), labels_path=out)
     assert list(tmp_path.iterdir()) == []          # no folder, no temporary left behind
 
@@ -344,7 +345,7 @@ def test_minibatch_close_to_full_batch(client, big_blobs, tmp_path):
     X, y = big_blobs
     full = fa.AnnealedKMeans(8, random_state=0).fit(X)
     ids = np.arange(X.shape[0]) * 7 + 3
-    mb = MiniBatchAnnealer(8, random_state=0, scheduler=client, init_size=5000).fit(
+    mb = MiniBatchAnnealedKMeans(8, random_state=0, scheduler=client, init_size=5000).fit(
         da.from_array(X, chunks=(1500, -1)), ids=da.from_array(ids, chunks=1500),
         labels_path=tmp_path / "labels")
     assert isinstance(mb.cluster_centers_, np.ndarray) and mb.cluster_centers_.shape == (8, 16)
@@ -380,7 +381,7 @@ def test_minibatch_from_parquet_with_ids(client, big_blobs, tmp_path):
     X32 = X[:12000].astype(np.float32)
     ids = np.array([f"r{i}" for i in range(X32.shape[0])], dtype=object)
     _write_parquet(tmp_path / "d.parquet", X32, "list", ids=ids, row_group_size=1000)
-    mb = MiniBatchAnnealer(8, random_state=0, scheduler=client, batch_size=2000, n_steps=8,
+    mb = MiniBatchAnnealedKMeans(8, random_state=0, scheduler=client, batch_size=2000, n_steps=8,
                            polish_passes=0, init_size=3000).fit(
         read_parquet_embeddings(tmp_path / "d.parquet", id="doc_id"),
         labels_path=tmp_path / "out")
@@ -399,13 +400,12 @@ def test_minibatch_from_parquet_with_ids(client, big_blobs, tmp_path):
 
 
 def test_estimator_minibatch_mode(client, big_blobs):
-    """What ``AnnealedKMeans(batch_size=...).fit`` runs: the estimator's parameters, the
-    fitted attributes set on it (NumPy), ``labels_`` None (labels are streamed instead)."""
+    """``AnnealedKMeans(batch_size=...).fit`` on a Dask array runs
+    :class:`MiniBatchAnnealedKMeans` with the estimator's parameters and sets the fitted
+    attributes on it (NumPy); ``labels_`` is None (labels are streamed instead)."""
     X, y = big_blobs
-    est = fa.AnnealedKMeans(8, random_state=0, n_steps=10, scheduler=client)
-    est.batch_size = 3000
-    from fastanneal.dask import fit_minibatch_into
-    assert fit_minibatch_into(est, da.from_array(X, chunks=(1500, -1))) is est
+    est = fa.AnnealedKMeans(8, random_state=0, n_steps=10, scheduler=client, batch_size=3000)
+    assert est.fit(da.from_array(X, chunks=(1500, -1))) is est
     assert est.cluster_centers_.shape == (8, 16) and est.labels_ is None
     assert est.n_steps_ == 10 and est.cluster_weights_.sum() == pytest.approx(1.0)
     assert ari(est.predict(X), y) >= 0.95
@@ -416,31 +416,27 @@ def test_partial_fit_loop(big_blobs):
     X, y = big_blobs
     est = fa.AnnealedKMeans(8, random_state=0, n_steps=10)
     batches = np.array_split(np.arange(X.shape[0]), 30)
-    state = start_partial_fit(est, X[batches[0]])
     temps = []
     for b in batches:
-        partial_fit_update(state, X[b])
-        temps.append(state.temperature)
-    state.apply_to(est)
+        est.partial_fit(X[b])
+        temps.append(est.temperature_)
     assert np.all(np.diff(temps[:10]) < 0) and len(set(temps[9:])) == 1
-    assert temps[-1] == pytest.approx(state.T_start * 0.05)
+    assert temps[-1] == pytest.approx(est.temperature_start_ * 0.05)
     assert est.n_steps_ == 30 and len(est.trace_) == 30
     assert ari(est.predict(X), y) >= 0.95
     assert est.cluster_weights_.sum() == pytest.approx(1.0)
     # the step-size rule
-    assert state.step_size(0) == 1.0
-    assert state.step_size(5) == pytest.approx((5 + 1.0) ** -0.6)
+    running = est._partial_state.running
+    assert running.step_size(0) == 1.0
+    assert running.step_size(5) == pytest.approx((5 + 1.0) ** -0.6)
     est2 = pickle.loads(pickle.dumps(est))
     np.testing.assert_array_equal(est2.predict(X[:50]), est.predict(X[:50]))
-    s2 = pickle.loads(pickle.dumps(state))
-    partial_fit_update(s2, X[:500], T=0.1)
-    assert s2.t == 31 and s2.temperature == 0.1
+    est2.partial_fit(X[:500])
+    assert est2.n_steps_ == 31
     with pytest.raises(ValueError, match="at least n_clusters=8"):
-        start_partial_fit(est, X[:5])
+        fa.AnnealedKMeans(8).partial_fit(X[:5])
     with pytest.raises(ValueError, match="learning_decay"):
-        est.set_params(schedule="geometric")
-        est.learning_decay = 0.4
-        start_partial_fit(est, X[:100])
+        fa.AnnealedKMeans(8, learning_decay=0.4).partial_fit(X[:100])
 
 
 # ------------------------------------------------------------------------------- faults

@@ -137,7 +137,7 @@ def test_swap_budget():
     assert bench.n_swaps_for(100, quick=False) == 5000
     assert bench.n_swaps_for(16, quick=False) == 500
     assert bench.n_swaps_for(50, quick=True) == 1000
-    assert bench.n_swaps_for(8, quick=True) == 250
+    assert bench.n_swaps_for(8, quick=True) == 400
     assert bench.n_swaps_for(100, quick=True, fixed=7) == 7
 
 

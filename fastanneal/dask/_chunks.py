@@ -182,6 +182,20 @@ def chunk_cov_matvec(chunk, labels, mu, V, nthreads):
         return K_.cluster_cov_matvec_kernel(chunk.X, chunk.w, labels, mu, V, nth)
 
 
+def on_prepared(x, w, ids, index, row0, metric, dtype, fn, **kwargs):
+    """Read, validate and prepare one chunk on the worker, then ``fn(chunk, **kwargs)``
+    (the streaming passes of :class:`~fastanneal.dask.DaskBatchStream`)."""
+    return fn(prepare_chunk(x, w, index, row0, metric, dtype), **kwargs)
+
+
+def chunk_cov_matvec_at(chunk, C, metric, mu, V, nthreads):
+    """``(matvec, weights)`` of the clusters of the hard partition induced by ``C`` (labels
+    computed in the task: the streaming form of :func:`chunk_cov_matvec`)."""
+    K = C.shape[0]
+    labels = None if K == 1 else chunk_labels(chunk, C, metric, nthreads)
+    return chunk_cov_matvec(chunk, labels, mu, V, nthreads), chunk_bincount(chunk, labels, K)
+
+
 def chunk_take(chunk, idx):
     """Rows ``idx`` (local indices) and their weights."""
     if idx is None:

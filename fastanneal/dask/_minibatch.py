@@ -13,6 +13,7 @@ import numpy as np
 
 from .._engine import _project
 from .._moments import Moments
+from .._sources import COVARIANCE_MAX_D, power_iteration_eigs
 from .._validation import as_float_matrix, metric_code, normalize_rows
 from . import _chunks as ch
 from ._cluster import resolve_client
@@ -117,6 +118,7 @@ class DaskBatchStream(_ChunkPlan):
     def __init__(self, data, metric, handle, prefetch=1):
         super().__init__(data, metric, handle)
         self._handle = handle
+        self.has_ids = data.ids is not None
         self.prefetch_depth = int(prefetch)
         self._queue = {}
         self._W = None
@@ -188,6 +190,50 @@ class DaskBatchStream(_ChunkPlan):
             idx = np.sort(rng.choice(Xs.shape[0], size=n_target, replace=False))
             Xs, ws = Xs[idx], ws[idx]
         return np.ascontiguousarray(Xs), ws
+
+    # ------------------------------------------------ the rest of the protocol, streamed
+    def _reduce(self, fn, combine=None, **kwargs):
+        return self.map_chunks(ch.on_prepared, range(self.n_chunks), self.window,
+                               combine=combine or (lambda a, b: a + b), fn=fn, **kwargs)
+
+    def mean(self):
+        return self._reduce(ch.chunk_weighted_sum)[:-1] / self.total_weight
+
+    def covariance(self, mean):
+        if self.n_features > COVARIANCE_MAX_D:
+            return None
+        return self._reduce(ch.chunk_scatter, mean=np.asarray(mean, np.float64)) \
+            / self.total_weight
+
+    def grad_moments(self, centers, T, resp, globals_):
+        return self._reduce(ch.chunk_grad_moments, combine=lambda a, b: a.merge(b),
+                            C=np.asarray(centers, np.float64), T=float(T), metric=self.metric,
+                            resp=int(resp), g=globals_, nthreads=self.nthreads)
+
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+        """Lanczos with one streaming pass per matvec (out of core: each pass reads the
+        data; the mini-batch fit only needs it for ``schedule="critical"``)."""
+        C = np.asarray(centers, dtype=np.float64)
+        wk = []
+
+        def matvec(mu, V):
+            mv, counts = self._reduce(
+                ch.chunk_cov_matvec_at, combine=lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                C=C, metric=self.metric, mu=mu, V=np.ascontiguousarray(V),
+                nthreads=self.nthreads)
+            wk[:] = [counts]
+            return mv
+        matvec(C, np.zeros_like(C))
+        return power_iteration_eigs(matvec, C, wk[0], n_iter, rng, return_vectors)
+
+    def n_distinct_rows(self, rng, cap):
+        v = rng.standard_normal(self.n_features)
+        h = self._reduce(ch.chunk_row_hashes, combine=lambda a, b: ch.union_capped(
+            a, b, cap=int(cap)), v=v, cap=int(cap))
+        return 0 if h is None else int(h.shape[0])
+
+    def labels(self, centers):
+        return None            # out of core: labels are streamed by final_pass
 
     def final_pass(self, C, T, resp, log_prior, labels_path=None, overwrite=False,
                    with_ids=False):
