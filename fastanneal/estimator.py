@@ -511,10 +511,15 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         ckpt = self._make_checkpoint(source, K, run)
         st = ckpt.load() if ckpt is not None else None
         trace = Trace()
+        if ckpt is not None:
+            self.checkpoint_info_ = {"path": str(ckpt.path), "finished": False,
+                                     "resumed_from": None, "temperature": None}
         if st is not None:
             trace._rows = list(st.trace_rows)
             rng.bit_generator.state = st.rng_state
             T0 = float(st.extra["T0"])
+            self.checkpoint_info_.update(finished=st.phase == "done", resumed_from=st.step,
+                                         temperature=st.temperature)
         else:
             if from_mean:
                 C = np.repeat(stats.mean_c[None, :], K, axis=0)
@@ -805,6 +810,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         n_steps = int(self.n_steps)
         ckpt = self._make_checkpoint(full, K)
         st = ckpt.load() if ckpt is not None else None
+        resumed = st is not None
         trace = Trace()
         # ---------------------------------------------------------- seeding
         if st is None:
@@ -822,6 +828,10 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             trace._rows = list(st.trace_rows)
             rng.bit_generator.state = st.rng_state
             extra = st.extra
+        if ckpt is not None:
+            self.checkpoint_info_ = {"path": str(ckpt.path), "finished": st.phase == "done",
+                                     "resumed_from": st.step if resumed else None,
+                                     "temperature": st.temperature}
         # ---------------------------------------------------------- batches
         nonempty = [r for r in stream.chunk_rows if r > 0]
         if isinstance(stream, ArrayStream):

@@ -531,47 +531,54 @@ def ck_input(dirs):
     return write_any(table, i / "q.parquet"), o
 
 
+def _ck_meta(path):
+    with np.load(path, allow_pickle=False) as z:
+        return json.loads(str(z["meta"]))
+
+
 @pytest.mark.parametrize("schedule", ["geometric", "critical"])
 def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatch, schedule):
+    from fastanneal import _checkpoint
     inp, o = ck_input
     args = CK_ARGS + ["--schedule", schedule]
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "ref.parquet", *args,
                      "--checkpoint", o / "ck_ref", "-q")
     assert rc == 0, err
-    real_end = cli._Recorder.end_step
+    real_save = _checkpoint.Checkpoint.save
 
-    def end_step(self, state):
-        real_end(self, state)
-        if state.step == 4:
+    def save(self, st):
+        real_save(self, st)
+        if st.step == 4:
             raise KeyboardInterrupt
-    monkeypatch.setattr(cli._Recorder, "end_step", end_step)
+    monkeypatch.setattr(_checkpoint.Checkpoint, "save", save)
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
                      "--checkpoint", o / "ck")
     assert rc == 130
     assert not (o / "res.parquet").exists() and not (o / "res.clusters.csv").exists()
-    assert (o / "ck" / "anneal.npz").exists()
-    monkeypatch.setattr(cli._Recorder, "end_step", real_end)
+    assert _ck_meta(o / "ck" / "anneal.npz")["step"] == 4
+    monkeypatch.setattr(_checkpoint.Checkpoint, "save", real_save)
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
                      "--checkpoint", o / "ck")
     assert rc == 0, err
-    assert "resuming from the checkpoint" in err and "at step 4" in err
+    assert "resumed from the checkpoint" in err and "at step 4" in err
     ref, res = pq.read_table(o / "ref.parquet"), pq.read_table(o / "res.parquet")
     assert res.column("cluster").equals(ref.column("cluster"))
     np.testing.assert_array_equal(np.asarray(res.column("probability")),
                                   np.asarray(ref.column("probability")))
     assert (o / "res.clusters.csv").read_bytes() == (o / "ref.clusters.csv").read_bytes()
     # the whole trace is kept across the interruption
-    a, b = np.load(o / "ck_ref" / "result.npz"), np.load(o / "ck" / "result.npz")
-    np.testing.assert_array_equal(a["trace_step"], b["trace_step"])
-    np.testing.assert_allclose(a["trace_temperature"], b["trace_temperature"], rtol=1e-12)
-    np.testing.assert_allclose(a["trace_hard_distortion"], b["trace_hard_distortion"],
-                               rtol=1e-9)
-    np.testing.assert_allclose(a["trace_entropy"], b["trace_entropy"], rtol=1e-7, atol=1e-12)
-    np.testing.assert_array_equal(a["trace_iteration"], b["trace_iteration"])
-    ma, mb = json.loads(str(a["meta"])), json.loads(str(b["meta"]))
-    assert mb["resumed_from"] == 4 and ma["resumed_from"] is None
-    for k in ("critical_temperature_", "temperature_start_", "temperature_", "inertia_"):
-        assert mb[k] == ma[k], k
+    ma, mb = _ck_meta(o / "ck_ref" / "anneal.npz"), _ck_meta(o / "ck" / "anneal.npz")
+    assert ma["phase"] == mb["phase"] == "done"
+    ta, tb = ma["trace"], mb["trace"]
+    assert [r["step"] for r in ta] == [r["step"] for r in tb]
+    assert [r["iteration"] for r in ta] == [r["iteration"] for r in tb]
+    np.testing.assert_allclose([r["temperature"] for r in ta],
+                               [r["temperature"] for r in tb], rtol=1e-12)
+    np.testing.assert_allclose([r["hard_distortion"] for r in ta],
+                               [r["hard_distortion"] for r in tb], rtol=1e-9)
+    np.testing.assert_allclose([r["entropy"] for r in ta], [r["entropy"] for r in tb],
+                               rtol=1e-7, atol=1e-12)
+    assert ma["extra"] == mb["extra"] and ma["last"] == pytest.approx(mb["last"])
     # the finished fit is reused by a rerun; other parameters start over
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
                      "--checkpoint", o / "ck")
@@ -580,7 +587,7 @@ def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatc
     if schedule == "geometric":
         rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args, "--seed", 1,
                          "--checkpoint", o / "ck")
-        assert rc == 0 and "using the finished fit" not in err and "resuming" not in err
+        assert rc == 0 and "using the finished fit" not in err and "resumed" not in err
 
 
 def test_sigkill_mid_run_then_resume(capsys, ck_input):
@@ -600,8 +607,7 @@ def test_sigkill_mid_run_then_resume(capsys, ck_input):
         step = -1
         while time.monotonic() < deadline and p.poll() is None:
             if state.exists():
-                with np.load(state) as z:
-                    step = json.loads(str(z["meta"]))["step"]
+                step = _ck_meta(state)["step"]
                 if step >= 3:
                     break
             time.sleep(0.05)
@@ -621,9 +627,7 @@ def test_sigkill_mid_run_then_resume(capsys, ck_input):
     assert a.column("cluster").equals(b.column("cluster"))
     np.testing.assert_array_equal(np.asarray(a.column("probability")),
                                   np.asarray(b.column("probability")))
-    with np.load(o / "ck" / "result.npz") as z:
-        meta = json.loads(str(z["meta"]))
-    assert meta["resumed_from"] >= 3
+    assert _ck_meta(state)["phase"] == "done"
 
 
 # --------------------------------------------------------------------------- demo
