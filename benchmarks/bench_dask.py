@@ -8,7 +8,7 @@
     2 worker processes x 1 thread (chunks generated and persisted on the workers), and on
     the embedded threaded LocalCluster that ``AnnealedKMeans(backend="dask")`` starts. Each
     as a ratio to the in-memory pass and to one GEMM ``X @ C.T`` timed in the same run
-    (``../shared/BENCHMARKING.md``: BLAS warmed, interleaved repeats, medians). dask-ml's
+    (``docs/benchmarking.md``: BLAS warmed, interleaved repeats, medians). dask-ml's
     ``KMeans`` per iteration as a peer only if it is importable (it is not installed here).
 (b) Mini-batch annealing (:class:`fastanneal.dask.MiniBatchAnnealer`, embedded cluster,
     labels written as Parquet in the final pass) out of core on a Parquet dataset of N and

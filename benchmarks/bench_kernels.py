@@ -10,7 +10,7 @@ scikit-learn's Lloyd iteration (``KMeans(init=C, n_init=1, algorithm="lloyd")``,
 iteration as the difference of max_iter=6 and max_iter=1 fits, divided by 5). Also the
 first-call compile time (cold Numba cache), import + first call with a warm cache, and the
 peak extra memory of one pass at N=1,000,000, K=1024 (``--memory``), each in a subprocess.
-Timing rules of ``../shared/BENCHMARKING.md``: BLAS warmed up first, interleaved repeats,
+Timing rules of ``docs/benchmarking.md``: BLAS warmed up first, interleaved repeats,
 medians, ratios to the GEMM timed in the same run.
 """
 import argparse

@@ -171,7 +171,7 @@ def make_methods(ids, K, n_swaps, seeds):
 
 
 def warm_up(X, meths):
-    """BLAS start-up (one GEMM with >= 384 output columns, ``../shared/BENCHMARKING.md``) and
+    """BLAS start-up (one GEMM with >= 384 output columns, ``docs/benchmarking.md``) and
     one fit per method on a subsample of the set, outside the timings."""
     Xw = np.random.default_rng(0).standard_normal((2048, 384))
     Xw @ Xw[:512].T

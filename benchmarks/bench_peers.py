@@ -10,7 +10,7 @@ seeds interleaved. Per method: fit seconds (median over seeds), the time as a mu
 scikit-learn ``KMeans(n_init=1)`` and of one GEMM ``X @ C.T`` of the same shape (both timed
 in this run), the k-means objective (SSE) of the returned partition computed alike in float64
 for every method, its ratio to the best SSE of the run, and ARI against the true labels.
-BLAS is warmed up first (``../shared/BENCHMARKING.md``). Prints a table, writes JSON
+BLAS is warmed up first (``docs/benchmarking.md``). Prints a table, writes JSON
 (default ``benchmarks/results/bench_peers.json``).
 """
 import argparse

@@ -5,7 +5,7 @@
 
 Four problems: digits, clinc150/banking (unit rows; squared Euclidean distance, i.e.
 ``metric="euclidean"`` on the unit vectors, so centers are plain means and every objective is
-the k-means objective), blobs-overlapping, anisotropic. Four parts (THEORY.md sections 1, 6):
+the k-means objective), blobs-overlapping, anisotropic. Four parts (docs/theory.md sections 1-2, 6.6):
 
 1. **Hardening gap vs ``temperature_end_ratio``** in {0.8, 0.4, 0.2, 0.05, 0.01}. The estimator
    defines ``T_end = temperature_end_ratio * T_start`` with ``T_start = "auto"`` =
@@ -16,7 +16,7 @@ the k-means objective), blobs-overlapping, anisotropic. Four parts (THEORY.md se
    ``T`` we compute, with :func:`fastanneal.moments` and an independent float64 NumPy
    reference: ``F_T`` (free energy), ``D_T = sum r d`` (expected distortion of the randomized
    soft rule), ``J = sum min d`` (the deployed nearest-center rule). **Hardening gap**
-   (THEORY section 6: soft objective at the final T minus the hard objective of the same
+   (docs/theory.md section 6.6: soft objective at the final T minus the hard objective of the same
    centers), reported in both forms, because "soft objective" can mean either:
    ``D_T - J >= 0`` (the library's ``hardening_gap``: what the argmax rule gains over the
    randomized rule) and ``F_T - J <= 0`` (``-(J - F_T)``; the free energy is a lower bound on

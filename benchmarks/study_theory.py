@@ -1,4 +1,4 @@
-"""Zero-temperature theory study (THEORY.md sections 1-4) on the sixteen study datasets.
+"""Zero-temperature theory study (docs/theory.md sections 1-4) on the sixteen study datasets.
 
     python benchmarks/study_theory.py                      # all sixteen, full size
     python benchmarks/study_theory.py --quick              # quick sizes (CI)
@@ -399,7 +399,7 @@ def run(datasets="all", quick=False, json_path=None, seed=0, verbose=True):
            "entmax_factors": list(ENTMAX_FACTORS), "summary": rows, "datasets": records,
            "seconds": time.perf_counter() - t0}
     if verbose:
-        st.print_table(rows, COLUMNS, title="Zero-temperature theory (THEORY.md sections 1-4)"
+        st.print_table(rows, COLUMNS, title="Zero-temperature theory (docs/theory.md sections 1-4)"
                        + (" [quick]" if quick else ""))
         print(f"total {out['seconds']:.1f} s")
     if json_path:

@@ -1,4 +1,4 @@
-"""Numba kernels of the separation objective and its exact gradient (THEORY.md section 5).
+"""Numba kernels of the separation objective and its exact gradient (docs/theory.md section 5).
 
 Everything here is private; :func:`fastanneal.gradient.value_and_grad` validates input and
 wraps these.
@@ -73,7 +73,7 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
     entmax-1.5, as in :class:`fastanneal.Moments`).
 
     Softmax keeps every entry (``exp`` underflows to 0 only below ``e^-745``): the loss is
-    differentiated exactly, not the sparsified moments. Entmax-1.5 (THEORY.md section 4):
+    differentiated exactly, not the sparsified moments. Entmax-1.5 (docs/theory.md section 4.2):
     with ``z' = (z - max z) / 2`` only ``z' > -1`` can be in the support.
     """
     K = G.shape[1]

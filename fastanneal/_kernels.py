@@ -2,7 +2,7 @@
 
 Everything here is private; :mod:`fastanneal._moments` validates input and wraps these.
 
-Design (see ``../shared/BENCHMARKING.md`` for why):
+Design (see ``docs/benchmarking.md`` for why):
 
 * Rows are split into one contiguous range per thread (static schedule, so a fixed thread
   count gives bit-identical results run to run). Each thread walks its range in blocks of
@@ -59,7 +59,7 @@ def n_row_ranges(n, block, nth):
 def entmax15_support_probs(cand, n, sort_max):
     """Turn the halved, shifted logits ``cand[:n]`` (the entries that can be in the support)
     into unnormalised entmax-1.5 weights ``[z - tau]_+^2`` in place; returns their sum.
-    ``tau`` by sorting for ``n <= sort_max``, else by bisection (THEORY.md section 4)."""
+    ``tau`` by sorting for ``n <= sort_max``, else by bisection (docs/theory.md section 4.2)."""
     if n <= sort_max:
         tau = entmax15_tau_sort(cand, n)
     else:
@@ -109,7 +109,7 @@ def _block_distances(Xb, Ct, csq, metric, G):
 @njit(cache=True, nogil=True)
 def entmax15_tau_sort(v, n):
     """Exact entmax-1.5 threshold of the first ``n`` entries of ``v`` (already halved and
-    shifted so that max = 0) by sorting (THEORY.md section 4)."""
+    shifted so that max = 0) by sorting (docs/theory.md section 4.2)."""
     s = np.sort(v[:n])[::-1]
     cs = 0.0
     cs2 = 0.0

@@ -336,7 +336,7 @@ def assign(X, centers, metric="euclidean", _prepared=False):
 
 
 def entmax15(Z, method="sort"):
-    """entmax-1.5 of each row of ``Z`` (logits; THEORY.md section 4): ``[z/2 - tau]_+^2``.
+    """entmax-1.5 of each row of ``Z`` (logits; docs/theory.md section 4.2): ``[z/2 - tau]_+^2``.
 
     ``method="sort"`` finds the exact threshold by sorting the candidates, ``"bisect"`` by
     bisection on tau with a closed-form finish (no sort); both are exact.

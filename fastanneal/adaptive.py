@@ -1,4 +1,4 @@
-"""Adaptive temperature schedule: entropy and gradient-norm feedback (THEORY.md section 5).
+"""Adaptive temperature schedule: entropy and gradient-norm feedback (docs/theory.md section 5).
 
 After each temperature step the engine hands the schedule a
 :class:`~fastanneal.schedules.ScheduleState` with the mean assignment entropy ``H_t`` and,

@@ -10,7 +10,6 @@ an unwritable output, a missing optional extra) is reported in one line on stder
 code 2, and leaves no partial output behind (all outputs are written to temporary files and
 renamed into place together at the end).
 """
-import argparse
 import contextlib
 import hashlib
 import json
@@ -26,6 +25,10 @@ from ._io import (InputError, OutputSet, atomic_save_npy, atomic_write_bytes,
                   check_ids, check_writable, embedding_matrix, output_format, read_table,
                   sidecar, text_list, weight_vector, write_table)
 
+from ._cli_parser import build_parser  # noqa: E402
+from ._cli_results import (adjusted_rand_index, assignments, cluster_table,  # noqa: E402,F401
+                           print_summary, summary_items)
+
 __all__ = ["main", "build_parser", "adjusted_rand_index"]
 
 EXIT_USAGE = 2
@@ -38,7 +41,7 @@ EMBED_HINT = ('embedding the queries needs the optional extra: pip install "fast
 #: Distinct queries embedded per chunk (and per checkpointed part file).
 EMBED_CHUNK = 2048
 #: Testing aid: seconds to sleep after each annealing step (lets a test kill a run mid-way).
-from ._engine import STEP_DELAY_ENV as _STEP_DELAY_ENV  # noqa: E402
+from ._engine import STEP_DELAY_ENV as _STEP_DELAY_ENV  # noqa: E402,F401
 
 
 class CLIError(InputError):
@@ -89,29 +92,6 @@ class _NoBar:
 
     def set_postfix(self, **kw):
         pass
-
-
-def adjusted_rand_index(a, b):
-    """Adjusted Rand index of two labelings (Hubert & Arabie), NumPy only."""
-    _, ai = np.unique(np.asarray(a), return_inverse=True)
-    _, bi = np.unique(np.asarray(b), return_inverse=True)
-    n = ai.shape[0]
-    if n < 2:
-        return 1.0
-    nb = int(bi.max()) + 1
-    cont = np.bincount(ai * nb + bi, minlength=(int(ai.max()) + 1) * nb).astype(np.float64)
-
-    def comb2(x):
-        return float((x * (x - 1) / 2).sum())
-    s = comb2(cont)
-    sa = comb2(cont.reshape(-1, nb).sum(axis=1))
-    sb = comb2(cont.reshape(-1, nb).sum(axis=0))
-    total = n * (n - 1) / 2
-    expected = sa * sb / total
-    top = (sa + sb) / 2
-    if top == expected:
-        return 1.0
-    return (s - expected) / (top - expected)
 
 
 def _hash_update_texts(h, texts):
@@ -257,77 +237,6 @@ def fit_model(X, w, args, console):
     return FitResult(est, est.trace_.as_dict(), meta)
 
 
-# =========================================================================== results
-def _unit(M):
-    M = np.asarray(M, dtype=np.float64)
-    n = np.linalg.norm(M, axis=1, keepdims=True)
-    return M / np.where(n > 0, n, 1.0)
-
-
-def assignments(est, X, block_entries=1 << 22):
-    """``(labels, probability, margin, cosine_to_center)`` computed blockwise: the soft
-    responsibility of the assigned cluster (``predict_proba`` at the final temperature) never
-    needs the full N x K matrix."""
-    from ._moments import assign
-    C = np.asarray(est.cluster_centers_)
-    K = C.shape[0]
-    n = X.shape[0]
-    block = max(1, min(n, block_entries // max(K, 1)))
-    labels = np.empty(n, dtype=np.int64)
-    prob = np.empty(n, dtype=np.float64)
-    margin = np.empty(n, dtype=np.float64)
-    cos = np.empty(n, dtype=np.float64)
-    Cu = _unit(C)
-    for s in range(0, n, block):
-        Xb = X[s:s + block]
-        lab, _, mar = assign(Xb, C, est.metric)
-        P = est.predict_proba(Xb)
-        labels[s:s + block] = lab
-        prob[s:s + block] = P[np.arange(lab.shape[0]), lab]
-        margin[s:s + block] = mar if K > 1 else np.inf
-        cos[s:s + block] = np.einsum("ij,ij->i", _unit(Xb), Cu[lab])
-    if K == 1:
-        margin[:] = np.nan
-    return labels, prob, margin, cos
-
-
-def cluster_table(labels, w, cos, texts, ids, K, order):
-    """The per-cluster table (clusters renumbered by ``order``: largest first)."""
-    import pyarrow as pa
-    from .labels import cluster_labels
-    size = np.bincount(labels, minlength=K)
-    weight = np.bincount(labels, weights=w, minlength=K)
-    cos_sum = np.bincount(labels, weights=cos, minlength=K)
-    cohesion = np.where(size > 0, cos_sum / np.maximum(size, 1), np.nan)
-    # most central member: highest cosine to the center (ties: first row)
-    idx = np.lexsort((np.arange(labels.shape[0]), -cos, labels))
-    first = np.ones(idx.shape[0], dtype=bool)
-    first[1:] = labels[idx][1:] != labels[idx][:-1]
-    central = np.full(K, -1, dtype=np.int64)
-    central[labels[idx][first]] = idx[first]
-    if texts is not None:
-        short, terms = cluster_labels(["" if t is None else t for t in texts], labels, K,
-                                      weights=w)
-    else:
-        short, terms = [""] * K, [""] * K
-    cols = {
-        "cluster": np.arange(K, dtype=np.int64),
-        "size": size[order],
-        "weight": weight[order],
-        "share": weight[order] / max(weight.sum(), 1e-300),
-        "label": [short[k] for k in order],
-        "central_query": [(texts[central[k]] if texts is not None and central[k] >= 0 else None)
-                          for k in order],
-        "cohesion": cohesion[order],
-        "terms": [terms[k] for k in order],
-    }
-    if ids is not None:
-        cols["central_id"] = pa.array([ids[central[k]] if central[k] >= 0 else None
-                                       for k in order])
-    cols["central_row"] = np.where(central[order] >= 0, central[order] + 1, -1)
-    return pa.table(cols)
-
-
 # =========================================================================== commands
 def _resolve_output(args, console):
     if args.demo or args.command == "demo":
@@ -336,18 +245,23 @@ def _resolve_output(args, console):
         if p.suffix.lower() in (".csv", ".tsv", ".parquet", ".pq", ".jsonl", ".ndjson"):
             check_writable(p, create_parent=True)
             return p, p.parent
-        if p.exists() and not p.is_dir():
-            raise CLIError(f"cannot write the demo to {out}: it is a file, not a folder")
-        try:
-            p.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CLIError(f"cannot create the output folder {out}: {e.strerror}") from None
+        _make_folder(p, f"cannot write the demo to {out}: it is a file, not a folder",
+                     f"cannot create the output folder {out}")
         return p / "queries.csv", p
     if not args.output:
         raise CLIError("missing -o/--output: where to write the clustered rows (.csv, .tsv, "
                        ".parquet or .jsonl)")
     p = Path(args.output)
     return p, p.parent
+
+
+def _make_folder(p, not_a_folder, cannot):
+    if p.exists() and not p.is_dir():
+        raise CLIError(not_a_folder)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"{cannot}: {e.strerror}") from None
 
 
 def _check_report_deps():
@@ -422,12 +336,8 @@ def run_cluster(args, console):
         check_writable(p)
     if args.checkpoint:
         ck = Path(args.checkpoint)
-        if ck.exists() and not ck.is_dir():
-            raise CLIError(f"--checkpoint {ck}: not a folder")
-        try:
-            ck.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CLIError(f"cannot create the checkpoint folder {ck}: {e.strerror}") from None
+        _make_folder(ck, f"--checkpoint {ck}: not a folder",
+                     f"cannot create the checkpoint folder {ck}")
     with contextlib.ExitStack() as stack:
         _dask_setup(args, stack)
         # ------------------------------------------------------------- read + check
@@ -515,7 +425,7 @@ def run_cluster(args, console):
                 write_table(ctab, outs.temp_for(clusters_path), "csv")
                 if report:
                     from .report import build_report
-                    summary = _summary_items(args, n, X.shape[1], K, fit, timings, ari, est)
+                    summary = summary_items(args, n, X.shape[1], K, fit, timings, ari, est)
                     html = build_report(title=f"fastanneal: {Path(src).name}", summary=summary,
                                         trace=fit.trace, clusters=ctab,
                                         centers=np.asarray(est.cluster_centers_)[order],
@@ -528,133 +438,8 @@ def run_cluster(args, console):
             raise CLIError(f"cannot write the outputs{where}: {e.strerror or e}") from None
         timings["write"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_all
-    _print_summary(console, args, output, clusters_path, report, n, K, fit, timings, ari, ctab)
+    print_summary(console, args, output, clusters_path, report, n, K, fit, timings, ari, ctab)
     return 0
-
-
-def _summary_items(args, n, D, K, fit, timings, ari, est):
-    m = fit.meta
-    items = [("rows", f"{n:,}"), ("dimensions", str(D)), ("clusters (K)", str(K)),
-             ("metric", args.metric), ("schedule", f"{args.schedule}, {args.steps} steps"),
-             ("responsibilities", args.responsibilities), ("seed", str(args.seed)),
-             ("T start / final", f"{m['temperature_start_']:.4g} / {m['temperature_']:.4g}"),
-             ("critical temperature T_c", f"{m['critical_temperature_']:.4g}"),
-             ("objective J (inertia)", f"{m['inertia_']:.6g}"),
-             ("hardening gap", f"{m['hardening_gap_']:.4g}")]
-    if ari is not None:
-        items.append((f"ARI vs {args.truth_column!r}", f"{ari:.3f}"))
-    if m.get("resumed_from") is not None:
-        items.append(("resumed", f"from step {m['resumed_from']}"))
-    items.append(("time", ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())))
-    return items
-
-
-def _print_summary(console, args, output, clusters_path, report, n, K, fit, timings, ari, ctab):
-    if console.quiet:
-        return
-    m = fit.meta
-    console.out(f"clustered {n:,} rows into {K} clusters in {timings['total']:.1f} s "
-                f"(fit {timings['fit']:.1f} s; J = {m['inertia_']:.5g}, "
-                f"T final = {m['temperature_']:.3g})")
-    if ari is not None:
-        console.out(f"ARI against {args.truth_column!r}: {ari:.3f}")
-    top = ctab.slice(0, min(8, ctab.num_rows)).to_pylist()
-    if top:
-        console.out("largest clusters:")
-        for r in top:
-            cq = r["central_query"]
-            cq = "" if cq is None else (cq if len(cq) <= 48 else cq[:45] + "...")
-            console.out(f"  {r['cluster']:>4}  {r['size']:>7,}  {r['label'][:36]:<36}  {cq}")
-    console.out(f"rows:     {output}")
-    console.out(f"clusters: {clusters_path}")
-    if report:
-        console.out(f"report:   {report}")
-
-
-# =========================================================================== parser
-def _add_cluster_options(p, demo=False):
-    if not demo:
-        p.add_argument("input", nargs="?", metavar="INPUT",
-                       help="queries: .csv / .tsv (optionally .gz), .parquet (file or dataset "
-                            "folder) or .jsonl")
-    p.add_argument("-o", "--output", metavar="OUTPUT",
-                   help=("folder for the demo outputs (default ./fastanneal-demo/) or a .csv / "
-                         ".parquet / .jsonl file" if demo else
-                         "the input rows with cluster, probability and margin added; the format "
-                         "follows the extension (.csv, .tsv, .parquet, .jsonl). The cluster table "
-                         "goes to OUTPUT's name + .clusters.csv"))
-    p.add_argument("--k", "-k", type=int, default=None, metavar="K",
-                   help="number of clusters" + (" (default 30, the number of intents)" if demo
-                                                else " (required)"))
-    if not demo:
-        p.add_argument("--text-column", default="query", metavar="COL",
-                       help="column with the query text (default: query)")
-        p.add_argument("--embedding-column", metavar="COL",
-                       help="column with precomputed vectors (a list of floats per row); "
-                            "without it the queries are embedded with fastanneal[embed]")
-        p.add_argument("--id-column", metavar="COL",
-                       help="column of unique row ids (checked; carried to the outputs)")
-        p.add_argument("--weight-column", metavar="COL",
-                       help="query frequency / impressions: sample weights (>= 0)")
-        p.add_argument("--truth-column", metavar="COL",
-                       help="known labels: report the adjusted Rand index against them")
-    p.add_argument("--metric", choices=["cosine", "euclidean"], default="cosine",
-                   help="distance (default: cosine)")
-    p.add_argument("--schedule", choices=["geometric", "linear", "critical", "constant"],
-                   default="geometric", help="temperature schedule (default: geometric)")
-    p.add_argument("--steps", type=int, default=20, metavar="N",
-                   help="temperatures of the geometric / linear / constant schedules (default 20)")
-    p.add_argument("--responsibilities", choices=["softmax", "entmax15"], default="softmax",
-                   help="soft assignment rule (default: softmax)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--backend", choices=["cpu", "dask"], default="cpu",
-                   help="where the fit runs (default: cpu)")
-    p.add_argument("--workers", type=int, metavar="N",
-                   help="dask: start a local cluster with N worker processes")
-    p.add_argument("--scheduler", metavar="ADDRESS",
-                   help="dask: address of a running scheduler (tcp://host:8786)")
-    p.add_argument("--report", metavar="PATH",
-                   help="write a self-contained HTML report (needs fastanneal[report])"
-                        + ("; the demo writes OUTPUT/report.html by default" if demo else ""))
-    if demo:
-        p.add_argument("--no-report", action="store_true", help="do not write the HTML report")
-    p.add_argument("--checkpoint", metavar="DIR",
-                   help="save the annealing state (and embedding progress) in DIR; rerunning "
-                        "the same command resumes from it, or reuses a finished fit")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars, no summary")
-    p.add_argument("--progress", action="store_true",
-                   help="progress bars even when stderr is not a terminal")
-
-
-def build_parser():
-    from . import __version__
-    parser = argparse.ArgumentParser(
-        prog="fastanneal",
-        description="Annealed soft k-means for query logs: raw queries in, labelled clusters "
-                    "out. Start with `fastanneal demo`.")
-    parser.add_argument("--version", action="version", version=f"fastanneal {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    pc = sub.add_parser(
-        "cluster", help="cluster the queries of a file",
-        description="Cluster the rows of INPUT. Writes OUTPUT (all input columns plus cluster, "
-                    "probability, margin) and OUTPUT's name + .clusters.csv (size, weight, "
-                    "label, most central query, cohesion per cluster).",
-        epilog="example: fastanneal cluster queries.csv -o clustered.parquet --k 100 "
-               "--weight-column count --report report.html")
-    _add_cluster_options(pc)
-    pc.add_argument("--demo", action="store_true",
-                    help="run on the bundled CLINC150 sample instead of INPUT")
-    pc.set_defaults(drop_columns=[])
-    pd = sub.add_parser(
-        "demo", help="cluster a bundled sample of 4,500 real queries (CLINC150)",
-        description="Cluster the bundled sample of CLINC150 (30 intents x 150 real queries, "
-                    "precomputed all-MiniLM-L6-v2 embeddings), print the agreement with the "
-                    "intents (ARI) and write the rows, the cluster table and an HTML report.")
-    _add_cluster_options(pd, demo=True)
-    pd.set_defaults(input=None, text_column="query", embedding_column="embedding",
-                    id_column=None, weight_column=None, truth_column="label", demo=True,
-                    drop_columns=["embedding"])
-    return parser
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""The differentiable separation objective and its exact gradient (THEORY.md section 5).
+"""The differentiable separation objective and its exact gradient (docs/theory.md section 5).
 
 :func:`value_and_grad` returns the loss ``L = L_comp - lam * L_sep`` of a set of free
 centers at temperature ``T``, its gradients with respect to the centers and to the
@@ -92,7 +92,7 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
         *as given* (see Notes); rows of ``X`` and ``centers`` must be unit-normalized (norms
         within ``1e-2`` of 1, else ``ValueError``).
     responsibilities : {"softmax", "entmax15"}, default "softmax"
-        Soft assignments; entmax-1.5 gives exactly sparse rows (THEORY.md section 4).
+        Soft assignments; entmax-1.5 gives exactly sparse rows (docs/theory.md section 4.2).
 
     Returns
     -------
@@ -109,7 +109,7 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
         - ``compactness``, ``separation`` (float): ``L_comp`` and ``L_sep`` (``L_sep``
           without ``lam``).
         - ``separation_grad_norm`` (float): Frobenius norm of ``dL_sep/dC`` (without
-          ``lam``), the ``g_t`` of the adaptive temperature rule (THEORY.md section 5).
+          ``lam``), the ``g_t`` of the adaptive temperature rule (docs/theory.md section 5).
         - ``empty`` (K,) bool: clusters with ``N_k == 0`` (see Notes).
 
         ``loss, gC, gX = value_and_grad(...)[:3]`` unpacks the first three.

@@ -54,34 +54,33 @@ class ConstantSchedule(Schedule):
         return self.T_start if state.step + 1 < self.n_steps else None
 
 
-class GeometricSchedule(Schedule):
+class _InterpolatedSchedule(Schedule):
+    """``n_steps`` temperatures from ``T_start`` to ``T_end`` (subclasses: the formula)."""
+
+    def __init__(self, n_steps=30):
+        if int(n_steps) < 1:
+            raise ValueError(f"n_steps must be >= 1; got {n_steps}")
+        self.n_steps = int(n_steps)
+
+    def next_temperature(self, state):
+        j = state.step + 1
+        if j >= self.n_steps:
+            return None
+        return self._at(j / max(self.n_steps - 1, 1))
+
+
+class GeometricSchedule(_InterpolatedSchedule):
     """``T_j = T_start * (T_end / T_start) ** (j / (n_steps - 1))``, j = 0..n_steps-1."""
 
-    def __init__(self, n_steps=30):
-        if int(n_steps) < 1:
-            raise ValueError(f"n_steps must be >= 1; got {n_steps}")
-        self.n_steps = int(n_steps)
-
-    def next_temperature(self, state):
-        j = state.step + 1
-        if j >= self.n_steps:
-            return None
-        return self.T_start * (self.T_end / self.T_start) ** (j / max(self.n_steps - 1, 1))
+    def _at(self, s):
+        return self.T_start * (self.T_end / self.T_start) ** s
 
 
-class LinearSchedule(Schedule):
+class LinearSchedule(_InterpolatedSchedule):
     """``T_j`` linear from ``T_start`` to ``T_end`` over ``n_steps`` steps."""
 
-    def __init__(self, n_steps=30):
-        if int(n_steps) < 1:
-            raise ValueError(f"n_steps must be >= 1; got {n_steps}")
-        self.n_steps = int(n_steps)
-
-    def next_temperature(self, state):
-        j = state.step + 1
-        if j >= self.n_steps:
-            return None
-        return self.T_start + (self.T_end - self.T_start) * j / max(self.n_steps - 1, 1)
+    def _at(self, s):
+        return self.T_start + (self.T_end - self.T_start) * s
 
 
 class CriticalSchedule(Schedule):

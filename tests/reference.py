@@ -1,8 +1,8 @@
-"""Plain float64 NumPy reference for the core kernels (THEORY.md sections 1, 3, 4).
+"""Plain float64 NumPy reference for the core kernels (docs/theory.md sections 1-2, 4).
 
 Deliberately independent of the package: nothing here imports ``fastanneal``, distances are
 direct differences (not the GEMM form), softmax is computed in the log domain over *all*
-entries (no truncation), and entmax-1.5 is the sort algorithm of THEORY.md section 4 written
+entries (no truncation), and entmax-1.5 is the sort algorithm of docs/theory.md section 4.2 written
 with vectorized NumPy (plus an independent bisection on tau for cross-checks).
 
 Every function takes any float input, computes in float64 and returns float64.
@@ -80,7 +80,7 @@ def entmax15_tau(Z):
 
 
 def entmax15(Z):
-    """``[z/2 - tau]_+^2`` per row (THEORY.md section 4), exact up to rounding."""
+    """``[z/2 - tau]_+^2`` per row (docs/theory.md section 4.2), exact up to rounding."""
     Z = np.asarray(Z, dtype=np.float64)
     one_d = Z.ndim == 1
     V, tau = entmax15_tau(np.atleast_2d(Z))

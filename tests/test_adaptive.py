@@ -1,4 +1,4 @@
-"""AdaptiveSchedule: the feedback rule of THEORY.md section 5 on synthetic schedule states,
+"""AdaptiveSchedule: the feedback rule of docs/theory.md section 5 on synthetic schedule states,
 and runs through the engine, the gradient solver and the estimator.
 
 The rule, written out here as the oracle:

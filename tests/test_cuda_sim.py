@@ -71,7 +71,7 @@ def gpu():
 # ----------------------------------------------------------------------------- reference
 def entmax15_sort(V):
     """Rows of ``V`` (already halved and shifted, max 0): ``[v - tau]_+^2`` with the exact
-    threshold by sorting (THEORY.md section 4)."""
+    threshold by sorting (docs/theory.md section 4.2)."""
     P = np.zeros_like(V)
     for i, v in enumerate(V):
         s = np.sort(v)[::-1]
@@ -223,7 +223,7 @@ def test_softmax_matches_cpu_and_reference(gpu, rng, monkeypatch, dtype, temp, p
         assert got.nnz == 23 * 19                     # dense: nothing dropped
     else:
         assert got.nnz < 23 * 19 / 2                  # really sparse at low T
-    # certificate of THEORY.md section 1 holds on the GPU record
+    # certificate of docs/theory.md section 2 holds on the GPU record
     assert -1e-6 * abs(got.hard_distortion) <= got.hard_distortion - got.free_energy
     assert got.hard_distortion - got.free_energy <= T * got.weight * math.log(19) * (1 + 1e-6)
 
@@ -234,7 +234,7 @@ def test_entmax_supports_one_and_all(gpu, rng, dtype):
     med, _ = typical_scale(X, C)
     rtol = RTOL[dtype]
     ref_lab = reference(X, C, 1.0, w, resp="hard")
-    # T below half the smallest margin: every support has size 1 (THEORY.md section 4).
+    # T below half the smallest margin: every support has size 1 (docs/theory.md section 4.2).
     # Smallest over ALL rows: nnz counts the supports of zero-weight rows too (their
     # responsibilities are computed, only their weight is 0), while min_margin leaves them
     # out; with min_margin a zero-weight row of smaller margin could keep 2 centers.

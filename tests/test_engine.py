@@ -1,4 +1,4 @@
-"""The annealing engine against independent oracles (THEORY.md sections 1-4, 6).
+"""The annealing engine against independent oracles (docs/theory.md sections 1-4, 6).
 
 Oracles are plain float64 NumPy (distances from explicit differences, log-domain softmax over
 all entries, entmax-1.5 by bisection on tau) and ``numpy.linalg.eigvalsh``; nothing here
@@ -203,7 +203,7 @@ def test_estimator_constant_schedule_around_Tc(rng, one_thread):
 def test_critical_schedule_splits_just_below_Tc(rng):
     """schedule="critical" starts at 1.02 T_c with one effective cluster and cools by 0.85:
     on data with a clear top eigenvalue the first cluster must split at the first or second
-    temperature below T_c (0.867 T_c or 0.737 T_c), as THEORY.md section 2 and the engine's
+    temperature below T_c (0.867 T_c or 0.737 T_c), as docs/theory.md section 3 and the engine's
     docstring ("a pair whose members moved apart has passed its cluster's critical
     temperature") describe."""
     X, w = anisotropic(rng, n=2000)

@@ -1,4 +1,4 @@
-"""value_and_grad: the separation objective (THEORY.md section 5) and its exact gradients.
+"""value_and_grad: the separation objective (docs/theory.md section 5) and its exact gradients.
 
 Oracles, independent of the code under test:
 

@@ -1,4 +1,4 @@
-"""The gradient solver (Adam on the centers of L = L_comp - lam L_sep, THEORY.md section 5).
+"""The gradient solver (Adam on the centers of L = L_comp - lam L_sep, docs/theory.md section 5).
 
 Oracles: a float64 NumPy evaluation of L written from the definitions, a NumPy Adam
 (Kingma & Ba) driven by the gradients of ``value_and_grad`` (which tests/test_gradient.py

@@ -1,5 +1,5 @@
 """Core CPU kernels against the independent float64 reference (``tests/reference.py``) and
-the oracles of THEORY.md (sections 1, 3, 4).
+the oracles of docs/theory.md (sections 1-2, 4).
 
 Error measure used throughout ("norm-wise relative error"): for a computed array ``a`` and the
 reference ``b``, ``err = ||a - b||_2 / ||b||_2`` over all entries of the array (``||a||_2``
@@ -408,7 +408,7 @@ def test_no_drift_with_thread_count(rng, tmp_path):
             assert_record_close(three, one, T, tol, dist, f"{dt} {resp} 3 vs 1 threads")
 
 
-# ----------------------------------------------------------------------------- THEORY oracles
+# ----------------------------------------------------------------------- theory oracles
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_certificate_over_twelve_decades(rng, dtype, metric):
@@ -476,7 +476,7 @@ def test_free_energy_equals_distortion_minus_T_entropy(rng, dtype):
 
 
 def test_softmax_soft_to_hard_bound(rng):
-    """THEORY 3: 1 - r_i,c(i) <= (K - 1) exp(-Delta_i / T)."""
+    """docs/theory.md 4.1: 1 - r_i,c(i) <= (K - 1) exp(-Delta_i / T)."""
     X, C = make_data(rng, n=300, K=5)
     K = C.shape[0]
     d = ref.sqeuclidean(X, C)
@@ -492,7 +492,7 @@ def test_softmax_soft_to_hard_bound(rng):
 
 
 def test_entmax_equals_hard_labels_below_half_min_margin(rng, config):
-    """THEORY 4: T <= Delta_min / 2  =>  entmax responsibilities are exactly the hard labels;
+    """docs/theory.md 4.2: T <= Delta_min / 2  =>  entmax responsibilities are exactly the hard labels;
     just above, the point(s) at the minimum margin are no longer one-hot."""
     X, C = make_data(rng, n=250, K=5)
     w = rng.uniform(0.5, 2.0, 250)

@@ -120,6 +120,7 @@ class CudaSource:
         self.dtype = X.dtype
         self.total_weight = float(w.sum())
         self._w_host = w
+        self._X_host = X     # the caller's validated array (no copy): host-side passes
         self._buffers = None
         if self.n_rows:
             self._X = cuda.to_device(X)
@@ -331,6 +332,36 @@ class CudaSource:
             ssum = np.bincount(labels, weights=s.copy_to_host(), minlength=K)
             return sx - mu * ssum[:, None]
         return power_iteration_eigs(matvec, centers, wk, n_iter, rng, return_vectors)
+
+
+    # ------------------------------------------------------------------ host-side passes
+    # Passes that run once per fit, or whose CUDA kernel does not exist yet, use the host
+    # array the source was built from (no copy): the covariance for T_c, the distinct-row
+    # count, the checkpoint key and the gradient's backward pass (the forward pass is the
+    # device moments pass; a device kernel for the backward pass is future work).
+    def grad_moments(self, centers, T, resp, globals_):
+        from ..gradient import backward_moments
+        return backward_moments(self._X_host, self._w_host, centers, T, self.metric, resp,
+                                globals_)
+
+    def covariance(self, mean):
+        from .._sources import exact_covariance
+        return exact_covariance(self._X_host, self._w_host, mean)
+
+    def n_distinct_rows(self, rng, cap):
+        from .._sources import n_distinct_rows
+        return n_distinct_rows(self._X_host, self._w_host, rng)
+
+    def labels(self, centers):
+        return self.assign(centers)[0]
+
+    def fingerprint(self):
+        from .._sources import data_fingerprint
+        return "cuda:" + data_fingerprint(self._X_host, self._w_host, self.metric)
+
+    def close(self):
+        self._X = self._w = self._xsq = None
+        self._buffers = None
 
 
 def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibilities="softmax",

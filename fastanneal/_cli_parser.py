@@ -1,0 +1,88 @@
+"""The argument parser of the ``fastanneal`` command."""
+import argparse
+
+def _add_cluster_options(p, demo=False):
+    if not demo:
+        p.add_argument("input", nargs="?", metavar="INPUT",
+                       help="queries: .csv / .tsv (optionally .gz), .parquet (file or dataset "
+                            "folder) or .jsonl")
+    p.add_argument("-o", "--output", metavar="OUTPUT",
+                   help=("folder for the demo outputs (default ./fastanneal-demo/) or a .csv / "
+                         ".parquet / .jsonl file" if demo else
+                         "the input rows with cluster, probability and margin added; the format "
+                         "follows the extension (.csv, .tsv, .parquet, .jsonl). The cluster table "
+                         "goes to OUTPUT's name + .clusters.csv"))
+    p.add_argument("--k", "-k", type=int, default=None, metavar="K",
+                   help="number of clusters" + (" (default 30, the number of intents)" if demo
+                                                else " (required)"))
+    if not demo:
+        p.add_argument("--text-column", default="query", metavar="COL",
+                       help="column with the query text (default: query)")
+        p.add_argument("--embedding-column", metavar="COL",
+                       help="column with precomputed vectors (a list of floats per row); "
+                            "without it the queries are embedded with fastanneal[embed]")
+        p.add_argument("--id-column", metavar="COL",
+                       help="column of unique row ids (checked; carried to the outputs)")
+        p.add_argument("--weight-column", metavar="COL",
+                       help="query frequency / impressions: sample weights (>= 0)")
+        p.add_argument("--truth-column", metavar="COL",
+                       help="known labels: report the adjusted Rand index against them")
+    p.add_argument("--metric", choices=["cosine", "euclidean"], default="cosine",
+                   help="distance (default: cosine)")
+    p.add_argument("--schedule", choices=["geometric", "linear", "critical", "constant"],
+                   default="geometric", help="temperature schedule (default: geometric)")
+    p.add_argument("--steps", type=int, default=20, metavar="N",
+                   help="temperatures of the geometric / linear / constant schedules (default 20)")
+    p.add_argument("--responsibilities", choices=["softmax", "entmax15"], default="softmax",
+                   help="soft assignment rule (default: softmax)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--backend", choices=["cpu", "dask"], default="cpu",
+                   help="where the fit runs (default: cpu)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="dask: start a local cluster with N worker processes")
+    p.add_argument("--scheduler", metavar="ADDRESS",
+                   help="dask: address of a running scheduler (tcp://host:8786)")
+    p.add_argument("--report", metavar="PATH",
+                   help="write a self-contained HTML report (needs fastanneal[report])"
+                        + ("; the demo writes OUTPUT/report.html by default" if demo else ""))
+    if demo:
+        p.add_argument("--no-report", action="store_true", help="do not write the HTML report")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="save the annealing state (and embedding progress) in DIR; rerunning "
+                        "the same command resumes from it, or reuses a finished fit")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars, no summary")
+    p.add_argument("--progress", action="store_true",
+                   help="progress bars even when stderr is not a terminal")
+
+
+def build_parser():
+    from . import __version__
+    parser = argparse.ArgumentParser(
+        prog="fastanneal",
+        description="Annealed soft k-means for query logs: raw queries in, labelled clusters "
+                    "out. Start with `fastanneal demo`.")
+    parser.add_argument("--version", action="version", version=f"fastanneal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    pc = sub.add_parser(
+        "cluster", help="cluster the queries of a file",
+        description="Cluster the rows of INPUT. Writes OUTPUT (all input columns plus cluster, "
+                    "probability, margin) and OUTPUT's name + .clusters.csv (size, weight, "
+                    "label, most central query, cohesion per cluster).",
+        epilog="example: fastanneal cluster queries.csv -o clustered.parquet --k 100 "
+               "--weight-column count --report report.html")
+    _add_cluster_options(pc)
+    pc.add_argument("--demo", action="store_true",
+                    help="run on the bundled CLINC150 sample instead of INPUT")
+    pc.set_defaults(drop_columns=[])
+    pd = sub.add_parser(
+        "demo", help="cluster a bundled sample of 4,500 real queries (CLINC150)",
+        description="Cluster the bundled sample of CLINC150 (30 intents x 150 real queries, "
+                    "precomputed all-MiniLM-L6-v2 embeddings), print the agreement with the "
+                    "intents (ARI) and write the rows, the cluster table and an HTML report.")
+    _add_cluster_options(pd, demo=True)
+    pd.set_defaults(input=None, text_column="query", embedding_column="embedding",
+                    id_column=None, weight_column=None, truth_column="label", demo=True,
+                    drop_columns=["embedding"])
+    return parser
+
+
