@@ -10,7 +10,7 @@
     as a ratio to the in-memory pass and to one GEMM ``X @ C.T`` timed in the same run
     (``docs/benchmarking.md``: BLAS warmed, interleaved repeats, medians). dask-ml's
     ``KMeans`` per iteration as a peer only if it is importable (it is not installed here).
-(b) Mini-batch annealing (:class:`fastanneal.dask.MiniBatchAnnealer`, embedded cluster,
+(b) Mini-batch annealing (:class:`fastanneal.MiniBatchAnnealedKMeans`, embedded cluster,
     labels written as Parquet in the final pass) out of core on a Parquet dataset of N and
     2N rows (labelled Gaussian mixture, float32, D=384, generated chunk by chunk into a
     temporary folder; one row group = one chunk): wall time, rows read per second (all
@@ -266,7 +266,8 @@ def minibatch_child(spec_file):
     the memory sampler then sees only the fit (imports included in the baseline)."""
     with open(spec_file) as f:
         spec = json.load(f)
-    from fastanneal.dask import MiniBatchAnnealer, read_parquet_embeddings
+    from fastanneal import MiniBatchAnnealedKMeans as MiniBatchAnnealer
+    from fastanneal.dask import read_parquet_embeddings
     warm_kernels()
     data = read_parquet_embeddings(spec["files"], id="row_id")
     with TreeMemorySampler() as mem:
@@ -289,7 +290,7 @@ def bench_minibatch(args, tmp):
     from sklearn.metrics import adjusted_rand_score as ari
 
     import fastanneal as fa
-    from fastanneal.dask import MiniBatchAnnealer
+    from fastanneal import MiniBatchAnnealedKMeans as MiniBatchAnnealer
 
     N, D, K = args.mb_n, args.d, args.k
     warm_kernels()

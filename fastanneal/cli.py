@@ -293,7 +293,7 @@ def _dask_setup(args, stack):
         from distributed import Client, LocalCluster
         cluster = stack.enter_context(LocalCluster(n_workers=int(args.workers),
                                                    threads_per_worker=1, processes=True,
-                                                   dashboard_address=None))
+                                                   host="127.0.0.1", dashboard_address=None))
         args._dask_scheduler = stack.enter_context(Client(cluster))
 
 

@@ -95,9 +95,11 @@ def resolve_client(scheduler=None):
         pass
     n_workers, threads = embedded_cluster_size()
     log.info("starting an embedded LocalCluster (%d worker, %d threads)", n_workers, threads)
-    # no dashboard; the scheduler's plain HTTP routes on a free port (not 8787)
+    # in-process transport (no TCP listener); no dashboard; the scheduler's plain HTTP
+    # routes on a free port of the loopback interface only (not 8787)
     cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=False,
-                           dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"})
+                           dashboard_address=None,
+                           scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
     try:
         client = Client(cluster, set_as_default=False)
     except BaseException:
