@@ -108,7 +108,7 @@ class Checkpoint:
     def _state(self, meta, data):
         C = np.asarray(data["centers"])
         phase = meta["phase"]
-        if phase not in ("critical", "anneal", "polish", "done"):
+        if phase not in ("critical", "anneal", "polish", "reallocate", "done"):
             raise ValueError(f"unknown phase {phase!r}")
         K_ok = C.shape[0] <= self.K if phase == "critical" else C.shape[0] == self.K
         if C.ndim != 2 or C.shape[1] != self.D or not K_ok:

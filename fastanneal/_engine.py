@@ -51,6 +51,8 @@ class EngineConfig:
     diagnostics: str = "summary"
     verbose: int = 0
     progress: Optional[object] = None  # callable(step, T, record) for progress bars
+    reallocate: bool = False          # phase-transition re-allocation moves after the polish
+    max_failed_moves: Optional[int] = None   # default max(8, K // 4)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class EngineResult:
     relocations: int
     converged: bool
     last_moments: object
+    reallocations: int = 0
 
 
 @dataclass
@@ -397,8 +400,14 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
             hook(st)
     res_last = st.last
     if st.phase == "polish":
-        polish_state(ctx, st, st.last.get("temperature", st.temperature) or 0.0,
-                     getattr(rule, "polish_source", None))
+        polish_state(ctx, st, st.last.get("temperature", st.temperature) or 0.0)
+        st.phase = "reallocate" if cfg.reallocate else "done"
+        st.rule_state = {}
+        st.rng_state = ctx.rng.bit_generator.state
+        if hook is not None and st.phase == "reallocate":
+            hook(st)
+    if st.phase == "reallocate":
+        reallocate_state(ctx, st, hook)
         st.phase = "done"
     return EngineResult(centers=st.centers, temperature=res_last.get("temperature", math.nan),
                         free_energy=res_last.get("free_energy", math.nan),
@@ -406,7 +415,9 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
                         hard_objective=res_last.get("hard_distortion", math.nan),
                         n_iter=st.n_iter, n_steps=res_last.get("n_steps", st.step),
                         relocations=st.relocations, converged=st.converged,
-                        last_moments=st.last_moments)
+                        last_moments=st.last_moments,
+                        reallocations=int(st.rule_state.get("moves", 0))
+                        if st.phase == "done" else 0)
 
 
 def _initial_log_masses(cfg):
@@ -525,21 +536,18 @@ def _jsonable(v):
 
 
 # ---------------------------------------------------------------------------- polish
-def polish_state(ctx, st, T_final, source=None):
-    """Lloyd at ``T = 0`` (hard moments with hard sums) until the centers stop moving, with
-    empty clusters relocated; one trace record (step -1). Shared by every solver."""
-    cfg = ctx.cfg
+def _lloyd(ctx, st, C, max_iter, T=1.0, source=None):
+    """Lloyd at ``T = 0`` (hard moments with hard sums) from ``C`` until the centers stop
+    moving (or ``max_iter`` passes), empty clusters relocated. Returns ``(C, mh, shift,
+    relocated, converged)`` with ``mh`` the hard moments of the returned centers' last
+    assignment (``mh.hard_distortion`` is ``J`` of the centers that pass started from)."""
     source = ctx.source if source is None else source
-    if not cfg.polish:
-        st.converged = True
-        return
-    C = st.centers
     converged = False
     relocated = 0
     shift = math.nan
     mh = None
-    for _ in range(cfg.max_polish_iter):
-        mh = source.moments(C, T_final, RESP_HARD, None, hard_sums=True)
+    for _ in range(max_iter):
+        mh = source.moments(C, T, RESP_HARD, None, hard_sums=True)
         upd = mh.finalize(previous_centers=C, hard=True)
         st.n_iter += 1
         Cn, donors = relocate_empty(upd.centers, mh.hard_counts.copy(), upd.empty, ctx.rng,
@@ -551,9 +559,97 @@ def polish_state(ctx, st, T_final, source=None):
         if shift <= ctx.tol_abs * 1e-4 and relocated == 0:
             converged = True
             break
+    return C, mh, shift, relocated, converged
+
+
+def polish_state(ctx, st, T_final, source=None):
+    """Lloyd at ``T = 0`` until the centers stop moving, with empty clusters relocated; one
+    trace record (step -1). Shared by every solver."""
+    if not ctx.cfg.polish:
+        st.converged = True
+        return
+    C, mh, shift, relocated, converged = _lloyd(ctx, st, st.centers, ctx.cfg.max_polish_iter,
+                                                T_final, source)
     dmin, _ = min_center_distance(C)
     ctx.record(-1, st.n_iter, 0.0, mh, C, shift, relocated, 0, dmin)
     st.centers, st.converged = C, converged
+
+
+def reallocate_state(ctx, st, hook=None):
+    """Phase-transition re-allocation of codevectors (``docs/theory.md`` section 6.7).
+
+    After annealing, a codevector may sit where two true clusters merged (its cluster's
+    critical temperature ``2 lambda_max(C_k)`` is far above the others': the cluster would
+    still split if the annealing continued) while two codevectors share one true cluster
+    (merging them costs little). Splits made at a high temperature in the wrong place
+    cannot be undone by cooling alone, so this phase moves codevectors: it proposes
+    splitting the cluster with the largest ``W_k lambda_max(C_k)`` along its top
+    eigenvector (the unstable direction) with the codevector whose removal costs least
+    (Ward's merge cost ``W_r W_l / (W_r + W_l) ||c_r - c_l||^2`` to its nearest
+    neighbour), when the split's expected gain ``(2/pi) W_k lambda_k`` exceeds that cost;
+    runs Lloyd from the new centers and keeps the move if ``J`` decreased. It stops after
+    ``cfg.max_failed_moves`` rejected proposals in a row. Every quantity is a full pass of
+    the moment source (hard moments, Lanczos on covariance products), so it runs on every
+    backend. The state is saved after each accepted move (resume repeats the proposals
+    rejected since then, deterministically).
+    """
+    cfg = ctx.cfg
+    K = st.centers.shape[0]
+    if K < 2:
+        return
+    max_fail = cfg.max_failed_moves or max(8, K // 4)
+    rs = st.rule_state
+    C, mh, shift, relocated, conv = _lloyd(ctx, st, st.centers, cfg.max_polish_iter)
+    J = mh.hard_distortion
+    moves = int(rs.get("moves", 0))
+    fails = 0
+    tried = set()
+    lam = None
+    while fails < max_fail:
+        if lam is None:
+            lam, V = ctx.source.cluster_top_eigenvalues(C, 10, ctx.rng, return_vectors=True)
+            W = mh.hard_counts
+            sq = np.einsum("ij,ij->i", C, C)
+            D2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (C @ C.T), 0.0)
+            np.fill_diagonal(D2, np.inf)
+            merge = (W[:, None] * W[None, :] / np.maximum(W[:, None] + W[None, :], 1e-300)
+                     * D2).min(axis=1)
+            gain = (2.0 / math.pi) * W * np.maximum(lam, 0.0)
+        best = None
+        for s in np.argsort(-gain)[:8]:
+            for r in np.argsort(merge)[:8]:
+                if r == s or (int(s), int(r)) in tried:
+                    continue
+                net = gain[s] - merge[r]
+                if best is None or net > best[0]:
+                    best = (net, int(s), int(r))
+        if best is None or not best[0] > 0:
+            break
+        _, s, r = best
+        Cn = C.copy()
+        step = math.sqrt(max(float(lam[s]), 0.0)) * V[s]
+        Cn[r] = C[s] + step
+        Cn[s] = C[s] - step
+        Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, ctx.metric),
+                                           cfg.max_polish_iter)
+        if mhn.hard_distortion < J * (1.0 - 1e-9):
+            C, mh, J, shift, relocated, conv = Cn, mhn, mhn.hard_distortion, shn, reln, convn
+            moves += 1
+            fails = 0
+            tried.clear()
+            lam = None
+            dmin, _ = min_center_distance(C)
+            ctx.record(-1, st.n_iter, 0.0, mh, C, shift, relocated, 0, dmin)
+            st.centers, st.converged = C, conv
+            st.rule_state = {"moves": moves}
+            st.rng_state = ctx.rng.bit_generator.state
+            if hook is not None:
+                hook(st)
+        else:
+            tried.add((s, r))
+            fails += 1
+    st.centers, st.converged = C, conv
+    st.rule_state = {"moves": moves}
 
 
 def polish(source, C, T_final, cfg, rng, trace, t0, n_iter, tol_abs, delta):

@@ -291,6 +291,12 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         or inconsistent one is named in a :class:`~fastanneal._checkpoint.CheckpointWarning`
         and ignored. After the fit it holds the finished state (a rerun only recomputes the
         labels). With ``n_init > 1`` each run has its own file (``anneal.run0.npz``, ...).
+    reallocate : bool, default=True
+        After the polish, phase-transition re-allocation moves (``docs/theory.md``
+        section 6.7): split the cluster with the largest ``W_k lambda_max(C_k)`` (the one
+        whose critical temperature says it still holds more than one cluster) along its
+        unstable direction, with the codevector that is cheapest to remove; keep the move
+        when ``J`` decreases. Needs ``polish=True``. ``n_reallocations_`` counts the moves.
     anchor_weight : float, default=0.0
         Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
         from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
@@ -326,7 +332,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                  learning_rate=0.05, adam_betas=(0.9, 0.999), gradient_steps=10,
                  separation_weight=0.1, phi="identity", phi_margin=None, phi_eps=None,
                  anchor_weight=0.0, batch_size=None, learning_decay=0.6,
-                 learning_offset=1.0, checkpoint=None):
+                 learning_offset=1.0, checkpoint=None, reallocate=True):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -361,6 +367,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.learning_decay = learning_decay
         self.learning_offset = learning_offset
         self.checkpoint = checkpoint
+        self.reallocate = reallocate
 
     # ------------------------------------------------------------------ validation
     def _check_params(self, n_samples):
@@ -490,6 +497,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.n_iter_ = int(result.n_iter)
         self.n_steps_ = int(result.n_steps)
         self.n_relocations_ = int(result.relocations)
+        self.n_reallocations_ = int(result.reallocations)
         self.trace_ = trace
         return self
 
@@ -507,7 +515,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         cfg = EngineConfig(n_clusters=K, resp=rc, mass_constrained=mc,
                            max_iter=int(self.max_iter), tol=float(self.tol),
                            polish=bool(self.polish), max_polish_iter=int(self.max_polish_iter),
-                           diagnostics=self.diagnostics, verbose=int(self.verbose))
+                           diagnostics=self.diagnostics, verbose=int(self.verbose),
+                           reallocate=bool(self.reallocate) and bool(self.polish))
         ckpt = self._make_checkpoint(source, K, run)
         st = ckpt.load() if ckpt is not None else None
         trace = Trace()
