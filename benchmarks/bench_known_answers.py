@@ -12,6 +12,8 @@ each), the SSE relative to the SSE of the generating centers, and wall seconds. 
 for ``--methods``):
 
 * ``fa``: fastanneal default, ``AnnealedKMeans(n_clusters=K, random_state=seed)``;
+* ``fa-norealloc``: the default without the phase-transition re-allocation moves
+  (``reallocate=False``): the annealing schedule and the polish alone;
 * ``fa-critical``, ``fa-adaptive``: the same with ``schedule="critical"`` / ``"adaptive"``;
 * ``fa-kpp-lloyd``: scikit-learn Lloyd (``KMeans(init=C0, n_init=1)``) from the very k-means++
   seeds C0 the default fit of the same seed started from (recorded by wrapping fastanneal's
@@ -50,6 +52,7 @@ import _study
 
 METHODS = {                    # id -> label in the tables
     "fa": "fastanneal (default)",
+    "fa-norealloc": "fastanneal reallocate=False",
     "fa-critical": "fastanneal critical",
     "fa-adaptive": "fastanneal adaptive",
     "fa-kpp-lloyd": "Lloyd from fastanneal k-means++",
@@ -164,7 +167,8 @@ def make_methods(ids, K, n_swaps, seeds):
         C, _, _, accepted = ka.random_swap_kmeans(X, K, np.random.default_rng(seed), swaps)
         return C, {"n_swaps": swaps, "accepted": accepted}
 
-    table = {"fa": fa_fit(), "fa-critical": fa_fit(schedule="critical"),
+    table = {"fa": fa_fit(), "fa-norealloc": fa_fit(reallocate=False),
+             "fa-critical": fa_fit(schedule="critical"),
              "fa-adaptive": fa_fit(schedule="adaptive"), "fa-kpp-lloyd": kpp_lloyd,
              "sk1": sk(1), "sk10": sk(10), "faiss": fa_iss, "rs": rs}
     return [(i, table[i]) for i in ids]

@@ -587,8 +587,9 @@ def reallocate_state(ctx, st, hook=None):
     eigenvector (the unstable direction) with the codevector whose removal costs least
     (Ward's merge cost ``W_r W_l / (W_r + W_l) ||c_r - c_l||^2`` to its nearest
     neighbour), when the split's expected gain ``(2/pi) W_k lambda_k`` exceeds that cost;
-    runs Lloyd from the new centers and keeps the move if ``J`` decreased. It stops after
-    ``cfg.max_failed_moves`` rejected proposals in a row. Every quantity is a full pass of
+    runs Lloyd from the new centers (at most 20 passes to judge it) and keeps the move if
+    ``J`` decreased. It stops after ``cfg.max_failed_moves`` (default ``max(8, K / 10)``)
+    rejected proposals in a row, and ends with Lloyd to convergence. Every quantity is a full pass of
     the moment source (hard moments, Lanczos on covariance products), so it runs on every
     backend. The state is saved after each accepted move (resume repeats the proposals
     rejected since then, deterministically).
@@ -597,7 +598,8 @@ def reallocate_state(ctx, st, hook=None):
     K = st.centers.shape[0]
     if K < 2:
         return
-    max_fail = cfg.max_failed_moves or max(8, K // 4)
+    max_fail = cfg.max_failed_moves or max(8, K // 10)
+    trial_iter = min(cfg.max_polish_iter, 20)          # Lloyd passes to judge a move
     rs = st.rule_state
     C, mh, shift, relocated, conv = _lloyd(ctx, st, st.centers, cfg.max_polish_iter)
     J = mh.hard_distortion
@@ -630,8 +632,7 @@ def reallocate_state(ctx, st, hook=None):
         step = math.sqrt(max(float(lam[s]), 0.0)) * V[s]
         Cn[r] = C[s] + step
         Cn[s] = C[s] - step
-        Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, ctx.metric),
-                                           cfg.max_polish_iter)
+        Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, ctx.metric), trial_iter)
         if mhn.hard_distortion < J * (1.0 - 1e-9):
             C, mh, J, shift, relocated, conv = Cn, mhn, mhn.hard_distortion, shn, reln, convn
             moves += 1
@@ -648,6 +649,10 @@ def reallocate_state(ctx, st, hook=None):
         else:
             tried.add((s, r))
             fails += 1
+    if not conv:                      # the last kept move was judged before convergence
+        C, mh, shift, relocated, conv = _lloyd(ctx, st, C, cfg.max_polish_iter)
+        dmin, _ = min_center_distance(C)
+        ctx.record(-1, st.n_iter, 0.0, mh, C, shift, relocated, 0, dmin)
     st.centers, st.converged = C, conv
     st.rule_state = {"moves": moves}
 

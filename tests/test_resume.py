@@ -1,0 +1,519 @@
+"""Checkpoints and resume (``AnnealedKMeans(checkpoint=...)``, ``MiniBatchAnnealedKMeans``).
+
+* A process killed with SIGKILL mid-fit (in memory, and on a 2-process Dask LocalCluster)
+  and rerun returns the centers of an uninterrupted run; the rerun resumes from the saved
+  step.
+* In process: a fit interrupted right after the checkpoint of step 3 (``Checkpoint.save``
+  wrapped to raise KeyboardInterrupt) and rerun equals an uninterrupted fit -- centers,
+  labels, inertia and the trace -- for the geometric, critical and adaptive schedules, the
+  gradient solver and mini-batch annealing of a NumPy array.
+* A finished checkpoint is reused (no annealing); one of another fit is replaced silently.
+* Bad files (garbage bytes, NaN or wrongly shaped centers, another version, a pickled
+  array) give a ``CheckpointWarning`` naming the file and the fit starts over.
+* Mini-batch annealing of a NumPy array starts no Dask cluster.
+
+All data come from fixed seeds.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numpy.testing import assert_array_equal
+
+import fastanneal as fa
+from fastanneal import _checkpoint
+from fastanneal import _engine
+from fastanneal._checkpoint import CheckpointWarning
+
+REPO = Path(__file__).resolve().parents[1]
+STOP_STEP = 3
+
+
+def blobs(n, k, d, seed, sep=6.0, dtype=np.float64):
+    g = np.random.default_rng(seed)
+    centers = g.normal(0.0, sep, (k, d))
+    y = g.integers(0, k, n)
+    X = centers[y] + g.normal(0.0, 1.0, (n, d))
+    return X.astype(dtype), y
+
+
+@pytest.fixture(scope="module")
+def data():
+    X, _ = blobs(1500, 5, 6, seed=1)
+    return X
+
+
+def read_meta(path):
+    with np.load(path, allow_pickle=False) as z:
+        return json.loads(str(z["meta"]))
+
+
+def fit_without_bad_file_warning(est, X):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        return est.fit(X)
+
+
+def interrupt_after_step(monkeypatch, stop=STOP_STEP):
+    """Make ``Checkpoint.save`` raise KeyboardInterrupt right after it has written the state
+    of step ``stop``; returns the list of (phase, step) saved. Undo with ``monkeypatch.undo``
+    or :func:`restore_save`."""
+    real = _checkpoint.Checkpoint.save
+    saved = []
+
+    def save(self, st):
+        real(self, st)
+        saved.append((st.phase, st.step))
+        if st.step == stop and st.phase != "done":
+            raise KeyboardInterrupt(f"test interruption after step {stop}")
+    monkeypatch.setattr(_checkpoint.Checkpoint, "save", save)
+    return saved
+
+
+def assert_same_fit(a, b, exact=True):
+    """Everything a resumed fit must repeat of the uninterrupted one."""
+    if exact:
+        assert_array_equal(a.cluster_centers_, b.cluster_centers_)
+        assert a.inertia_ == b.inertia_
+        assert a.temperature_ == b.temperature_
+    else:
+        np.testing.assert_allclose(a.cluster_centers_, b.cluster_centers_, rtol=1e-12,
+                                   atol=1e-12 * np.abs(b.cluster_centers_).max())
+        assert a.inertia_ == pytest.approx(b.inertia_, rel=1e-12)
+    assert_array_equal(a.labels_, b.labels_)
+    assert a.n_iter_ == b.n_iter_ and a.n_steps_ == b.n_steps_
+    ta, tb = a.trace_, b.trace_
+    assert len(ta) == len(tb)
+    assert list(ta["step"]) == list(tb["step"])
+    np.testing.assert_allclose(ta["temperature"], tb["temperature"], rtol=1e-12)
+    np.testing.assert_allclose(ta["hard_distortion"], tb["hard_distortion"], rtol=1e-12)
+
+
+# ============================================================================ kill -9
+SCRIPT = r'''
+import json
+import sys
+
+import numpy as np
+
+
+def data():
+    g = np.random.default_rng(20240611)
+    centers = g.normal(0.0, 5.0, (6, 8))
+    y = g.integers(0, 6, {n})
+    return centers[y] + g.normal(0.0, 1.0, ({n}, 8))
+
+
+def main():
+    mode, ck, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    import fastanneal as fa
+    X = data()
+    kw = dict(random_state=0, n_steps=12, checkpoint=ck)
+    if mode == "dask":
+        import dask.array as da
+        import distributed
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                           dashboard_address=None)
+        client = distributed.Client(cluster)
+        try:
+            est = fa.AnnealedKMeans(6, backend="dask", scheduler=client, **kw).fit(
+                da.from_array(X, chunks=(700, -1)))
+        finally:
+            client.close()
+            cluster.close()
+    else:
+        est = fa.AnnealedKMeans(6, **kw).fit(X)
+    with open(out + ".json", "w") as f:
+        json.dump(est.checkpoint_info_, f)
+    np.save(out + ".npy", est.cluster_centers_)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _env(delay=None):
+    env = {k: v for k, v in os.environ.items() if k != _engine.STEP_DELAY_ENV}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if delay is not None:
+        env[_engine.STEP_DELAY_ENV] = str(delay)
+    return env
+
+
+def _run_script(script, mode, ck, out, timeout):
+    p = subprocess.run([sys.executable, str(script), mode, str(ck), str(out)], env=_env(),
+                       cwd=script.parent, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(f"{out}.json") as f:
+        info = json.load(f)
+    return np.load(f"{out}.npy"), info
+
+
+def _descendants(pid):
+    try:
+        import psutil
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:
+        return []
+
+
+def _reap(procs):
+    """Wait for the processes the killed script had started (Dask nannies and workers exit
+    once their parent is gone); kill, by pid, any that is still there."""
+    if not procs:
+        return []
+    import psutil
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def kill_resume_roundtrip(tmp_path, mode, n, timeout):
+    script = tmp_path / "fit_script.py"
+    script.write_text(SCRIPT.replace("{n}", str(n)))
+    # reference: uninterrupted, its own checkpoint folder
+    ref_centers, ref_info = _run_script(script, mode, tmp_path / "ck_ref", tmp_path / "ref",
+                                        timeout)
+    assert ref_info["finished"] is False and ref_info["resumed_from"] is None
+    ck = tmp_path / "ck"
+    state = ck / "anneal.npz"
+    out = tmp_path / "res"
+    p = subprocess.Popen([sys.executable, str(script), mode, str(ck), str(out)],
+                         env=_env(delay=0.3), cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    children = []
+    try:
+        deadline = time.monotonic() + timeout
+        step = -1
+        while time.monotonic() < deadline and p.poll() is None:
+            if state.exists():
+                step = read_meta(state)["step"]
+                if step >= STOP_STEP:
+                    break
+            time.sleep(0.02)
+        children = _descendants(p.pid)
+        assert p.poll() is None, ("the run ended before it could be killed:\n"
+                                  + p.stderr.read().decode()[-3000:])
+        assert step >= STOP_STEP, "no checkpoint of step 3 appeared in time"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+        _reap(children)
+    assert p.returncode == -signal.SIGKILL
+    assert not Path(f"{out}.npy").exists() and not Path(f"{out}.json").exists()
+    meta = read_meta(state)          # the last complete state, readable without pickle
+    assert meta["phase"] in ("anneal", "critical") and meta["step"] >= STOP_STEP
+    killed_at = meta["step"]
+    centers, info = _run_script(script, mode, ck, out, timeout)
+    assert info["resumed_from"] == killed_at
+    assert info["finished"] is False
+    assert info["path"] == str(state)
+    assert read_meta(state)["phase"] == "done"
+    return centers, ref_centers
+
+
+def test_sigkill_in_memory_then_resume(tmp_path):
+    centers, ref = kill_resume_roundtrip(tmp_path, "memory", 3000, timeout=120)
+    assert_array_equal(centers, ref)
+
+
+@pytest.mark.dask
+def test_sigkill_dask_then_resume(tmp_path):
+    pytest.importorskip("dask.array")
+    pytest.importorskip("distributed")
+    centers, ref = kill_resume_roundtrip(tmp_path, "dask", 2100, timeout=150)
+    np.testing.assert_allclose(centers, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+
+
+# ============================================================================ in process
+CASES = {
+    "geometric": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8, checkpoint=ck),
+    "critical": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8,
+                                             schedule="critical", checkpoint=ck),
+    "adaptive": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8,
+                                             schedule="adaptive", checkpoint=ck),
+    "gradient": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8, solver="gradient",
+                                             gradient_steps=5, checkpoint=ck),
+    "minibatch": lambda ck: fa.MiniBatchAnnealedKMeans(5, random_state=0, n_steps=8,
+                                                       batch_size=200, checkpoint=ck),
+    "minibatch-adaptive": lambda ck: fa.MiniBatchAnnealedKMeans(
+        5, random_state=0, n_steps=8, batch_size=200, schedule="adaptive", checkpoint=ck),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interrupted_fit_resumes_to_the_same_result(case, data, tmp_path, monkeypatch):
+    make = CASES[case]
+    ref = make(None).fit(data)
+    ck = tmp_path / "ck"
+    saved = interrupt_after_step(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        make(ck).fit(data)
+    monkeypatch.undo()
+    assert saved[-1][1] == STOP_STEP and len(saved) == STOP_STEP
+    state = ck / "anneal.npz"
+    meta = read_meta(state)
+    assert meta["step"] == STOP_STEP and meta["phase"] != "done"
+    assert len(meta["trace"]) == STOP_STEP
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)   # the file is ours: no warning
+        est = make(ck).fit(data)
+    assert est.checkpoint_info_["resumed_from"] == STOP_STEP
+    assert est.checkpoint_info_["finished"] is False
+    assert est.checkpoint_info_["path"] == str(state)
+    assert est.checkpoint_info_["temperature"] == meta["temperature"]
+    assert_same_fit(est, ref)
+    # the first records are those of the interrupted run, read back from the file
+    assert list(est.trace_["wall_time"][:STOP_STEP]) == [r["wall_time"] for r in meta["trace"]]
+    assert read_meta(state)["phase"] == "done"
+
+
+def test_critical_resume_after_the_phase_change(data, tmp_path, monkeypatch):
+    """Interrupted once all clusters have split (the last critical steps, the one-step anneal
+    phase and the polish are all resumable)."""
+    make = CASES["critical"]
+    ref = make(None).fit(data)
+    phases = {}
+    real = _checkpoint.Checkpoint.save
+
+    def record(self, st):
+        real(self, st)
+        phases.setdefault(st.step, st.phase)
+    monkeypatch.setattr(_checkpoint.Checkpoint, "save", record)
+    make(tmp_path / "all").fit(data)
+    monkeypatch.undo()
+    anneal_step = min(s for s, ph in phases.items() if ph == "anneal")
+    polish_step = min(s for s, ph in phases.items() if ph == "polish")
+    for stop in (anneal_step, polish_step):
+        ck = tmp_path / f"ck{stop}"
+        interrupt_after_step(monkeypatch, stop)
+        with pytest.raises(KeyboardInterrupt):
+            make(ck).fit(data)
+        monkeypatch.undo()
+        est = fit_without_bad_file_warning(make(ck), data)
+        assert est.checkpoint_info_["resumed_from"] == stop
+        assert_same_fit(est, ref)
+
+
+def test_npz_path_is_the_file(data, tmp_path):
+    path = tmp_path / "sub" / "state.npz"
+    est = fa.AnnealedKMeans(5, random_state=0, n_steps=4, checkpoint=path).fit(data)
+    assert path.is_file() and est.checkpoint_info_["path"] == str(path)
+    assert sorted(os.listdir(path.parent)) == ["state.npz"]      # no temporaries left
+    assert read_meta(path)["phase"] == "done"
+
+
+# ============================================================================ reuse / replace
+def test_finished_checkpoint_is_reused(data, tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    a = fa.AnnealedKMeans(5, random_state=0, n_steps=8, checkpoint=ck).fit(data)
+    assert a.checkpoint_info_["finished"] is False and a.checkpoint_info_["resumed_from"] is None
+    meta = read_meta(ck / "anneal.npz")
+    assert meta["phase"] == "done" and meta["key"]
+
+    def no_annealing(*args, **kwargs):
+        raise AssertionError("a finished checkpoint must not be annealed again")
+    monkeypatch.setattr(_engine, "_loop", no_annealing)
+    monkeypatch.setattr(_engine, "polish_state", no_annealing)
+    b = fit_without_bad_file_warning(
+        fa.AnnealedKMeans(5, random_state=0, n_steps=8, checkpoint=ck), data)
+    monkeypatch.undo()
+    assert b.checkpoint_info_["finished"] is True
+    assert b.checkpoint_info_["resumed_from"] == meta["step"]
+    assert_same_fit(b, a)
+    assert b.free_energy_ == a.free_energy_
+
+
+@pytest.mark.parametrize("change", ["random_state", "data", "n_steps"])
+def test_checkpoint_of_another_fit_is_replaced(change, data, tmp_path):
+    ck = tmp_path / "ck"
+    fa.AnnealedKMeans(5, random_state=0, n_steps=8, checkpoint=ck).fit(data)
+    key0 = read_meta(ck / "anneal.npz")["key"]
+    kw = dict(random_state=0, n_steps=8)
+    X = data
+    if change == "random_state":
+        kw["random_state"] = 1
+    elif change == "n_steps":
+        kw["n_steps"] = 7
+    else:
+        X = data.copy()
+        X[17, 3] += 1e-6                  # one value differs
+    fresh = fa.AnnealedKMeans(5, **kw).fit(X)
+    est = fit_without_bad_file_warning(fa.AnnealedKMeans(5, checkpoint=ck, **kw), X)
+    assert est.checkpoint_info_["finished"] is False
+    assert est.checkpoint_info_["resumed_from"] is None
+    assert_same_fit(est, fresh)
+    meta = read_meta(ck / "anneal.npz")
+    assert meta["key"] != key0 and meta["phase"] == "done"
+
+
+def test_minibatch_finished_checkpoint_is_reused(data, tmp_path):
+    ck = tmp_path / "ck"
+    kw = dict(random_state=0, n_steps=6, batch_size=250, checkpoint=ck)
+    a = fa.MiniBatchAnnealedKMeans(5, **kw).fit(data)
+    assert a.checkpoint_info_["finished"] is False
+    b = fit_without_bad_file_warning(fa.MiniBatchAnnealedKMeans(5, **kw), data)
+    assert b.checkpoint_info_["finished"] is True
+    assert_array_equal(b.cluster_centers_, a.cluster_centers_)
+    assert_array_equal(b.labels_, a.labels_)
+    c = fit_without_bad_file_warning(
+        fa.MiniBatchAnnealedKMeans(5, **dict(kw, random_state=3)), data)
+    assert c.checkpoint_info_["finished"] is False and c.checkpoint_info_["resumed_from"] is None
+
+
+# ============================================================================ bad files
+def _rewrite(path, **changes):
+    """Rewrite the checkpoint ``path`` with some arrays (or meta fields) replaced."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays["meta"]))
+    for k, v in changes.pop("meta", {}).items():
+        meta[k] = v
+    arrays["meta"] = np.array(json.dumps(meta))
+    arrays.update(changes)
+    os.unlink(path)
+    np.savez(path, **arrays)
+    assert path.exists()
+
+
+def _nan_centers(path):
+    with np.load(path) as z:
+        C = z["centers"].copy()
+    C[1, 2] = np.nan
+    _rewrite(path, centers=C)
+
+
+def _wrong_shape(path):
+    with np.load(path) as z:
+        C = z["centers"]
+    _rewrite(path, centers=np.concatenate([C, C[:, :1]], axis=1))   # one feature too many
+
+
+def _too_many_clusters(path):
+    with np.load(path) as z:
+        C = z["centers"]
+    _rewrite(path, centers=np.concatenate([C, C[:1] + 1.0]))
+
+
+def _other_version(path):
+    _rewrite(path, meta={"version": _checkpoint.VERSION + 1})
+
+
+def _garbage(path):
+    path.write_bytes(np.random.default_rng(5).bytes(3000))
+
+
+def _truncated(path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+
+
+def _pickled(path):
+    """An object array (needs pickle): must be refused, not unpickled."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["meta"] = np.array([str(arrays["meta"])], dtype=object)
+    os.unlink(path)
+    np.savez(path, **arrays)
+
+
+def _nan_temperature(path):
+    _rewrite(path, meta={"temperature": float("nan")})
+
+
+BAD = {"garbage": _garbage, "truncated": _truncated, "nan_centers": _nan_centers,
+       "wrong_shape": _wrong_shape, "too_many_clusters": _too_many_clusters,
+       "other_version": _other_version, "pickled": _pickled,
+       "nan_temperature": _nan_temperature}
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["finished", "mid-run"])
+@pytest.mark.parametrize("bad", list(BAD))
+def test_bad_checkpoint_warns_and_starts_over(bad, finished, data, tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    path = ck / "anneal.npz"
+    make = CASES["geometric"]
+    if finished:
+        make(ck).fit(data)
+    else:
+        interrupt_after_step(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            make(ck).fit(data)
+        monkeypatch.undo()
+    assert read_meta(path)["phase"] == ("done" if finished else "anneal")
+    BAD[bad](path)
+    fresh = make(None).fit(data)
+    with pytest.warns(CheckpointWarning, match=re.escape(str(path))):
+        est = make(ck).fit(data)
+    assert est.checkpoint_info_["resumed_from"] is None
+    assert est.checkpoint_info_["finished"] is False
+    assert_same_fit(est, fresh)
+    # the file now holds this fit's finished state again
+    meta = read_meta(path)
+    assert meta["phase"] == "done" and meta["version"] == _checkpoint.VERSION
+    with np.load(path, allow_pickle=False) as z:
+        assert np.isfinite(z["centers"]).all()
+
+
+def test_checkpoint_needs_no_pickle(data, tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    interrupt_after_step(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        CASES["gradient"](ck).fit(data)       # rule state (Adam moments) included
+    monkeypatch.undo()
+    with np.load(ck / "anneal.npz", allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    assert "centers" in arrays and "meta" in arrays
+    for k, v in arrays.items():
+        assert v.dtype != object, k
+    assert arrays["centers"].dtype == np.float64 and arrays["centers"].shape == (5, 6)
+    meta = json.loads(str(arrays["meta"]))
+    for field in ("version", "key", "phase", "step", "temperature", "trace", "extra"):
+        assert field in meta, field
+    assert meta["version"] == _checkpoint.VERSION and meta["phase"] == "anneal"
+    assert meta["step"] == STOP_STEP and len(meta["trace"]) == STOP_STEP
+    assert meta["temperature"] > 0 and "T0" in meta["extra"]
+
+
+# ============================================================================ no Dask
+def test_minibatch_numpy_starts_no_dask_cluster(tmp_path, monkeypatch):
+    distributed = pytest.importorskip("distributed")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a NumPy mini-batch fit must not start Dask")
+    monkeypatch.setattr(distributed.LocalCluster, "__init__", refuse)
+    monkeypatch.setattr(distributed.Client, "__init__", refuse)
+    import fastanneal.dask as fdask
+    monkeypatch.setattr(fdask, "open_batch_stream", refuse)
+    monkeypatch.setattr(fdask, "resolve_client", refuse)
+    X, y = blobs(2400, 4, 8, seed=21)
+    mb = fa.MiniBatchAnnealedKMeans(4, random_state=0, n_steps=6, batch_size=256,
+                                    checkpoint=tmp_path / "ck").fit(X)
+    with pytest.raises(ValueError):
+        distributed.Client.current()
+    assert isinstance(mb.labels_, np.ndarray) and mb.labels_.shape == (2400,)
+    assert_array_equal(mb.labels_, mb.predict(X))
+    assert mb.labels_path_ is None
+    assert mb.n_batches_ >= mb.n_steps_ == 6
+    assert read_meta(tmp_path / "ck" / "anneal.npz")["phase"] == "done"
+    # AnnealedKMeans(batch_size=...) runs the same in-process mini-batch fit
+    est = fa.AnnealedKMeans(4, random_state=0, n_steps=6, batch_size=256).fit(X)
+    assert_array_equal(est.labels_, est.predict(X))
+    from sklearn.metrics import adjusted_rand_score
+    assert adjusted_rand_score(mb.labels_, y) > 0.95
