@@ -587,8 +587,10 @@ def reallocate_state(ctx, st, hook=None):
     eigenvector (the unstable direction) with the codevector whose removal costs least
     (Ward's merge cost ``W_r W_l / (W_r + W_l) ||c_r - c_l||^2`` to its nearest
     neighbour), when the split's expected gain ``(2/pi) W_k lambda_k`` exceeds that cost;
-    runs Lloyd from the new centers (at most 20 passes to judge it) and keeps the move if
-    ``J`` decreased. It stops after ``cfg.max_failed_moves`` (default ``max(8, K / 10)``)
+    runs Lloyd from the new centers (at most 8 passes to judge it) and keeps the move if
+    ``J`` decreased. Up to ``K // 16`` disjoint moves are proposed together (halving the
+    passes on data that needs many moves); after a batch that did not lower ``J``, single
+    moves are tried until one is kept, then the batch width doubles again. It stops after ``cfg.max_failed_moves`` (default ``max(8, K / 10)``)
     rejected proposals in a row, and ends with Lloyd to convergence. Every quantity is a full pass of
     the moment source (hard moments, Lanczos on covariance products), so it runs on every
     backend. The state is saved after each accepted move (resume repeats the proposals
@@ -599,11 +601,13 @@ def reallocate_state(ctx, st, hook=None):
     if K < 2:
         return
     max_fail = cfg.max_failed_moves or max(8, K // 10)
-    trial_iter = min(cfg.max_polish_iter, 20)          # Lloyd passes to judge a move
+    trial_iter = min(cfg.max_polish_iter, 8)           # Lloyd passes to judge a move
     rs = st.rule_state
     C, mh, shift, relocated, conv = _lloyd(ctx, st, st.centers, cfg.max_polish_iter)
     J = mh.hard_distortion
     moves = int(rs.get("moves", 0))
+    max_width = max(1, K // 16)                         # moves proposed together
+    width = int(rs.get("width", max_width))
     fails = 0
     tried = set()
     lam = None
@@ -617,44 +621,55 @@ def reallocate_state(ctx, st, hook=None):
             merge = (W[:, None] * W[None, :] / np.maximum(W[:, None] + W[None, :], 1e-300)
                      * D2).min(axis=1)
             gain = (2.0 / math.pi) * W * np.maximum(lam, 0.0)
-        best = None
-        for s in np.argsort(-gain)[:8]:
-            for r in np.argsort(merge)[:8]:
-                if r == s or (int(s), int(r)) in tried:
-                    continue
-                net = gain[s] - merge[r]
-                if best is None or net > best[0]:
-                    best = (net, int(s), int(r))
-        if best is None or not best[0] > 0:
+        pairs = []
+        for s in np.argsort(-gain)[:16]:
+            for r in np.argsort(merge)[:16]:
+                if r != s and (int(s), int(r)) not in tried and gain[s] > merge[r]:
+                    pairs.append((float(gain[s] - merge[r]), int(s), int(r)))
+        if not pairs:
             break
-        _, s, r = best
+        pairs.sort(reverse=True)
+        # a batch of disjoint moves (no center in two of them), best first; after a batch
+        # that did not lower J, single moves until one is kept
+        batch, used = [], set()
+        for net, s, r in pairs:
+            if len(batch) >= width:
+                break
+            if s in used or r in used:
+                continue
+            batch.append((s, r))
+            used.update((s, r))
         Cn = C.copy()
-        step = math.sqrt(max(float(lam[s]), 0.0)) * V[s]
-        Cn[r] = C[s] + step
-        Cn[s] = C[s] - step
+        for s, r in batch:
+            step = math.sqrt(max(float(lam[s]), 0.0)) * V[s]
+            Cn[r] = C[s] + step
+            Cn[s] = C[s] - step
         Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, ctx.metric), trial_iter)
         if mhn.hard_distortion < J * (1.0 - 1e-9):
             C, mh, J, shift, relocated, conv = Cn, mhn, mhn.hard_distortion, shn, reln, convn
-            moves += 1
+            moves += len(batch)
             fails = 0
+            width = min(2 * width, max_width)
             tried.clear()
             lam = None
             dmin, _ = min_center_distance(C)
             ctx.record(-1, st.n_iter, 0.0, mh, C, shift, relocated, 0, dmin)
             st.centers, st.converged = C, conv
-            st.rule_state = {"moves": moves}
+            st.rule_state = {"moves": moves, "width": width}
             st.rng_state = ctx.rng.bit_generator.state
             if hook is not None:
                 hook(st)
+        elif len(batch) > 1:
+            width = 1
         else:
-            tried.add((s, r))
+            tried.add(batch[0])
             fails += 1
     if not conv:                      # the last kept move was judged before convergence
         C, mh, shift, relocated, conv = _lloyd(ctx, st, C, cfg.max_polish_iter)
         dmin, _ = min_center_distance(C)
         ctx.record(-1, st.n_iter, 0.0, mh, C, shift, relocated, 0, dmin)
     st.centers, st.converged = C, conv
-    st.rule_state = {"moves": moves}
+    st.rule_state = {"moves": moves, "width": width}
 
 
 def polish(source, C, T_final, cfg, rng, trace, t0, n_iter, tol_abs, delta):
