@@ -50,8 +50,9 @@ def methods(K, metric, n, have):
     import fastanneal as fa
     from sklearn.cluster import KMeans, MiniBatchKMeans
 
-    def fa_fit(met):
-        return lambda X, seed: fa.AnnealedKMeans(K, metric=met, random_state=seed).fit(X).labels_
+    def fa_fit(met, **kw):
+        return lambda X, seed: fa.AnnealedKMeans(K, metric=met, random_state=seed,
+                                                 **kw).fit(X).labels_
 
     def fa_minibatch(X, seed):
         m = fa.AnnealedKMeans(K, metric=metric, batch_size=4096, random_state=seed).fit(X)
@@ -63,7 +64,10 @@ def methods(K, metric, n, have):
     def mbk(X, seed):         # scikit-learn defaults: batch_size=1024, n_init="auto" (1)
         return MiniBatchKMeans(K, random_state=seed).fit(X).labels_
 
-    out = [("fastanneal", fa_fit(metric))]
+    out = [("fastanneal", fa_fit(metric)),
+           # the algorithm of the previous release (no re-allocation moves): the engine
+           # redesign must not make it slower
+           ("fastanneal reallocate=False", fa_fit(metric, reallocate=False))]
     if metric == "cosine":    # the peers are Euclidean: also show fastanneal on their terms
         out.append(("fastanneal metric=euclidean", fa_fit("euclidean")))
     out += [("fastanneal batch_size=4096", fa_minibatch),

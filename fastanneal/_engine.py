@@ -439,6 +439,8 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
         if critical is not None:
             st.rule_state["p"] = m.N / max(m.weight, 1e-300)
             n_split = critical.after_step(ctx, st, T)
+            if cfg.resp == 0:              # the masses of the split clusters (checkpoints)
+                st.log_masses = np.log(np.maximum(st.rule_state["p"], 1e-300))
             dmin, _ = min_center_distance(st.centers)
             n_coinc = K - st.centers.shape[0]
         else:
@@ -603,8 +605,13 @@ def reallocate_state(ctx, st, hook=None):
     max_fail = cfg.max_failed_moves or max(8, K // 10)
     trial_iter = min(cfg.max_polish_iter, 8)           # Lloyd passes to judge a move
     rs = st.rule_state
-    C, mh, shift, relocated, conv = _lloyd(ctx, st, st.centers, cfg.max_polish_iter)
-    J = mh.hard_distortion
+    if "W" in rs:           # resumed after a kept move: its state, not another Lloyd run
+        C, W, J = st.centers, np.asarray(rs["W"], np.float64), float(rs["J"])
+        conv = bool(rs["conv"])
+        shift, relocated = math.nan, 0
+    else:
+        C, mh, shift, relocated, conv = _lloyd(ctx, st, st.centers, cfg.max_polish_iter)
+        W, J = mh.hard_counts, mh.hard_distortion
     moves = int(rs.get("moves", 0))
     max_width = max(1, K // 16)                         # moves proposed together
     width = int(rs.get("width", max_width))
@@ -614,7 +621,6 @@ def reallocate_state(ctx, st, hook=None):
     while fails < max_fail:
         if lam is None:
             lam, V = ctx.source.cluster_top_eigenvalues(C, 10, ctx.rng, return_vectors=True)
-            W = mh.hard_counts
             sq = np.einsum("ij,ij->i", C, C)
             D2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (C @ C.T), 0.0)
             np.fill_diagonal(D2, np.inf)
@@ -646,16 +652,18 @@ def reallocate_state(ctx, st, hook=None):
             Cn[s] = C[s] - step
         Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, ctx.metric), trial_iter)
         if mhn.hard_distortion < J * (1.0 - 1e-9):
-            C, mh, J, shift, relocated, conv = Cn, mhn, mhn.hard_distortion, shn, reln, convn
+            C, J, shift, relocated, conv = Cn, mhn.hard_distortion, shn, reln, convn
+            W = mhn.hard_counts
             moves += len(batch)
             fails = 0
             width = min(2 * width, max_width)
             tried.clear()
             lam = None
             dmin, _ = min_center_distance(C)
-            ctx.record(-1, st.n_iter, 0.0, mh, C, shift, relocated, 0, dmin)
+            ctx.record(-1, st.n_iter, 0.0, mhn, C, shift, relocated, 0, dmin)
             st.centers, st.converged = C, conv
-            st.rule_state = {"moves": moves, "width": width}
+            st.rule_state = {"moves": moves, "width": width, "W": W.copy(), "J": J,
+                             "conv": bool(conv)}
             st.rng_state = ctx.rng.bit_generator.state
             if hook is not None:
                 hook(st)

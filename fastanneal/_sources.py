@@ -154,11 +154,32 @@ def exact_covariance(X, w, mean, block=16384):
     return Cov / w.sum()
 
 
+def row_hashes(X, v):
+    """64-bit hashes of the rows of ``X`` that are equal exactly for equal rows (integer
+    arithmetic on the bytes: no rounding, unlike a projection ``X @ v``, which BLAS may
+    round differently for equal rows at different positions). ``v`` (float64, (D,), drawn
+    at random) gives the odd multipliers; ``-0.0`` counts as ``0.0``."""
+    if X.shape[0] == 0:
+        return np.zeros(0, dtype=np.uint64)
+    X = np.ascontiguousarray(X) + X.dtype.type(0)         # -0.0 -> 0.0
+    b = X.view(np.uint8).reshape(X.shape[0], -1)
+    pad = (-b.shape[1]) % 8
+    if pad:
+        b = np.concatenate([b, np.zeros((b.shape[0], pad), np.uint8)], axis=1)
+    words = np.ascontiguousarray(b).view(np.uint64)
+    mult = np.resize(np.asarray(v, dtype=np.float64).view(np.uint64), words.shape[1]) | 1
+    h = np.zeros(X.shape[0], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(words.shape[1]):
+            h = (h ^ words[:, j]) * mult[j]
+            h ^= h >> np.uint64(29)
+    return h
+
+
 def n_distinct_rows(X, w, rng):
-    """Number of distinct rows with non-zero weight (hash by a random projection)."""
+    """Number of distinct rows with non-zero weight (exact 64-bit row hashes)."""
     v = rng.standard_normal(X.shape[1])
-    h = X[w > 0].astype(np.float64, copy=False) @ v
-    return len(np.unique(h))
+    return len(np.unique(row_hashes(X[w > 0], v)))
 
 
 def data_fingerprint(X, w, metric):

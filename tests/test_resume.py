@@ -6,7 +6,8 @@
 * In process: a fit interrupted right after the checkpoint of step 3 (``Checkpoint.save``
   wrapped to raise KeyboardInterrupt) and rerun equals an uninterrupted fit -- centers,
   labels, inertia and the trace -- for the geometric, critical and adaptive schedules, the
-  gradient solver and mini-batch annealing of a NumPy array.
+  gradient solver and mini-batch annealing of a NumPy array; also after the critical
+  phase has ended and inside the re-allocation phase that follows the polish.
 * A finished checkpoint is reused (no annealing); one of another fit is replaced silently.
 * Bad files (garbage bytes, NaN or wrongly shaped centers, another version, a pickled
   array) give a ``CheckpointWarning`` naming the file and the fit starts over.
@@ -62,20 +63,24 @@ def fit_without_bad_file_warning(est, X):
         return est.fit(X)
 
 
-def interrupt_after_step(monkeypatch, stop=STOP_STEP):
-    """Make ``Checkpoint.save`` raise KeyboardInterrupt right after it has written the state
-    of step ``stop``; returns the list of (phase, step) saved. Undo with ``monkeypatch.undo``
-    or :func:`restore_save`."""
+def interrupt_after(monkeypatch, stop_here):
+    """Make ``Checkpoint.save`` raise KeyboardInterrupt right after it has written a state
+    for which ``stop_here(st)`` is true; returns the list of (phase, step) saved."""
     real = _checkpoint.Checkpoint.save
     saved = []
 
     def save(self, st):
         real(self, st)
         saved.append((st.phase, st.step))
-        if st.step == stop and st.phase != "done":
-            raise KeyboardInterrupt(f"test interruption after step {stop}")
+        if stop_here(st):
+            raise KeyboardInterrupt(f"test interruption after {st.phase} step {st.step}")
     monkeypatch.setattr(_checkpoint.Checkpoint, "save", save)
     return saved
+
+
+def interrupt_after_step(monkeypatch, stop=STOP_STEP):
+    """Interrupt right after the checkpoint of step ``stop`` (its first save)."""
+    return interrupt_after(monkeypatch, lambda st: st.step == stop and st.phase != "done")
 
 
 def assert_same_fit(a, b, exact=True):
@@ -309,6 +314,30 @@ def test_critical_resume_after_the_phase_change(data, tmp_path, monkeypatch):
         est = fit_without_bad_file_warning(make(ck), data)
         assert est.checkpoint_info_["resumed_from"] == stop
         assert_same_fit(est, ref)
+
+
+def test_resume_inside_the_reallocation_phase(tmp_path, monkeypatch):
+    """8 centers for 5 blobs: the re-allocation after the polish moves a codevector; a fit
+    interrupted after that move was saved resumes to the uninterrupted result."""
+    if "reallocate" not in fa.AnnealedKMeans().get_params():
+        pytest.skip("no re-allocation phase in this version")
+    X, _ = blobs(1500, 5, 6, seed=1)
+    make = lambda ck: fa.AnnealedKMeans(8, random_state=0, n_steps=8, reallocate=True,  # noqa
+                                        checkpoint=ck)
+    ref = make(None).fit(X)
+    ck = tmp_path / "ck"
+    saved = interrupt_after(monkeypatch, lambda st: st.phase == "reallocate"
+                            and st.rule_state.get("moves", 0) >= 1)
+    with pytest.raises(KeyboardInterrupt):
+        make(ck).fit(X)
+    monkeypatch.undo()
+    assert saved[-1][0] == "reallocate"
+    meta = read_meta(ck / "anneal.npz")
+    assert meta["phase"] == "reallocate"
+    est = fit_without_bad_file_warning(make(ck), X)
+    assert est.checkpoint_info_["resumed_from"] == meta["step"]
+    assert_same_fit(est, ref)
+    assert read_meta(ck / "anneal.npz")["phase"] == "done"
 
 
 def test_npz_path_is_the_file(data, tmp_path):

@@ -114,12 +114,12 @@ def chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads):
         return compute_moments(chunk.X, chunk.w, C, T, metric, resp, log_prior, hard_sums)
 
 
-def chunk_grad_moments(chunk, C, T, metric, resp, g, nthreads):
+def chunk_grad_moments(chunk, C, T, gmetric, resp, g, nthreads):
     """The gradient's backward sums of a chunk (:class:`fastanneal.gradient.GradMoments`)."""
     from ..gradient import backward_moments
     set_threads(nthreads)
     with _serialized():
-        return backward_moments(chunk.X, chunk.w, C, T, metric, resp, g)
+        return backward_moments(chunk.X, chunk.w, C, T, gmetric, resp, g)
 
 
 def merge_moments(*parts):
@@ -182,17 +182,17 @@ def chunk_cov_matvec(chunk, labels, mu, V, nthreads):
         return K_.cluster_cov_matvec_kernel(chunk.X, chunk.w, labels, mu, V, nth)
 
 
-def on_prepared(x, w, ids, index, row0, metric, dtype, fn, **kwargs):
-    """Read, validate and prepare one chunk on the worker, then ``fn(chunk, **kwargs)``
+def on_prepared(x, w, ids, index, row0, metric, dtype, work, **kwargs):
+    """Read, validate and prepare one chunk on the worker, then ``work(chunk, **kwargs)``
     (the streaming passes of :class:`~fastanneal.dask.DaskBatchStream`)."""
-    return fn(prepare_chunk(x, w, index, row0, metric, dtype), **kwargs)
+    return work(prepare_chunk(x, w, index, row0, metric, dtype), **kwargs)
 
 
-def chunk_cov_matvec_at(chunk, C, metric, mu, V, nthreads):
+def chunk_cov_matvec_at(chunk, C, label_metric, mu, V, nthreads):
     """``(matvec, weights)`` of the clusters of the hard partition induced by ``C`` (labels
     computed in the task: the streaming form of :func:`chunk_cov_matvec`)."""
     K = C.shape[0]
-    labels = None if K == 1 else chunk_labels(chunk, C, metric, nthreads)
+    labels = None if K == 1 else chunk_labels(chunk, C, label_metric, nthreads)
     return chunk_cov_matvec(chunk, labels, mu, V, nthreads), chunk_bincount(chunk, labels, K)
 
 
@@ -204,10 +204,10 @@ def chunk_take(chunk, idx):
 
 
 def chunk_row_hashes(chunk, v, cap):
-    """Distinct random-projection hashes of the rows with non-zero weight (at most ``cap``)."""
-    X = chunk.X[chunk.w > 0]
-    h = np.unique(X.astype(np.float64, copy=False) @ v)
-    return h[:cap]
+    """Distinct exact hashes of the rows with non-zero weight (at most ``cap``; see
+    :func:`fastanneal._sources.row_hashes`)."""
+    from .._sources import row_hashes
+    return np.unique(row_hashes(chunk.X[chunk.w > 0], v))[:cap]
 
 
 def union_capped(*parts, cap):
@@ -216,16 +216,16 @@ def union_capped(*parts, cap):
 
 # ------------------------------------------------------------------------- streaming passes
 def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, hard_sums,
-                 nthreads, out_dir=None, with_labels=False, name="X"):
+                 nthreads, out_dir=None, with_labels=False, name="X", keep_S=False):
     """Read, validate and reduce one chunk in a streaming pass (nothing stays in memory).
 
-    Returns the chunk's Moments (``S`` dropped unless ``hard_sums``: the pass only needs the
-    scalars and hard counts). With ``out_dir``, writes ``part-{index:06d}.parquet`` with the
+    Returns the chunk's Moments (``S`` dropped unless ``hard_sums`` or ``keep_S``: the final
+    pass only needs the scalars and hard counts). With ``out_dir``, writes ``part-{index:06d}.parquet`` with the
     columns ``row`` (global row number), ``id`` (when ids are given) and ``label``.
     """
     chunk = prepare_chunk(x, w, index, row0, metric, dtype, name)
     m = chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads)
-    if not hard_sums:
+    if not (hard_sums or keep_S):
         m.S = m.S[:, :0].copy()
     if out_dir is not None or with_labels:
         labels = chunk_labels(chunk, C, metric, nthreads)

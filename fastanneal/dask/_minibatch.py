@@ -162,7 +162,8 @@ class DaskBatchStream(_ChunkPlan):
         """A full streaming pass (chunks read, reduced and dropped on the workers)."""
         cf = self.put(np.ascontiguousarray(centers, dtype=self.dtype))
         m = self.stream(ch.stream_chunk, self.window, C=cf, T=float(T), resp=int(resp),
-                        log_prior=log_prior, hard_sums=bool(hard_sums), nthreads=self.nthreads)
+                        log_prior=log_prior, hard_sums=bool(hard_sums), nthreads=self.nthreads,
+                        keep_S=True)
         if m is None:
             return Moments.zeros(np.shape(centers)[0], self.n_features, T, hard_sums=hard_sums)
         return m
@@ -175,13 +176,24 @@ class DaskBatchStream(_ChunkPlan):
         order = [int(i) for i in rng.permutation(nonempty)]
         mean_rows = float(np.mean([self.chunk_rows[i] for i in nonempty]))
         m = min(len(order), max(min_chunks, math.ceil(n_target / mean_rows)))
+        while m < len(order) and sum(self.chunk_rows[i] for i in order[:m]) < n_target:
+            m += 1                        # enough rows in the picked chunks
         picked = sorted(order[:m])
-        per = math.ceil(n_target / m)
+        # rows per chunk: proportional to the chunk sizes (largest remainders), capped
+        sizes = np.array([self.chunk_rows[i] for i in picked], dtype=np.float64)
+        want = min(int(n_target), int(sizes.sum()))
+        quota = want * sizes / sizes.sum()
+        cnt = np.minimum(np.floor(quota).astype(np.int64), sizes.astype(np.int64))
+        for j in np.argsort(-(quota - cnt)):
+            if cnt.sum() >= want:
+                break
+            if cnt[j] < sizes[j]:
+                cnt[j] += 1
         take = {}
-        for i in picked:
+        for i, c in zip(picked, cnt):
             n_i = self.chunk_rows[i]
-            take[i] = np.arange(n_i) if per >= n_i else np.sort(
-                rng.choice(n_i, size=per, replace=False))
+            take[i] = np.arange(n_i) if c >= n_i else np.sort(
+                rng.choice(n_i, size=int(c), replace=False))
         parts = self.map_chunks(ch.sample_chunk, picked, self.window,
                                 per_chunk=lambda i: {"idx": take[i]})
         Xs = np.concatenate([p[0] for p in parts])
@@ -192,9 +204,9 @@ class DaskBatchStream(_ChunkPlan):
         return np.ascontiguousarray(Xs), ws
 
     # ------------------------------------------------ the rest of the protocol, streamed
-    def _reduce(self, fn, combine=None, **kwargs):
+    def _reduce(self, work, combine=None, **kwargs):
         return self.map_chunks(ch.on_prepared, range(self.n_chunks), self.window,
-                               combine=combine or (lambda a, b: a + b), fn=fn, **kwargs)
+                               combine=combine or (lambda a, b: a + b), work=work, **kwargs)
 
     def mean(self):
         return self._reduce(ch.chunk_weighted_sum)[:-1] / self.total_weight
@@ -207,7 +219,7 @@ class DaskBatchStream(_ChunkPlan):
 
     def grad_moments(self, centers, T, resp, globals_):
         return self._reduce(ch.chunk_grad_moments, combine=lambda a, b: a.merge(b),
-                            C=np.asarray(centers, np.float64), T=float(T), metric=self.metric,
+                            C=np.asarray(centers, np.float64), T=float(T), gmetric=self.metric,
                             resp=int(resp), g=globals_, nthreads=self.nthreads)
 
     def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
@@ -219,7 +231,7 @@ class DaskBatchStream(_ChunkPlan):
         def matvec(mu, V):
             mv, counts = self._reduce(
                 ch.chunk_cov_matvec_at, combine=lambda a, b: (a[0] + b[0], a[1] + b[1]),
-                C=C, metric=self.metric, mu=mu, V=np.ascontiguousarray(V),
+                C=C, label_metric=self.metric, mu=mu, V=np.ascontiguousarray(V),
                 nthreads=self.nthreads)
             wk[:] = [counts]
             return mv

@@ -145,7 +145,7 @@ class DaskSource(_Submitter):
         """The gradient's backward pass, mapped over the chunks and tree-merged."""
         C = np.ascontiguousarray(centers, dtype=np.float64)
         parts = self.client.map(ch.chunk_grad_moments, self._chunks, C=self.put(C), T=float(T),
-                                metric=self.metric, resp=int(resp), g=self.put(globals_),
+                                gmetric=self.metric, resp=int(resp), g=self.put(globals_),
                                 nthreads=self._nthreads, pure=False)
         return self.tree(parts, ch.merge_moments).result()
 
