@@ -400,7 +400,7 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
             hook(st)
     res_last = st.last
     if st.phase == "polish":
-        polish_state(ctx, st, st.last.get("temperature", st.temperature) or 0.0)
+        polish_state(ctx, st, st.last.get("temperature") or 1.0)  # T of the hard pass: moot
         st.phase = "reallocate" if cfg.reallocate else "done"
         st.rule_state = {}
         st.rng_state = ctx.rng.bit_generator.state

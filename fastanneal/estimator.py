@@ -444,7 +444,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             learning_decay=self.learning_decay, learning_offset=self.learning_offset,
             polish_passes=1 if self.polish else 0, scheduler=self.scheduler,
             random_state=self._rng(), tol=self.tol, verbose=self.verbose,
-            checkpoint=self.checkpoint)
+            checkpoint=self.checkpoint, reallocate=self.reallocate)
         mb.fit(X, sample_weight=sample_weight)
         for name in ("cluster_centers_", "cluster_weights_", "inertia_", "free_energy_",
                      "soft_distortion_", "hardening_gap_", "temperature_",
@@ -608,9 +608,23 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng):
     T_c = critical_temperature(src, stats.mean, rng)
     C = initial_centers(est.init, src, K, rng, stats.mean_c, sample_rows=Xs.shape[0])
     C = E._project(C, metric)
+    if getattr(est, "reallocate", False) and K > 1 and isinstance(est.init, str):
+        C = _reallocated_seeds(src, C, rng, stats.scale)
     T0 = start_temperature(est.temperature_start, src, C, rng, K, T_c, stats.scale,
                            est.auto_start_fraction, stacklevel=5)
     return C, float(T0), float(est.temperature_end_ratio) * float(T0), float(T_c), stats.scale
+
+
+def _reallocated_seeds(src, C, rng, scale):
+    """Seeds of a mini-batch fit refined on the in-memory seeding sample: Lloyd and the
+    engine's phase-transition re-allocation moves (``docs/theory.md`` section 6.7), so
+    that the stochastic EM starts with one codevector per cluster of the sample."""
+    cfg = EngineConfig(n_clusters=C.shape[0], mass_constrained=False, reallocate=True)
+    st = E.AnnealState(centers=C, temperature=None, T_start=0.0, T_end=0.0, scale=scale,
+                       phase="polish")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AnnealingWarning)
+        return E.run(src, st, None, cfg, rng, Trace()).centers
 
 
 class _PartialFit:
@@ -710,6 +724,10 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         Full Lloyd passes at T = 0 after annealing.
     prefetch : int, default=1
         Dask input: batches read ahead while the current one is reduced (0: none).
+    reallocate : bool, default=True
+        Refine the k-means++ seeds on the in-memory seeding sample with Lloyd and the
+        phase-transition re-allocation moves (``docs/theory.md`` section 6.7) before the
+        stochastic EM (a full-data re-allocation would cost full passes out of core).
     scheduler : str, distributed.Client or None
         As ``AnnealedKMeans(scheduler=...)`` (Dask input only).
 
@@ -728,7 +746,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                  temperature_start="auto", temperature_end_ratio=0.05, auto_start_fraction=0.5,
                  mass_constrained=False, batch_size=None, batches_per_step=None, n_epochs=1.0,
                  learning_decay=0.6, learning_offset=1.0, polish_passes=1, prefetch=1,
-                 scheduler=None, random_state=None, tol=1e-4, verbose=0, checkpoint=None):
+                 scheduler=None, random_state=None, tol=1e-4, verbose=0, checkpoint=None,
+                 reallocate=True):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -752,6 +771,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         self.tol = tol
         self.verbose = verbose
         self.checkpoint = checkpoint
+        self.reallocate = reallocate
 
     def _check_params(self):
         rc = self._check_common()
