@@ -504,10 +504,12 @@ def test_temperature_end_ratio_one_is_valid(rng):
 # ----------------------------------------------------------------------------- real data
 @pytest.mark.slow
 def test_clinc150_quality():
-    """CLINC150 (22,500 MiniLM embeddings, 150 intents): scikit-learn KMeans(n_init=4) reaches
-    ARI 0.704 (shared/data/README.md); the annealed fit must reach 0.65. Without the shared
-    folder (a clone on its own), the bundled 4,500-query sample (30 intents) is used and the
-    bar is scikit-learn's KMeans(n_init=4) on the same unit rows, run here, minus 0.05."""
+    """CLINC150 (22,500 MiniLM embeddings, 150 intents): scikit-learn KMeans(n_init=10) reaches
+    ARI 0.70-0.71; the default fit measured 0.761 with random_state=0 (0.731-0.762 over seeds
+    0-2; 0.709 without the re-allocation moves), so the bar is 0.74. Without the shared folder
+    (a clone on its own), the bundled 4,500-query sample (30 intents) is used: the fit measured
+    0.92 (seeds 0-2: 0.918-0.944; 0.88 without re-allocation) against scikit-learn
+    KMeans(n_init=4)'s 0.859 on the same unit rows, and must beat that run's ARI by 0.03."""
     import pyarrow.parquet as pq
     path = SHARED_DATA if SHARED_DATA.exists() else BUNDLED_SAMPLE
     table = pq.read_table(path, columns=["label", "embedding"])
@@ -519,11 +521,11 @@ def test_clinc150_quality():
     km = AnnealedKMeans(n_clusters=K, metric="cosine", random_state=0).fit(X)
     ari = adjusted_rand_score(labels, km.labels_)
     if path == SHARED_DATA:
-        assert K == 150 and ari >= 0.65, f"ARI {ari:.3f} < 0.65"
+        assert K == 150 and ari >= 0.74, f"ARI {ari:.3f} < 0.74"
     else:
         Xu = X / np.linalg.norm(X, axis=1, keepdims=True)
         bar = adjusted_rand_score(labels, KMeans(K, n_init=4, random_state=0).fit(Xu).labels_)
-        assert ari >= bar - 0.05, f"ARI {ari:.3f} < scikit-learn {bar:.3f} - 0.05"
+        assert ari >= bar + 0.03, f"ARI {ari:.3f} < scikit-learn {bar:.3f} + 0.03"
     assert min_pairwise(km.cluster_centers_) > 0
 
 
