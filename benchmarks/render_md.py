@@ -80,6 +80,8 @@ def r_quality(d):
         ("dataset", "dataset", ""), ("method", "method", ""), ("runs", "seeds", "d"),
         ("ari", "ARI", ".3f"), ("ari_min", "ARI min", ".3f"), ("nmi", "NMI", ".3f"),
         ("sse_vs_ref", "SSE / sklearn n_init=10", ".4f"),
+        (lambda r: format(r["obj_vs_ref"], ".5f") if "obj_vs_ref" in r else "–",
+         "objective / n_init=10", ""),
         ("time_vs_ref", "time / sklearn n_init=10", ".2f")]) + \
         f"\n\n_Run {d.get('date')}; {d.get('cpus')} CPUs._"
 
@@ -205,7 +207,8 @@ def r_regimes(d):
     return table(d["summary"], [
         ("dataset", "dataset", ""), ("method", "solver / schedule", ""), ("runs", "seeds", "d"),
         ("ari", "ARI", ".3f"), ("J", "J / scale", ".4f"), ("H_end", "final entropy", ".3g"),
-        ("dmu_min", "min center sep.", ".3g"), ("t_star", "t*", ".3g"),
+        ("dmu_min", "min center sep.", ".3g"), ("var_g", "var of grad norm", ".3g"),
+        ("cv_g", "CV of grad norm", ".3g"), ("t_star", "t*", ".3g"),
         ("seconds", "s", ".1f")]) + f"\n\n_Command: `{d.get('command')}`; run {d.get('date')}._"
 
 
