@@ -546,3 +546,25 @@ def test_minibatch_numpy_starts_no_dask_cluster(tmp_path, monkeypatch):
     assert_array_equal(est.labels_, est.predict(X))
     from sklearn.metrics import adjusted_rand_score
     assert adjusted_rand_score(mb.labels_, y) > 0.95
+
+
+def test_cuda_backend_resumes_to_the_same_result(tmp_path, monkeypatch):
+    """``checkpoint=`` with ``backend="cuda"`` (the numba-cuda simulator here; tiny data, it
+    is slow): interrupted after step 2 and resumed, the fit equals an uninterrupted one."""
+    from fastanneal import cuda as fcuda
+    if not fcuda.is_available():
+        pytest.skip("no CUDA device or simulator")
+    X = blobs(48, 3, 4, seed=5)[0]
+
+    def make(ck):
+        return fa.AnnealedKMeans(3, random_state=0, n_steps=4, backend="cuda", checkpoint=ck)
+    ref = make(None).fit(X)
+    ck = tmp_path / "ck"
+    interrupt_after_step(monkeypatch, stop=2)
+    with pytest.raises(KeyboardInterrupt):
+        make(ck).fit(X)
+    monkeypatch.undo()
+    assert read_meta(ck / "anneal.npz")["step"] == 2
+    est = fit_without_bad_file_warning(make(ck), X)
+    assert est.checkpoint_info_["resumed_from"] == 2
+    assert_same_fit(est, ref)
