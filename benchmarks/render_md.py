@@ -67,11 +67,14 @@ def r_kernels(d):
             if any(x == x for x in v.values())]          # drop all-NaN (non-timing) rows
     out = table(rows, [("case", "pass (N=%d, D=%d, float32)" % (d["n"], d["d"]), "")]
                 + [(f"K{k}", f"K={k} ×GEMM", ".2f") for k in ks])
-    c, m = d["compile"], d["memory"]
+    c, m = d["compile"], d.get("memory")
     out += (f"\n\nCold compile of all kernels (one dtype): {c['cold_first_calls_s']:.1f} s; warm "
-            f"import + first call: {c['warm_import_plus_first_call_s']:.2f} s. Peak extra memory "
-            f"of one pass at N={m['n']:,}, K={m['k']}: {m['extra_mb']:.0f} MB = "
-            f"{100 * m['extra_fraction_of_X']:.1f} % of X.")
+            f"import + first call: {c['warm_import_plus_first_call_s']:.2f} s.")
+    if m:
+        out += (f" Peak extra memory of one pass at N={m['n']:,}, K={m['k']}: "
+                f"{m['extra_mb']:.0f} MB = {100 * m['extra_fraction_of_X']:.1f} % of X.")
+    else:
+        out += " (Memory not measured in this run: `--memory` measures it.)"
     return out + machine_line(d["machine"], d.get("date"))
 
 
