@@ -549,21 +549,28 @@ def test_minibatch_numpy_starts_no_dask_cluster(tmp_path, monkeypatch):
 
 
 def test_cuda_backend_resumes_to_the_same_result(tmp_path, monkeypatch):
-    """``checkpoint=`` with ``backend="cuda"`` (the numba-cuda simulator here; tiny data, it
-    is slow): interrupted after step 2 and resumed, the fit equals an uninterrupted one."""
+    """``checkpoint=`` with ``backend="cuda"`` (the numba-cuda simulator here; tiny data and
+    small launches, it is slow): interrupted after step 2 and resumed, the fit equals an
+    uninterrupted one."""
+    from fastanneal import _config
     from fastanneal import cuda as fcuda
     if not fcuda.is_available():
         pytest.skip("no CUDA device or simulator")
+    monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 8)
+    monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 5)
+    monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 13, raising=False)
     X = blobs(48, 3, 4, seed=5)[0]
 
     def make(ck):
-        return fa.AnnealedKMeans(3, random_state=0, n_steps=4, backend="cuda", checkpoint=ck)
+        # a numeric start temperature and no re-allocation: no Lanczos on the simulator
+        return fa.AnnealedKMeans(3, random_state=0, n_steps=4, max_iter=2, backend="cuda",
+                                 temperature_start=5.0, reallocate=False, checkpoint=ck)
     ref = make(None).fit(X)
     ck = tmp_path / "ck"
-    interrupt_after_step(monkeypatch, stop=2)
-    with pytest.raises(KeyboardInterrupt):
-        make(ck).fit(X)
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        interrupt_after_step(mp, stop=2)
+        with pytest.raises(KeyboardInterrupt):
+            make(ck).fit(X)
     assert read_meta(ck / "anneal.npz")["step"] == 2
     est = fit_without_bad_file_warning(make(ck), X)
     assert est.checkpoint_info_["resumed_from"] == 2
