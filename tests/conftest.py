@@ -86,3 +86,13 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"rng seed = {seed}")
     return np.random.default_rng(seed)
+
+
+def blobs(n, k, d, seed, sep=6.0, dtype=np.float64):
+    """``n`` rows around ``k`` Gaussian centers (spread ``sep``) in ``d`` dimensions, unit
+    noise; returns ``(X, labels)``. Shared by the Dask and resume tests."""
+    g = np.random.default_rng(seed)
+    centers = g.normal(0.0, sep, (k, d))
+    y = g.integers(0, k, n)
+    X = centers[y] + g.normal(0.0, 1.0, (n, d))
+    return X.astype(dtype), y

@@ -81,3 +81,19 @@ def test_reallocation_never_increases_J_and_records_its_moves():
     assert km.n_reallocations_ >= 1 and 2 <= hard.sum() <= 2 + km.n_reallocations_
     assert np.all(np.diff(J) < 0)                          # every kept move lowered J
     assert km.inertia_ <= J[-1] * (1 + 1e-12)
+
+
+def test_minibatch_seeds_are_reallocated_on_the_seeding_sample():
+    """MiniBatchAnnealedKMeans refines its k-means++ seeds on the in-memory seeding sample
+    (Lloyd + re-allocation moves): one codevector per cluster before the stochastic EM;
+    with ``reallocate=False`` the seeds keep the doubled/missed clusters."""
+    from fastanneal import MiniBatchAnnealedKMeans
+    from fastanneal.estimator import _seed_from_sample
+    X, true = grid(1)
+    w = np.ones(len(X))
+    cis = {}
+    for flag in (True, False):
+        est = MiniBatchAnnealedKMeans(len(true), reallocate=flag)
+        C = _seed_from_sample(est, X, w, len(true), 0, np.random.default_rng(1))[0]
+        cis[flag] = centroid_index(C, true)
+    assert cis[True] == 0 and cis[False] >= 1, cis

@@ -43,12 +43,7 @@ def ari(a, b):
     return adjusted_rand_score(a, b)
 
 
-def blobs(n, k, d, seed, sep=6.0, dtype=np.float64):
-    g = np.random.default_rng(seed)
-    centers = g.normal(0.0, sep, (k, d))
-    y = g.integers(0, k, n)
-    X = centers[y] + g.normal(0.0, 1.0, (n, d))
-    return X.astype(dtype), y
+from conftest import blobs  # noqa: E402  (shared with test_resume.py)
 
 
 @pytest.fixture(scope="module")
@@ -470,3 +465,33 @@ def test_worker_sigkill_mid_fit(client, monkeypatch):
     np.testing.assert_array_equal(est.cluster_centers_, ref.cluster_centers_)
     np.testing.assert_array_equal(est.labels_, ref.labels_)
     assert est.inertia_ == ref.inertia_
+
+
+def test_embedded_cluster_listens_on_loopback_only(monkeypatch):
+    """The embedded cluster (no scheduler, no default client) opens no listener reachable
+    from the network: its scheduler's HTTP routes bind 127.0.0.1."""
+    import distributed
+    from fastanneal.dask import _cluster
+
+    def no_default():
+        raise ValueError("no default client")
+    monkeypatch.setattr(distributed, "default_client", no_default)
+    h = _cluster.resolve_client(None)
+    try:
+        assert h.owned and h.cluster is not None
+        port = h.client.scheduler_info()["services"]["dashboard"]
+        listeners = []
+        for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                lines = open(name).read().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                local, state = line.split()[1], line.split()[3]
+                ip, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:      # LISTEN
+                    listeners.append(ip)
+        assert listeners, f"nothing listens on port {port}"
+        assert set(listeners) <= {"0100007F", "00000000000000000000000001000000"}, listeners
+    finally:
+        h.close()

@@ -38,12 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 STOP_STEP = 3
 
 
-def blobs(n, k, d, seed, sep=6.0, dtype=np.float64):
-    g = np.random.default_rng(seed)
-    centers = g.normal(0.0, sep, (k, d))
-    y = g.integers(0, k, n)
-    X = centers[y] + g.normal(0.0, 1.0, (n, d))
-    return X.astype(dtype), y
+from conftest import blobs  # noqa: E402  (shared with test_dask.py)
 
 
 @pytest.fixture(scope="module")
@@ -319,8 +314,6 @@ def test_critical_resume_after_the_phase_change(data, tmp_path, monkeypatch):
 def test_resume_inside_the_reallocation_phase(tmp_path, monkeypatch):
     """8 centers for 5 blobs: the re-allocation after the polish moves a codevector; a fit
     interrupted after that move was saved resumes to the uninterrupted result."""
-    if "reallocate" not in fa.AnnealedKMeans().get_params():
-        pytest.skip("no re-allocation phase in this version")
     X, _ = blobs(1500, 5, 6, seed=1)
     make = lambda ck: fa.AnnealedKMeans(8, random_state=0, n_steps=8, reallocate=True,  # noqa
                                         checkpoint=ck)
