@@ -1,6 +1,24 @@
 """The argument parser of the ``fastanneal`` command."""
 import argparse
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line on stderr (``fastanneal: error: ...``), exit code 2."""
+
+    def error(self, message):
+        msg = " ".join(str(message).split())
+        self.exit(2, f"fastanneal: error: {msg} (see: {self.prog} --help)\n")
+
+
+def _seed(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= v < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"must be in 0 .. 2**63-1; got {v}")
+    return v
+
+
 def _add_cluster_options(p, demo=False):
     if not demo:
         p.add_argument("input", nargs="?", metavar="INPUT",
@@ -35,7 +53,7 @@ def _add_cluster_options(p, demo=False):
                    help="temperatures of the geometric / linear / constant schedules (default 20)")
     p.add_argument("--responsibilities", choices=["softmax", "entmax15"], default="softmax",
                    help="soft assignment rule (default: softmax)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     p.add_argument("--backend", choices=["cpu", "dask"], default="cpu",
                    help="where the fit runs (default: cpu)")
     p.add_argument("--workers", type=int, metavar="N",
@@ -51,13 +69,15 @@ def _add_cluster_options(p, demo=False):
                    help="save the annealing state (and embedding progress) in DIR; rerunning "
                         "the same command resumes from it, or reuses a finished fit")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars, no summary")
+    p.add_argument("--debug", action="store_true",
+                   help="on an unexpected error, print the full traceback")
     p.add_argument("--progress", action="store_true",
                    help="progress bars even when stderr is not a terminal")
 
 
 def build_parser():
     from . import __version__
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fastanneal",
         description="Annealed soft k-means for query logs: raw queries in, labelled clusters "
                     "out. Start with `fastanneal demo`.")

@@ -13,6 +13,9 @@ import codecs
 import json
 import math
 import os
+import re
+import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -136,9 +139,13 @@ def read_table(path, fmt=None, string_columns=()):
                          if f.is_file() and not f.name.startswith((".", "_"))]
                 if not files:
                     raise InputError(f"{path}: the Parquet dataset folder holds no files")
-                table = ds.dataset(str(p), format="parquet", partitioning="hive").to_table()
+                fmt_opts = ds.ParquetFileFormat(
+                    default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+                        page_checksum_verification=True))
+                table = ds.dataset(str(p), format=fmt_opts, partitioning="hive").to_table()
             else:
-                table = pq.read_table(str(p))
+                # page checksums (written by e.g. write_page_checksum=True) are verified
+                table = pq.read_table(str(p), page_checksum_verification=True)
         else:  # pragma: no cover - input_format guards this
             raise InputError(f"{path}: unknown format {fmt}")
     except InputError:
@@ -150,6 +157,12 @@ def read_table(path, fmt=None, string_columns=()):
         raise InputError(f"{path}: cannot read as {fmt.upper()}: {msg}") from None
     if table.num_columns == 0:
         raise InputError(f"{path}: no columns")
+    seen = set()
+    for name in table.column_names:
+        if name in seen:
+            raise InputError(f"{path}: the column name {name!r} appears more than once in the "
+                             "header; column names must be unique")
+        seen.add(name)
     if table.num_rows == 0:
         raise InputError(f"{path}: no rows (only a header or an empty dataset)")
     return table
@@ -356,11 +369,82 @@ def _umask():
     return mask
 
 
+def _host_tag():
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
+    return host
+
+
+def temp_prefix(final):
+    """Name prefix of the temporary files / folders written next to ``final``:
+    ``.<name>.<host>-<pid>.`` -- a later run can tell whose they were (see
+    :func:`clean_stale_temps`)."""
+    return f".{Path(final).name}.{_host_tag()}-{os.getpid()}."
+
+
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)\.[^.]*\.(tmp|tmpdir)$")
+
+
+def _pid_alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:          # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def clean_stale_temps(final):
+    """Remove the temporary files (and folders) that an interrupted write of ``final`` left
+    behind: those of a process of this host that no longer runs. Returns the removed paths.
+    Temporaries of a live process (a concurrent run) or of another host are left alone."""
+    final = Path(final)
+    parent = final.parent if str(final.parent) else Path(".")
+    removed = []
+    host = _host_tag()
+    try:
+        entries = list(parent.glob(f".{glob_escape(final.name)}.*"))
+    except OSError:
+        return removed
+    for e in entries:
+        m = _TEMP_RE.match(e.name)
+        if m is None or m["name"] != final.name or m["host"] != host:
+            continue
+        if _pid_alive(int(m["pid"])):
+            continue
+        try:
+            if e.is_dir() and not e.is_symlink():
+                shutil.rmtree(e)
+            else:
+                e.unlink()
+            removed.append(e)
+        except OSError:
+            pass
+    return removed
+
+
+def glob_escape(name):
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def temp_folder(final):
+    """A new temporary folder next to ``final`` (for outputs that are folders); stale ones
+    of interrupted runs are removed first."""
+    final = Path(final)
+    clean_stale_temps(final)
+    return Path(tempfile.mkdtemp(prefix=temp_prefix(final), suffix=".tmpdir",
+                                 dir=final.parent or "."))
+
+
 def _tmp_path(final):
     """A new temporary file next to ``final`` (same file system: ``os.replace`` is atomic),
-    with the permissions a plain ``open(final, "w")`` would give (mkstemp's are 0600)."""
+    with the permissions a plain ``open(final, "w")`` would give (mkstemp's are 0600).
+    Temporaries that an interrupted earlier run left for ``final`` are removed first."""
     final = Path(final)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent or ".")
+    clean_stale_temps(final)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(final), suffix=".tmp", dir=final.parent or ".")
     try:
         os.fchmod(fd, 0o666 & ~_umask())
     except OSError:  # pragma: no cover
@@ -466,7 +550,28 @@ def _vector_strings(col):
                     type=pa.string())
 
 
-def _csv_ready(table):
+#: A cell a spreadsheet would run as a formula: it starts with = + - @ (or a tab / carriage
+#: return that hides one) -- unless it is a plain number such as -1.5 or +3e-4.
+_FORMULA_START = r"^[=+\-@\t\r]"
+_PLAIN_NUMBER = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
+
+
+def neutralize_formulas(col):
+    """Text cells that a spreadsheet would evaluate get a leading apostrophe (the usual
+    defence against CSV formula injection: query logs hold text typed by strangers)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        return col
+    risky = pc.and_(pc.match_substring_regex(col, _FORMULA_START),
+                    pc.invert(pc.match_substring_regex(col, _PLAIN_NUMBER)))
+    risky = pc.fill_null(risky, False)
+    if not pc.any(risky).as_py():
+        return col
+    quoted = pc.binary_join_element_wise(pa.scalar("'", col.type), col, pa.scalar("", col.type))
+    return pc.if_else(risky, quoted, col)
+
+
+def _csv_ready(table, escape_formulas=True):
     cols = []
     for name in table.column_names:
         col = table.column(name)
@@ -478,7 +583,7 @@ def _csv_ready(table):
             col = pa.array([None if v is None else v.hex() for v in col.to_pylist()], pa.string())
         elif pa.types.is_dictionary(t):
             col = pc.cast(col, t.value_type)
-        cols.append(col)
+        cols.append(neutralize_formulas(col) if escape_formulas else col)
     return pa.table(cols, names=table.column_names)
 
 

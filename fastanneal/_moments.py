@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _config
 from . import _kernels as K_
-from ._validation import (as_float_matrix, as_weights, check_temperature, metric_code,
+from ._validation import (as_float_matrix, as_weights, check_range, check_temperature, metric_code,
                           normalize_rows, resp_code)
 
 _RESP_NAMES = {0: "softmax", 1: "entmax15", 2: "hard"}
@@ -235,6 +235,8 @@ def _prepare(X, centers, metric):
     if mc == 1:
         X = normalize_rows(X, "X")
         C = normalize_rows(C, "centers")
+    check_range(X, "X")
+    check_range(C, "centers")
     return X, C, mc
 
 

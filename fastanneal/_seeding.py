@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._validation import check_range
+
 from ._engine import AnnealingWarning, _project
 
 
@@ -124,6 +126,7 @@ def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000):
         raise ValueError(f"init array must have shape ({K}, {source.n_features}); got {C.shape}")
     if not np.isfinite(C).all():
         raise ValueError("init array contains NaN or infinity")
+    check_range(C, "init array")
     return C.copy()
 
 

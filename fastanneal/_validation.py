@@ -22,12 +22,26 @@ def resp_code(responsibilities):
                          f"got {responsibilities!r}") from None
 
 
+def is_sparse(X):
+    """A SciPy sparse matrix / array (or a pydata ``sparse`` array), without importing SciPy."""
+    mod = type(X).__module__ or ""
+    return mod.startswith(("scipy.sparse", "sparse")) and hasattr(X, "nnz")
+
+
+def check_not_sparse(X, name="X"):
+    if is_sparse(X):
+        raise TypeError(f"{name} is a sparse matrix ({type(X).__name__}); fastanneal clusters "
+                        "dense embeddings: convert with X.toarray() (or reduce the dimension "
+                        "first, e.g. TruncatedSVD)")
+
+
 def as_float_matrix(X, name="X", dtype=None, allow_empty=True):
     """Return X as a C-contiguous float32/float64 2-D array (float32 stays float32; other
     dtypes become float64), after checking shape and finiteness."""
     if hasattr(X, "dask") and hasattr(X, "compute"):
         raise TypeError(f"{name} is a lazy Dask collection; use the Dask backend "
                         "(AnnealedKMeans.fit accepts a dask array) or call .compute()")
+    check_not_sparse(X, name)
     X = np.asarray(X)
     if X.dtype == object:
         raise ValueError(f"{name} has dtype object; expected a numeric 2-D array")
@@ -63,6 +77,59 @@ def check_finite(X, name="X", offset=0, block_rows=16384):
                          f"column {int(bad[1])})")
 
 
+#: Squared row norms above this overflow somewhere. float64: the gradient and the
+#: certificate use squares of squared distances (d^2 <= 16 ||x||^4) summed over the rows,
+#: so ||x|| <= 1e70 keeps every intermediate below about 1e290. float32: distances are formed
+#: in float32 (||x||^2 + ||c||^2 - 2 x.c, each term up to 4 ||x||^2): 64x headroom.
+_SQ_MAX = {np.dtype(np.float64): 1e140,
+           np.dtype(np.float32): float(np.finfo(np.float32).max) / 64.0}
+#: Squared row norms below this underflow: distances lose all precision (denormals) or
+#: become 0, and every row looks identical.
+_SQ_MIN = {dt: float(np.finfo(dt).tiny) * 2.0 ** (np.finfo(dt).nmant + 1)
+           for dt in (np.dtype(np.float64), np.dtype(np.float32))}
+
+
+def max_row_norm(X, block_rows=16384):
+    """The largest row norm of ``X`` in float64 (rows scaled first: no overflow)."""
+    out = 0.0
+    for b in range(0, X.shape[0], block_rows):
+        blk = np.asarray(X[b:b + block_rows], dtype=np.float64)
+        m = np.max(np.abs(blk), axis=1, keepdims=True)
+        m[m == 0] = 1.0
+        z = blk / m
+        norms = np.sqrt(np.einsum("ij,ij->i", z, z)) * m[:, 0]
+        out = max(out, float(norms.max(initial=0.0)))
+    return out
+
+
+def check_range(X, name="X", where=""):
+    """``ValueError`` when finite values of ``X`` are so large that squared distances overflow
+    its float type (or the float64 sums over the rows), or so small (but not all zero) that
+    they underflow. Cheap: one max/min pass; row norms only near the limits."""
+    if X.size == 0 or X.dtype not in _SQ_MAX:
+        return
+    hi, lo = np.sqrt(_SQ_MAX[X.dtype]), np.sqrt(_SQ_MIN[X.dtype])     # on the norms
+    maxabs = float(max(X.max(), -X.min()))
+    if maxabs == 0.0:
+        return
+    if maxabs * np.sqrt(X.shape[1]) <= hi and maxabs >= lo:
+        return                                 # maxabs <= largest norm <= sqrt(D) maxabs
+    norm = max_row_norm(X)
+    at = f" {where}" if where else ""
+    if norm > hi:
+        alt = ("; or convert it to float64" if X.dtype == np.float32
+               and norm <= np.sqrt(_SQ_MAX[np.dtype(np.float64)]) else "")
+        raise ValueError(
+            f"{name}{at} holds values too large for {X.dtype} arithmetic: the largest row norm "
+            f"is {norm:.3g} (at most {hi:.3g} is safe), so squared distances would overflow; "
+            f"rescale the data (divide it by about {norm:.0e}){alt}")
+    if 0.0 < norm < lo:
+        raise ValueError(
+            f"{name}{at} holds values too small for {X.dtype} arithmetic: the largest row norm "
+            f"is {norm:.3g} (at least {lo:.3g} is needed), so squared distances would underflow;"
+            f" rescale the data (multiply it by about {1 / norm:.0e})")
+
+
 def as_weights(sample_weight, n, name="sample_weight"):
     if sample_weight is None:
         return np.ones(n, dtype=np.float64)
@@ -90,8 +157,15 @@ def check_temperature(T, allow_zero=False):
 
 
 def normalize_rows(X, name="X"):
-    """Unit-normalize rows for the cosine metric (a copy); zero rows are an error."""
-    norms = np.sqrt(np.einsum("ij,ij->i", X, X, dtype=np.float64))
+    """Unit-normalize rows for the cosine metric (a copy); zero rows are an error. Rows whose
+    squared norm overflows float64 are scaled first (no row becomes 0 or NaN)."""
+    with np.errstate(over="ignore"):
+        norms = np.sqrt(np.einsum("ij,ij->i", X, X, dtype=np.float64))
+    big = ~np.isfinite(norms)
+    if big.any():
+        Xb = np.asarray(X[big], dtype=np.float64)
+        m = np.max(np.abs(Xb), axis=1)
+        norms[big] = m * np.sqrt(np.einsum("ij,ij->i", Xb / m[:, None], Xb / m[:, None]))
     if X.shape[0] and (norms == 0).any():
         raise ValueError(f"{name} has all-zero rows (first at row "
                          f"{int(np.argwhere(norms == 0)[0, 0])}); the cosine metric needs "

@@ -32,6 +32,8 @@ from ._cli_results import (adjusted_rand_index, assignments, cluster_table,  # n
 __all__ = ["main", "build_parser", "adjusted_rand_index"]
 
 EXIT_USAGE = 2
+#: An unexpected failure (a bug, or the environment): one line, exit 1; --debug: traceback.
+EXIT_INTERNAL = 1
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "clinc150_demo.parquet"
 DEMO_DIR = "fastanneal-demo"
 #: The model that embeds queries when no embedding column is given (``fastanneal[embed]``).
@@ -125,6 +127,49 @@ def _load_embedder():
     return encode
 
 
+def _checked_embeddings(path, n, dim=None):
+    """``(E, None)`` for a valid embedding file written by an earlier run, else
+    ``(None, why)``: float32, ``(n, dim)``, finite, no all-zero row (the embedder writes
+    unit vectors), loaded without pickles."""
+    try:
+        E = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        return None, f"unreadable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    if not isinstance(E, np.ndarray) or E.ndim != 2:
+        return None, f"not a 2-D array (shape {getattr(E, 'shape', None)})"
+    if E.dtype != np.float32:
+        return None, f"dtype {E.dtype}, expected float32"
+    if E.shape[0] != n or E.shape[1] == 0 or (dim is not None and E.shape[1] != dim):
+        want = f"({n}, {dim if dim is not None else 'D'})"
+        return None, f"shape {E.shape}, expected {want}"
+    if not np.isfinite(E).all():
+        return None, "it holds NaN or infinity"
+    if n and not (np.abs(E).max(axis=1) > 0).all():
+        return None, "it holds an all-zero vector"
+    return np.ascontiguousarray(E), None
+
+
+def _load_cache(cache, meta_path, key, n, console):
+    """The cached embeddings if the cache is for these texts and this model and valid; a bad
+    cache is named, ignored and later replaced."""
+    if not (cache.exists() or meta_path.exists()):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        console.note(f"ignoring the embedding cache key {meta_path} (unreadable: "
+                     f"{type(e).__name__}); embedding again")
+        return None
+    if meta.get("key") != key or not cache.exists():
+        return None                      # another input or model: recomputed, then replaced
+    E, why = _checked_embeddings(cache, n, meta.get("dim"))
+    if E is None:
+        console.note(f"ignoring the embedding cache {cache} ({why}); embedding again")
+    return E
+
+
 def embed_queries(texts, output, console, checkpoint=None, chunk=None):
     """Embed the distinct texts (cached next to ``output`` as ``<stem>.embeddings.npy`` with a
     ``.json`` key: sha256 of the texts + the model name). With a checkpoint folder, finished
@@ -136,15 +181,10 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
     meta_path = sidecar(output, "embeddings", ".json")
     n = len(texts)
     chunk = int(chunk or EMBED_CHUNK)
-    try:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("key") == key and cache.exists():
-            E = np.load(cache)
-            if E.shape[0] == n:
-                console.note(f"using cached embeddings {cache}")
-                return E, 0.0
-    except (OSError, ValueError):
-        pass
+    E = _load_cache(cache, meta_path, key, n, console)
+    if E is not None:
+        console.note(f"using cached embeddings {cache}")
+        return E, 0.0
     # distinct texts only: query logs repeat a lot
     uniq = {}
     inverse = np.empty(n, dtype=np.int64)
@@ -165,12 +205,10 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
             part = parts_dir / f"{j:06d}.npy" if parts_dir is not None else None
             E = None
             if part is not None and part.exists():
-                try:
-                    E = np.load(part)
-                    if E.shape[0] != len(batch):
-                        E = None
-                except (OSError, ValueError):
-                    E = None
+                E, why = _checked_embeddings(part, len(batch))
+                if E is None:
+                    console.note(f"ignoring the embedding checkpoint {part} ({why}); "
+                                 "embedding that chunk again")
             if E is None:
                 E = encode(batch)
                 if part is not None:
@@ -239,29 +277,85 @@ def fit_model(X, w, args, console):
 
 # =========================================================================== commands
 def _resolve_output(args, console):
+    """``(output file, its folder, folder to create or None)``; nothing is created here."""
     if args.demo or args.command == "demo":
         out = args.output or DEMO_DIR
         p = Path(out)
         if p.suffix.lower() in (".csv", ".tsv", ".parquet", ".pq", ".jsonl", ".ndjson"):
-            check_writable(p, create_parent=True)
-            return p, p.parent
-        _make_folder(p, f"cannot write the demo to {out}: it is a file, not a folder",
-                     f"cannot create the output folder {out}")
-        return p / "queries.csv", p
+            return p, p.parent, p.parent
+        if p.exists() and not p.is_dir():
+            raise CLIError(f"cannot write the demo to {out}: it is a file, not a folder")
+        return p / "queries.csv", p, p
     if not args.output:
         raise CLIError("missing -o/--output: where to write the clustered rows (.csv, .tsv, "
                        ".parquet or .jsonl)")
     p = Path(args.output)
-    return p, p.parent
+    return p, p.parent, None
 
 
-def _make_folder(p, not_a_folder, cannot):
+def _make_folder(p, not_a_folder, cannot, created=None):
+    """Create folder ``p`` (and parents); the folders that did not exist before are appended
+    to ``created`` (removed again if the run fails)."""
     if p.exists() and not p.is_dir():
         raise CLIError(not_a_folder)
+    new = []
+    q = Path(p)
+    while not q.exists():
+        new.append(q)
+        if q.parent == q:
+            break
+        q = q.parent
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"{cannot}: {e.strerror}") from None
+    if created is not None:
+        created.extend(reversed(new))
+
+
+def _real(p):
+    """The absolute path with every symlink and ``..`` resolved (parts that do not exist yet
+    are kept as written)."""
+    return Path(os.path.realpath(os.path.abspath(os.fspath(p))))
+
+
+def _same_file(a, b):
+    if _real(a) == _real(b):
+        return True
+    try:
+        return os.path.samefile(a, b)        # hard links, bind mounts
+    except OSError:
+        return False
+
+
+def _inside(child, folder):
+    rc, rf = _real(child), _real(folder)
+    return rc == rf or rf in rc.parents
+
+
+def check_paths(inputs, outputs, folders=()):
+    """Refuse (``CLIError``, before anything is read or written) any output that would touch
+    an input: an output file that is an input file (through symlinks, hard links or relative
+    paths) or lies inside an input folder (a Parquet dataset); a working folder (checkpoint)
+    that holds an input or lies inside an input folder; two outputs that are the same file.
+    Each argument is a list of ``(what, path)``."""
+    for what_i, i in inputs:
+        i_dir = Path(i).is_dir()
+        for what_o, o in outputs:
+            if (i_dir and _inside(o, i)) or (not i_dir and _same_file(o, i)):
+                where = "inside the input folder" if i_dir else "the input file"
+                raise CLIError(f"{what_o} {o} is {where} {i} ({what_i}): refusing to "
+                               "overwrite the input; choose another output path")
+        for what_f, f in folders:
+            if _inside(i, f) or (i_dir and _inside(f, i)):
+                raise CLIError(f"{what_f} {f} and the input {i} ({what_i}) overlap: the "
+                               "checkpoint folder must not hold the input or lie inside it")
+    for a in range(len(outputs)):
+        for b in range(a + 1, len(outputs)):
+            (wa, pa_), (wb, pb) = outputs[a], outputs[b]
+            if _same_file(pa_, pb):
+                raise CLIError(f"{wa} and {wb} are the same file {pa_}; give them different "
+                               "paths")
 
 
 def _check_report_deps():
@@ -275,7 +369,7 @@ def _dask_setup(args, stack):
     """Scheduler for ``--backend dask`` (None: the estimator's default)."""
     args._dask_scheduler = None
     if args.backend != "dask":
-        if args.workers or args.scheduler:
+        if args.workers is not None or args.scheduler is not None:
             raise CLIError("--workers and --scheduler need --backend dask")
         return
     try:
@@ -283,11 +377,17 @@ def _dask_setup(args, stack):
     except ImportError as e:
         raise CLIError(f"the Dask backend is not available in this installation "
                        f"(fastanneal.dask: {e}); use --backend cpu") from None
-    if args.workers and args.scheduler:
+    if args.workers is not None and args.scheduler is not None:
         raise CLIError("give either --workers (a local cluster) or --scheduler (an existing one)")
-    if args.scheduler:
-        args._dask_scheduler = args.scheduler
-    elif args.workers:
+    if args.scheduler is not None:
+        from .dask._cluster import SchedulerConnectionError, connect
+        try:
+            client = connect(args.scheduler)
+        except (ValueError, SchedulerConnectionError) as e:
+            raise CLIError(f"--scheduler: {e}") from None
+        stack.callback(client.close)
+        args._dask_scheduler = client
+    elif args.workers is not None:
         if args.workers < 1:
             raise CLIError(f"--workers must be >= 1; got {args.workers}")
         from distributed import Client, LocalCluster
@@ -318,7 +418,7 @@ def run_cluster(args, console):
         raise CLIError(f"--k must be >= 1; got {args.k}")
     if args.steps < 1:
         raise CLIError(f"--steps must be >= 1; got {args.steps}")
-    output, out_dir = _resolve_output(args, console)
+    output, out_dir, make_dir = _resolve_output(args, console)
     fmt = output_format(output)
     clusters_path = sidecar(output, "clusters", ".csv")
     report = args.report
@@ -332,12 +432,29 @@ def run_cluster(args, console):
         _check_report_deps()
         if not str(report).lower().endswith((".html", ".htm")):
             raise CLIError(f"--report {report}: the report is an HTML file (.html)")
-    for p in [output, clusters_path] + ([Path(report)] if report else []):
+    outputs = [("-o/--output", output), ("the cluster table", clusters_path)]
+    if report:
+        outputs.append(("--report", Path(report)))
+    if args.embedding_column is None:
+        outputs += [("the embedding cache", sidecar(output, "embeddings", ".npy")),
+                    ("the embedding cache key", sidecar(output, "embeddings", ".json"))]
+    folders = [("--checkpoint", Path(args.checkpoint))] if args.checkpoint else []
+    if not demo:
+        check_paths([("INPUT", Path(args.input))], outputs, folders)
+    else:
+        check_paths([("the bundled demo data", DEMO_DATA)], outputs, folders)
+    if args.checkpoint and Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
+        raise CLIError(f"--checkpoint {args.checkpoint}: not a folder")
+    created = args._created
+    if make_dir is not None:
+        _make_folder(make_dir, f"cannot write the demo to {make_dir}: it is a file, not a folder",
+                     f"cannot create the output folder {make_dir}", created)
+    for p in [q for _, q in outputs]:
         check_writable(p)
     if args.checkpoint:
         ck = Path(args.checkpoint)
         _make_folder(ck, f"--checkpoint {ck}: not a folder",
-                     f"cannot create the checkpoint folder {ck}")
+                     f"cannot create the checkpoint folder {ck}", created)
     with contextlib.ExitStack() as stack:
         _dask_setup(args, stack)
         # ------------------------------------------------------------- read + check
@@ -383,13 +500,24 @@ def run_cluster(args, console):
             if zero.any():
                 raise CLIError(f"{src}: row {int(np.argmax(zero)) + 1} has an all-zero embedding;"
                                " the cosine metric needs non-zero vectors")
-        Xl = X[live]
-        nd = np.unique(np.ascontiguousarray(Xl).view(np.dtype((np.void, Xl.dtype.itemsize
-                                                                * Xl.shape[1])))).shape[0]
-        if K > nd:
-            raise CLIError(f"--k {K} is larger than the number of distinct "
-                           f"{'queries' if args.embedding_column is None else 'embeddings'} "
-                           f"({nd})")
+        if K > 1:
+            # the rows as the fit sees them (unit rows for cosine), counted exactly
+            from ._sources import n_distinct_rows
+            from ._validation import check_range, normalize_rows
+            Xl = X[live]
+            if args.metric == "cosine":
+                Xl = normalize_rows(Xl)
+            try:
+                check_range(Xl, f"{src}: the embeddings")
+            except ValueError as e:
+                raise CLIError(str(e)) from None
+            nd = n_distinct_rows(Xl, np.ones(Xl.shape[0]), np.random.default_rng(0))
+            if K > nd:
+                what = ("queries" if args.embedding_column is None else
+                        "embedding directions (cosine)" if args.metric == "cosine" else
+                        "embeddings")
+                raise CLIError(f"--k {K} is larger than the number of distinct {what} ({nd})")
+            del Xl
         # ------------------------------------------------------------- fit
         t0 = time.perf_counter()
         console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions) into {K} clusters")
@@ -455,14 +583,45 @@ def main(argv=None):
     if not hasattr(args, "no_report"):
         args.no_report = False
     console = _Console(args.quiet, args.progress)
+    args._created = []
     try:
         return run_cluster(args, console)
     except InputError as e:
-        print(f"fastanneal: error: {e}", file=sys.stderr)
+        _remove_created(args._created)
+        print(f"fastanneal: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        _remove_created(args._created)
         print("fastanneal: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        _remove_created(args._created)
+        if getattr(args, "debug", False):
+            raise
+        print("fastanneal: error: out of memory (try the Dask backend, a smaller --k, or a "
+              "machine with more memory; rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+    except Exception as e:                  # noqa: BLE001 - the last-resort handler
+        _remove_created(args._created)
+        if getattr(args, "debug", False):
+            raise
+        print(f"fastanneal: error: unexpected {type(e).__name__}: {_one_line(e)} (rerun with "
+              "--debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _one_line(e):
+    text = " ".join(str(e).split())
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _remove_created(folders):
+    """Remove the folders this run created, if they are still empty (nothing left behind)."""
+    for d in reversed(folders):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":  # pragma: no cover

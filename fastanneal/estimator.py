@@ -24,7 +24,7 @@ from ._seeding import (check_n_clusters, critical_temperature, data_stats, initi
 from ._sources import InMemorySource
 from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
-from ._validation import metric_code, normalize_rows, resp_code
+from ._validation import check_range, metric_code, normalize_rows, resp_code
 from .schedules import CriticalSchedule, make_schedule
 
 __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kmeans_plusplus"]
@@ -92,6 +92,7 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                           accept_sparse=False)
         if metric_code(self.metric) == 1:
             X = normalize_rows(X)
+        check_range(X, "X")
         return X
 
     @staticmethod
@@ -595,6 +596,19 @@ def _schedule_temperature(schedule, t, T_start, T_end, n_steps):
     return float(T_start * (T_end / T_start) ** j)
 
 
+def _check_distinct(full, Xs, ws, K, metric):
+    """``K`` must not exceed the distinct rows of the data (exact). The seeding sample
+    answers in the usual case; only when it holds fewer than ``K`` distinct rows does the
+    whole data (one capped pass of row hashes) decide. Own generator for the hash
+    multipliers: the fit's random stream is not touched."""
+    if K < 2:
+        return
+    hrng = np.random.default_rng(0x5EED)
+    if InMemorySource(Xs, ws, metric).n_distinct_rows(hrng, K) >= K:
+        return
+    check_n_clusters(full, K, hrng)
+
+
 def _seed_from_sample(est, Xs, ws, K, metric, rng):
     """Seeds, ``T_start``, ``T_end``, ``T_c`` and the scale of a mini-batch fit from an
     in-memory sample (validated rows; unit rows for cosine)."""
@@ -847,6 +861,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             Xs, ws = full.sample(min(init_size, full.n_rows), rng)
             if Xs.shape[0] < K:
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
+            _check_distinct(full, Xs, ws, K, metric)
             C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng)
             del Xs, ws
             perm_seed = int(rng.integers(2 ** 62))

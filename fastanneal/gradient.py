@@ -14,7 +14,8 @@ import numpy as np
 from . import _config
 from . import _grad_kernels as G_
 from ._moments import blas_single_thread
-from ._validation import as_float_matrix, as_weights, check_temperature, metric_code
+from ._validation import (as_float_matrix, as_weights, check_range, check_temperature,
+                          metric_code)
 
 _PHIS = {"identity": G_.PHI_IDENTITY, "log": G_.PHI_LOG, "hinge": G_.PHI_HINGE}
 _RESPS = {"softmax": 0, "entmax15": 1}
@@ -175,6 +176,8 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
     C = as_float_matrix(centers, "centers", dtype=np.float64, allow_empty=False)
     if C.shape[1] != X.shape[1]:
         raise ValueError(f"centers have {C.shape[1]} features but X has {X.shape[1]}")
+    check_range(X, "X")
+    check_range(C, "centers")
     T = check_temperature(T)
     lam = _check_real(lam, "lam")
     mc = metric_code(metric)

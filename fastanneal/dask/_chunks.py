@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _kernels as K_
 from .._moments import assign, compute_moments
-from .._validation import normalize_rows
+from .._validation import check_range, normalize_rows
 
 _lock = threading.Lock()
 
@@ -99,6 +99,7 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X"):
             raise ValueError(f"{name} has an all-zero row in {where} (row {row0 + i}); the "
                              "cosine metric needs non-zero vectors")
         x = normalize_rows(x, name)
+    check_range(x, name, where)
     return Chunk(x, w, int(index), int(row0))
 
 

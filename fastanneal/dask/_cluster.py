@@ -2,6 +2,7 @@
 embedded LocalCluster that the caller closes again."""
 import logging
 import os
+import socket
 
 log = logging.getLogger("fastanneal")
 
@@ -72,6 +73,98 @@ def embedded_cluster_size(cpus=None):
     return 1, max(1, cpus // 2)
 
 
+#: Seconds to wait for a scheduler to answer (``FASTANNEAL_CONNECT_TIMEOUT`` overrides).
+CONNECT_TIMEOUT = 10.0
+
+
+class SchedulerConnectionError(ConnectionError):
+    """The scheduler address is malformed or does not answer (the message names it)."""
+
+
+def check_address(address):
+    """``(scheme, host, port)`` of a scheduler address; ``ValueError`` naming a malformed one.
+    ``host:port`` without a scheme means ``tcp://``, as in ``distributed``."""
+    from distributed.comm import parse_address
+    from distributed.comm.addressing import parse_host_port
+    from distributed.comm.registry import backends
+    addr = str(address).strip()
+    if not addr:
+        raise ValueError("the scheduler address is empty; expected tcp://host:port")
+    try:
+        scheme, loc = parse_address(addr if "://" in addr else "tcp://" + addr, strict=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"malformed scheduler address {address!r} ({e}); expected "
+                         "tcp://host:port") from None
+    if scheme not in backends:
+        raise ValueError(f"scheduler address {address!r}: unknown scheme {scheme!r} (known: "
+                         f"{', '.join(sorted(backends))})")
+    host = port = None
+    if scheme in ("tcp", "tls"):
+        try:
+            host, port = parse_host_port(loc)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"malformed scheduler address {address!r} ({e}); expected "
+                             "tcp://host:port") from None
+        if not host or port is None or not 0 < int(port) < 65536:
+            raise ValueError(f"malformed scheduler address {address!r}: needs a host and a port "
+                             "in 1-65535 (tcp://host:8786)")
+    return scheme, host, port
+
+
+def _client_class():
+    """``distributed.Client`` whose constructor, when it fails half-way, stops what it started
+    at once (a plain half-built Client waits for its connection again when it is garbage
+    collected, up to twice the timeout at interpreter exit, and prints a traceback)."""
+    global _CLIENT_CLASS
+    if _CLIENT_CLASS is None:
+        from distributed import Client
+
+        class _Client(Client):
+            def __init__(self, *args, **kwargs):
+                try:
+                    super().__init__(*args, **kwargs)
+                except BaseException:
+                    self.status = "closed"            # __del__ / close() now return at once
+                    try:
+                        self._loop_runner.stop()
+                    except Exception:                 # noqa: BLE001 - never started
+                        pass
+                    raise
+        _Client.__name__ = _Client.__qualname__ = "Client"
+        _CLIENT_CLASS = _Client
+    return _CLIENT_CLASS
+
+
+_CLIENT_CLASS = None
+
+
+def connect(address, timeout=None):
+    """A ``distributed.Client`` connected to the scheduler at ``address``.
+
+    A malformed address is a ``ValueError``; an address where nothing answers (checked first
+    with a plain socket for ``tcp``/``tls``, so a refused port fails at once) is a
+    :class:`SchedulerConnectionError` naming the address. A client that failed half-way is
+    closed at once.
+    """
+    if timeout is None:
+        timeout = float(os.environ.get("FASTANNEAL_CONNECT_TIMEOUT", CONNECT_TIMEOUT))
+    scheme, host, port = check_address(address)
+    if host is not None:
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except OSError as e:
+            why = e.strerror or str(e) or type(e).__name__
+            raise SchedulerConnectionError(
+                f"cannot reach the Dask scheduler at {address}: {why}") from None
+    try:
+        return _client_class()(str(address), timeout=timeout, set_as_default=False)
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SchedulerConnectionError(
+            f"cannot connect to the Dask scheduler at {address} (something answers there, but "
+            f"not as a Dask scheduler would, or too slowly: {why})") from None
+
+
 def resolve_client(scheduler=None):
     """A :class:`ClientHandle` for ``scheduler``.
 
@@ -85,7 +178,7 @@ def resolve_client(scheduler=None):
     if isinstance(scheduler, Client):
         return ClientHandle(scheduler)
     if isinstance(scheduler, (str, os.PathLike)):
-        return ClientHandle(Client(str(scheduler), set_as_default=False), owned_client=True)
+        return ClientHandle(connect(str(scheduler)), owned_client=True)
     if scheduler is not None:
         raise TypeError("scheduler must be None, an address string or a distributed.Client; "
                         f"got {type(scheduler).__name__}")

@@ -109,16 +109,20 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
     import pyarrow as pa
     import pyarrow.parquet as pq
     where = f"{os.path.basename(file)} row groups {row_groups[0]}-{row_groups[-1]}"
-    with pq.ParquetFile(file, pre_buffer=False) as pf:
-        n = sum(pf.metadata.row_group(rg).num_rows for rg in row_groups)
-        out = np.empty((n, D), dtype=dtype)
-        r = 0
-        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups,
-                                     columns=[column], use_threads=False):
-            m = batch.num_rows
-            out[r:r + m] = embedding_block(batch.column(0), D, dtype, where, row0 + r, column)
-            r += m
-            del batch
+    try:
+        with pq.ParquetFile(file, pre_buffer=False, page_checksum_verification=True) as pf:
+            n = sum(pf.metadata.row_group(rg).num_rows for rg in row_groups)
+            out = np.empty((n, D), dtype=dtype)
+            r = 0
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups,
+                                         columns=[column], use_threads=False):
+                m = batch.num_rows
+                out[r:r + m] = embedding_block(batch.column(0), D, dtype, where, row0 + r,
+                                               column)
+                r += m
+                del batch
+    except OSError as e:          # a failed page checksum included: name the file
+        raise OSError(f"{file} ({where}): {e}") from e
     if r != n:
         raise ValueError(f"{where} of {file} has {r} rows; its metadata says {n}")
     pa.default_memory_pool().release_unused()
@@ -128,8 +132,11 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
 def read_parquet_values(file, row_groups, column, dtype):
     """A scalar column (weights, ids) of some row groups of one file as a 1-D array."""
     import pyarrow.parquet as pq
-    with pq.ParquetFile(file) as pf:
-        tab = pf.read_row_groups(row_groups, columns=[column])
+    try:
+        with pq.ParquetFile(file, page_checksum_verification=True) as pf:
+            tab = pf.read_row_groups(row_groups, columns=[column])
+    except OSError as e:          # a failed page checksum included: name the file
+        raise OSError(f"{file}: {e}") from e
     col = tab.column(0)
     out = col.to_numpy() if col.num_chunks else np.zeros(0)
     return np.asarray(out, dtype=dtype) if dtype != object else np.asarray(out, dtype=object)

@@ -6,15 +6,15 @@ streaming label writer. The annealing itself (stochastic EM) is the engine's
 import math
 import os
 import shutil
-import uuid
 from collections import deque
 
 import numpy as np
 
 from .._engine import _project
+from .._io import temp_folder
 from .._moments import Moments
 from .._sources import COVARIANCE_MAX_D, power_iteration_eigs
-from .._validation import as_float_matrix, metric_code, normalize_rows
+from .._validation import as_float_matrix, check_range, metric_code, normalize_rows
 from . import _chunks as ch
 from ._cluster import resolve_client
 from ._inputs import as_dask_inputs, is_dask_collection
@@ -283,8 +283,8 @@ class _AtomicFolder:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
         parent = os.path.dirname(self.path)
         os.makedirs(parent, exist_ok=True)
-        self.tmp = os.path.join(parent, f".{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex}")
-        os.makedirs(self.tmp)
+        # ``.<name>.<host>-<pid>.<random>.tmpdir``: a later run removes it if this one dies
+        self.tmp = str(temp_folder(self.path))
         self.overwrite = overwrite
 
     def commit(self):
@@ -292,7 +292,7 @@ class _AtomicFolder:
         if os.path.exists(self.path):
             if not self.overwrite:
                 raise FileExistsError(f"{self.path} appeared during the fit")
-            old = f"{self.tmp}.old"
+            old = self.tmp[:-len(".tmpdir")] + "-old.tmpdir"
             os.rename(self.path, old)
         os.rename(self.tmp, self.path)
         if old is not None:
@@ -363,6 +363,7 @@ def _predict_block(x, C, metric):
     X = as_float_matrix(x, "X")
     if mc == 1:
         X = normalize_rows(X)
+    check_range(X, "X")
     if X.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
     return assign(X, C, mc, _prepared=True)[0]

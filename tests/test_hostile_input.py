@@ -1,0 +1,644 @@
+"""Hostile and broken input (issue 14): outputs never touch inputs, user errors are one line
+with exit 2, nothing is left behind, finite data never overflows in a kernel, files the program
+wrote earlier are validated, spreadsheet formulas are neutralised, Parquet checksums checked.
+
+Every case asserts the behaviour that the feature adds: without the path check the input is
+overwritten, without the range check a kernel crashes, and so on."""
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+import fastanneal
+from fastanneal import cli
+from fastanneal._io import InputError, clean_stale_temps, read_table, temp_prefix
+
+from test_cli import FakeEmbedder, assert_one_line_error, make_table, run, write_any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def digest(path):
+    """sha256 of a file, or of every file under a folder (with names)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def listing(*folders):
+    return {str(f): sorted(os.listdir(f)) for f in folders}
+
+
+@pytest.fixture
+def inp(tmp_path):
+    """An input table (with embeddings) in its own folder; the test's outputs go elsewhere."""
+    d = tmp_path / "in"
+    d.mkdir()
+    table, _, _ = make_table(n=60)
+    return table, d
+
+
+# =========================================================================== 1. outputs vs inputs
+def _path_cases(tmp_path, table, d):
+    """(name, argv, the input to protect): every way an output can resolve to an input."""
+    csv_in = write_any(table, d / "q.csv")
+    pq_in = write_any(table, d / "q.parquet")
+    side_in = write_any(table, d / "o.clusters.csv")          # = the side table of -o o.parquet
+    jsonl_in = write_any(table, d / "r.embeddings.jsonl")
+    key_in = d / "r.embeddings.json"                            # the embedding cache's key file
+    key_in.write_bytes(jsonl_in.read_bytes())
+    ds = d / "dataset"
+    ds.mkdir()
+    write_any(table, ds / "part-0.parquet")
+    link = tmp_path / "link.csv"
+    link.symlink_to(csv_in)
+    hard = tmp_path / "hard.csv"
+    os.link(csv_in, hard)
+    emb = ["--embedding-column", "emb", "--k", 2]
+    rel = os.path.relpath(csv_in, os.getcwd())
+    dotted = d / ".." / d.name / "q.csv"
+    return [
+        ("same path", [csv_in, "-o", csv_in, *emb], csv_in),
+        ("relative and ..", [csv_in, "-o", dotted, *emb], csv_in),
+        ("relative to cwd", [rel, "-o", csv_in, *emb], csv_in),
+        ("symlink", [csv_in, "-o", link, *emb], csv_in),
+        ("hard link", [hard, "-o", csv_in, *emb], csv_in),
+        ("side table", [side_in, "-o", d / "o.parquet", *emb], side_in),
+        ("embedding cache key", [key_in, "-o", d / "r.csv", "--k", 2], key_in),
+        ("inside a dataset folder", [ds, "-o", ds / "out.parquet", *emb], ds),
+        ("checkpoint holds the input", [csv_in, "-o", tmp_path / "r.csv", "--checkpoint", d,
+                                        *emb], csv_in),
+        ("checkpoint inside a dataset", [ds, "-o", tmp_path / "r.csv", "--checkpoint",
+                                         ds / "ck", *emb], ds),
+    ]
+
+
+def test_outputs_never_touch_inputs(capsys, tmp_path, inp):
+    table, d = inp
+    cases = _path_cases(tmp_path, table, d)
+    for name, argv, protected in cases:
+        before_hash = digest(protected)
+        before = listing(d, tmp_path)
+        rc, _, err = run(capsys, "cluster", *argv)
+        assert_one_line_error(rc, err, "refusing to overwrite the input"
+                              if "checkpoint" not in name else "overlap")
+        assert digest(protected) == before_hash, name
+        assert listing(d, tmp_path) == before, name            # nothing read, nothing written
+
+
+def test_outputs_must_differ_from_each_other(capsys, tmp_path, inp):
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    o = tmp_path / "out"
+    o.mkdir()
+    # formats keep the command's own outputs apart; the check is there for any future output
+    with pytest.raises(cli.CLIError, match="same file"):
+        cli.check_paths([("INPUT", src)], [("-o/--output", o / "r.csv"),
+                                           ("--report", o / ".." / "out" / "r.csv")])
+    rc, _, err = run(capsys, "cluster", src, "-o", o / "r.csv", "--report", src,
+                     "--embedding-column", "emb", "--k", 2)
+    assert_one_line_error(rc, err, "html")                  # refused, input untouched
+    # the demo refuses to write over its own bundled data
+    before = digest(cli.DEMO_DATA)
+    rc, _, err = run(capsys, "demo", "-o", cli.DEMO_DATA, "--no-report")
+    assert_one_line_error(rc, err, "refusing to overwrite the input")
+    assert digest(cli.DEMO_DATA) == before
+    assert os.listdir(o) == []
+
+
+def test_path_check_is_what_protects_the_input(capsys, tmp_path, inp, monkeypatch):
+    """Without the check, -o = INPUT replaces the input: the test above guards a real risk."""
+    table, d = inp
+    src = write_any(table, d / "q.csv")
+    before = digest(src)
+    monkeypatch.setattr(cli, "check_paths", lambda *a, **k: None)
+    rc, _, err = run(capsys, "cluster", src, "-o", src, "--embedding-column", "emb", "--k", 2,
+                     "-q")
+    assert rc == 0, err
+    assert digest(src) != before
+
+
+# =========================================================================== 2. one-line errors
+def test_usage_errors_are_one_line(capsys, tmp_path, inp):
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    out = tmp_path / "r.csv"
+    base = ["cluster", src, "-o", out, "--embedding-column", "emb", "--k", 2]
+    for extra, word in [(["--seed", "-1"], "--seed"), (["--seed", "x"], "--seed"),
+                        (["--k", "two"], "--k"), (["--bogus"], "unrecognized"),
+                        (["--metric", "manhattan"], "--metric"),
+                        (["--workers", "0", "--backend", "dask"], "--workers"),
+                        (["--workers", "-3", "--backend", "dask"], "--workers"),
+                        (["--workers", "0"], "--backend dask"),
+                        (["--scheduler", "tcp://127.0.0.1:1"], "--backend dask")]:
+        rc, _, err = run(capsys, *base, *extra)
+        assert_one_line_error(rc, err, word)
+    assert not out.exists()
+
+
+def test_duplicate_column_names(capsys, tmp_path):
+    f = tmp_path / "dup.csv"
+    f.write_text("query,emb,query\nhello,[1 2],x\nworld,[3 4],y\n")
+    rc, _, err = run(capsys, "cluster", f, "-o", tmp_path / "r.csv", "--k", 1,
+                     "--embedding-column", "emb")
+    assert_one_line_error(rc, err, "'query' appears more than once")
+    with pytest.raises(InputError, match="more than once"):
+        read_table(f)
+
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _NotAScheduler:
+    """A TCP server that answers every connection with garbage (not the Dask protocol)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                conn.sendall(b"\xff" * 64 + b"HTTP/1.0 400 nope\r\n\r\n")
+                conn.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.stop = True
+        self.sock.close()
+
+
+def _run_cli_subprocess(args, timeout=120):
+    env = dict(os.environ, FASTANNEAL_CONNECT_TIMEOUT="3")
+    return subprocess.run([sys.executable, "-m", "fastanneal", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.parametrize("kind", ["refused", "malformed", "bad scheme", "bad port",
+                                  "not a scheduler"])
+def test_bad_scheduler_address_names_it_and_exits(tmp_path, inp, kind):
+    """One line naming the address, exit 2, no traceback at interpreter exit (a half-built
+    client is stopped at once), no output. In a subprocess: what happens at exit counts."""
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    server = None
+    if kind == "refused":
+        addr = f"tcp://127.0.0.1:{_closed_port()}"
+    elif kind == "malformed":
+        addr = "foo:::bar"
+    elif kind == "bad scheme":
+        addr = "http://127.0.0.1:8786"
+    elif kind == "bad port":
+        addr = "tcp://127.0.0.1:99999"
+    else:
+        server = _NotAScheduler()
+        addr = f"tcp://127.0.0.1:{server.port}"
+    try:
+        p = _run_cli_subprocess(["cluster", src, "-o", tmp_path / "r.csv", "--k", 2,
+                                 "--embedding-column", "emb", "--backend", "dask",
+                                 "--scheduler", addr])
+    finally:
+        if server:
+            server.close()
+    assert_one_line_error(p.returncode, p.stderr, "--scheduler", addr)
+    assert "Exception ignored" not in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "r.csv").exists()
+
+
+def test_library_connect_errors():
+    from fastanneal.dask._cluster import SchedulerConnectionError, check_address, connect
+    with pytest.raises(ValueError, match="malformed"):
+        check_address("tcp://127.0.0.1")
+    with pytest.raises(ValueError, match="unknown scheme"):
+        check_address("http://x:1")
+    assert check_address("127.0.0.1:8786") == ("tcp", "127.0.0.1", 8786)
+    port = _closed_port()
+    with pytest.raises(SchedulerConnectionError, match=f"127.0.0.1:{port}"):
+        connect(f"tcp://127.0.0.1:{port}", timeout=2)
+    X = np.random.default_rng(0).normal(size=(50, 3))
+    est = fastanneal.AnnealedKMeans(2, backend="dask", scheduler=f"tcp://127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match="cannot reach the Dask scheduler"):
+        est.fit(X)
+
+
+def test_unexpected_error_is_one_line_and_debug_shows_it(capsys, tmp_path, inp, monkeypatch):
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    out = tmp_path / "new" / "deeper"
+
+    def boom(*a, **k):
+        raise RuntimeError("boom\nsecond line")
+    monkeypatch.setattr(cli, "fit_model", boom)
+    argv = ["cluster", src, "-o", tmp_path / "r.csv", "--embedding-column", "emb", "--k", 2,
+            "--checkpoint", out]
+    rc, _, err = run(capsys, *argv)
+    assert rc == cli.EXIT_INTERNAL == 1
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("fastanneal: error: unexpected RuntimeError: boom second line")
+    assert "--debug" in lines[-1] and "Traceback" not in err
+    assert not (tmp_path / "new").exists()          # the checkpoint folders it made are gone
+    with pytest.raises(RuntimeError, match="boom"):
+        main_debug = cli.main([str(a) for a in argv] + ["--debug"])  # noqa: F841
+    assert not (tmp_path / "r.csv").exists()
+
+
+# =========================================================================== 3. distinct rows
+def test_k_above_exact_distinct_rows_everywhere(capsys, tmp_path):
+    """Rows equal in value but different in bits (-0.0 / 0.0) and rows that differ in the
+    last bit: the count is exact, in memory, on Dask, in the mini-batch estimator, the CLI."""
+    rng = np.random.default_rng(3)
+    base = rng.normal(size=(3, 5)).astype(np.float32)
+    base[0, 0] = 0.0
+    X = np.repeat(base, 40, axis=0)
+    X[1::3, 0] = np.where(X[1::3, 0] == 0.0, np.float32(-0.0), X[1::3, 0])
+    for K, ok in [(3, True), (4, False)]:
+        for make in (lambda: fastanneal.AnnealedKMeans(K, random_state=0),
+                     lambda: fastanneal.MiniBatchAnnealedKMeans(K, random_state=0,
+                                                                batch_size=32)):
+            if ok:
+                assert len(np.unique(make().fit(X).labels_)) == 3
+            else:
+                with pytest.raises(ValueError, match="distinct"):
+                    make().fit(X)
+    Y = X.copy()
+    Y[5, 2] = np.nextafter(Y[5, 2], np.float32(np.inf))   # one more distinct row
+    # accepted: four distinct rows (one of them a last-bit neighbour: a label tie in float32)
+    assert fastanneal.AnnealedKMeans(4, random_state=0).fit(Y).cluster_centers_.shape == (4, 5)
+    da = pytest.importorskip("dask.array")
+    with pytest.raises(ValueError, match="distinct"):
+        fastanneal.AnnealedKMeans(4, backend="dask", random_state=0).fit(
+            da.from_array(X, chunks=(25, 5)))
+    table = pa.table({"query": [f"q{i}" for i in range(X.shape[0])],
+                      "emb": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), 5)})
+    src = write_any(table, tmp_path / "x.parquet")
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "r.csv", "--k", 4,
+                     "--embedding-column", "emb")
+    assert_one_line_error(rc, err, "distinct embedding directions (cosine) (3)")
+
+
+# =========================================================================== 4. numeric range
+def _blobs(dtype, scale, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(240, 4))
+    X[:80] += 8
+    X[80:160] -= 8
+    return (X * (scale / np.abs(X).max())).astype(dtype), np.repeat(np.arange(3), 80)
+
+
+# (dtype, a scale that works, a scale that must be refused, the word of the refusal)
+RANGES = [(np.float32, 1e17, 1e19, "too large"), (np.float64, 1e69, 1e160, "too large"),
+          (np.float32, 1e-14, 1e-25, "too small"), (np.float64, 1e-144, 1e-160, "too small")]
+
+
+@pytest.mark.parametrize("dtype,good,bad,word", RANGES)
+def test_finite_extremes_are_refused_or_exact(dtype, good, bad, word):
+    Xg, lab = _blobs(dtype, good)
+    km = fastanneal.AnnealedKMeans(3, random_state=0).fit(Xg)
+    assert np.isfinite(km.cluster_centers_).all() and np.isfinite(km.inertia_)
+    assert fastanneal.cli.adjusted_rand_index(km.labels_, lab) == 1.0
+    C = Xg[[0, 100, 200]].astype(np.float64)
+    scale = float(np.var(Xg.astype(np.float64), axis=0).sum())
+    for T in (1e-4 * scale, 1e4 * scale):
+        m = fastanneal.moments(Xg, C.astype(dtype), T)
+        assert np.isfinite(m.S).all() and np.isfinite(m.free_energy)
+        loss, gC = fastanneal.value_and_grad(Xg, C, T)[:2]
+        assert np.isfinite(loss) and np.isfinite(gC).all()
+    Xb, _ = _blobs(dtype, bad)
+    Cb = Xb[[0, 100, 200]]
+    for call in (lambda: fastanneal.AnnealedKMeans(3).fit(Xb),
+                 lambda: fastanneal.moments(Xb, Cb, 1.0),
+                 lambda: fastanneal.value_and_grad(Xb, Cb.astype(np.float64), 1.0),
+                 lambda: km.predict(Xb),
+                 lambda: fastanneal.MiniBatchAnnealedKMeans(3, batch_size=64).fit(Xb)):
+        with pytest.raises(ValueError, match=word) as e:
+            call()
+        assert "rescale" in str(e.value)
+
+
+def test_range_check_on_dask_chunks_and_init():
+    da = pytest.importorskip("dask.array")
+    Xb, _ = _blobs(np.float32, 1e19)
+    with pytest.raises(ValueError, match="chunk 1.*too large"):
+        fastanneal.AnnealedKMeans(3, backend="dask").fit(
+            da.from_array(np.vstack([Xb[:100] / 1e6, Xb[100:]]), chunks=(100, 4)))
+    Xg, _ = _blobs(np.float64, 1.0)
+    with pytest.raises(ValueError, match="init array.*too large"):
+        fastanneal.AnnealedKMeans(3, init=np.full((3, 4), 1e100)).fit(Xg)
+
+
+def test_cosine_accepts_huge_rows():
+    """Cosine normalizes each row: magnitudes that overflow a squared norm are fine."""
+    Xg, lab = _blobs(np.float64, 1.0)
+    km = fastanneal.AnnealedKMeans(3, metric="cosine", random_state=0).fit(Xg)
+    Xh = Xg * 1e200
+    assert np.isinf(np.einsum("ij,ij->i", Xh, Xh)).all()
+    kh = fastanneal.AnnealedKMeans(3, metric="cosine", random_state=0).fit(Xh)
+    np.testing.assert_allclose(kh.cluster_centers_, km.cluster_centers_, rtol=1e-9, atol=1e-12)
+
+
+def test_sparse_input_is_named():
+    sp = pytest.importorskip("scipy.sparse")
+    X = sp.random(40, 6, density=0.5, format="csr", random_state=0)
+    C = np.ones((2, 6))
+    for call in (lambda: fastanneal.moments(X, C, 1.0),
+                 lambda: fastanneal.value_and_grad(X, C, 1.0),
+                 lambda: fastanneal.moments(np.ones((4, 6)), sp.csr_matrix(C), 1.0)):
+        with pytest.raises(TypeError, match="sparse.*toarray"):
+            call()
+    for est in (fastanneal.AnnealedKMeans(2), fastanneal.MiniBatchAnnealedKMeans(2)):
+        with pytest.raises(TypeError, match="(?i)sparse.*toarray"):
+            est.fit(X)
+
+
+# =========================================================================== 5. files from disk
+def _bad_caches(n):
+    rng = np.random.default_rng(0)
+    good = rng.normal(size=(n, 16)).astype(np.float32)
+    nan = good.copy()
+    nan[3, 2] = np.nan
+    zero = good.copy()
+    zero[4] = 0
+    return {"nan": nan, "zero row": zero, "wrong rows": good[:-1], "wrong dtype":
+            good.astype(np.float64), "1-D": good[:, 0].copy(), "object": np.array(
+                [{"a": 1}] * n, dtype=object), "garbage": b"\x93NUMPY garbage"}
+
+
+@pytest.mark.parametrize("case", list(_bad_caches(8)))
+def test_bad_embedding_cache_is_named_and_recomputed(capsys, tmp_path, monkeypatch, case):
+    table, _, _ = make_table(n=80)
+    src = tmp_path / "q.csv"
+    pacsv.write_csv(pa.table({"query": table.column("query")}), src)
+    out = tmp_path / "o" / "r.parquet"
+    out.parent.mkdir()
+    monkeypatch.setattr(cli, "_load_embedder", FakeEmbedder())
+    argv = ["cluster", src, "-o", out, "--k", 3, "--steps", 4]
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0, err
+    first = pq.read_table(out)
+    cache = out.with_name("r.embeddings.npy")
+    bad = _bad_caches(80)[case]
+    if isinstance(bad, bytes):
+        cache.write_bytes(bad)
+    else:
+        np.save(cache, bad, allow_pickle=True)
+    fake = FakeEmbedder()
+    monkeypatch.setattr(cli, "_load_embedder", fake)
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert f"ignoring the embedding cache {cache}" in err and "Traceback" not in err
+    assert fake.calls > 0                                       # recomputed
+    assert pq.read_table(out).equals(first)
+    E = np.load(cache, allow_pickle=False)                      # and replaced by a good one
+    assert E.dtype == np.float32 and E.shape == (80, 16) and np.isfinite(E).all()
+
+
+def test_bad_embedding_cache_key_and_part_files(capsys, tmp_path, monkeypatch):
+    table, _, _ = make_table(n=90)
+    src = tmp_path / "q.csv"
+    pacsv.write_csv(pa.table({"query": table.column("query")}), src)
+    out = tmp_path / "r.parquet"
+    ck = tmp_path / "ck"
+    monkeypatch.setattr(cli, "EMBED_CHUNK", 40)
+    monkeypatch.setattr(cli, "_load_embedder", FakeEmbedder(fail_after=2))
+    argv = ["cluster", src, "-o", out, "--k", 3, "--steps", 4, "--checkpoint", ck]
+    rc, _, _ = run(capsys, *argv)
+    assert rc == 130
+    parts = sorted(ck.glob("embed-*/*.npy"))
+    assert len(parts) == 2
+    np.save(parts[1], np.full((40, 16), np.nan, np.float32))   # a corrupted part file
+    out.with_name("r.embeddings.json").write_text("{not json")
+    fake = FakeEmbedder()
+    monkeypatch.setattr(cli, "_load_embedder", fake)
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert f"ignoring the embedding checkpoint {parts[1]}" in err
+    assert "ignoring the embedding cache key" in err
+    assert fake.rows == 90 - 40                                 # part 0 reused, part 1 redone
+
+
+def test_checkpoint_with_nan_centers_is_named(tmp_path):
+    from fastanneal._checkpoint import CheckpointWarning
+    X, _ = _blobs(np.float64, 10.0)
+    ck = tmp_path / "ck"
+    a = fastanneal.AnnealedKMeans(3, random_state=0, checkpoint=ck, n_steps=5).fit(X)
+    f = ck / "anneal.npz"
+    with np.load(f, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["centers"] = np.full_like(arrays["centers"], np.nan)
+    with open(f, "wb") as fh:
+        np.savez(fh, **arrays)
+    with pytest.warns(CheckpointWarning, match=str(f).replace("\\", "\\\\") + ".*(NaN|finite)"):
+        b = fastanneal.AnnealedKMeans(3, random_state=0, checkpoint=ck, n_steps=5).fit(X)
+    np.testing.assert_allclose(b.cluster_centers_, a.cluster_centers_)
+
+
+# =========================================================================== 7. temporaries
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temporaries_are_removed_live_ones_kept(capsys, tmp_path, inp):
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    out = tmp_path / "o" / "r.csv"
+    out.parent.mkdir()
+    pre = temp_prefix(out)                       # this host, this pid
+    host_pid = pre[len(f".{out.name}."):-1]
+    host = host_pid.rsplit("-", 1)[0]
+    stale = out.parent / f".{out.name}.{host}-{_dead_pid()}.abcd1234.tmp"
+    stale.write_text("half a file")
+    stale_dir = out.parent / f".{out.name}.{host}-{_dead_pid()}.ef.tmpdir"
+    stale_dir.mkdir()
+    (stale_dir / "part").write_text("x")
+    live = out.parent / f".{out.name}.{host}-{os.getppid()}.live.tmp"      # a running process
+    live.write_text("in use")
+    other = out.parent / f".{out.name}.otherhost-{_dead_pid()}.x.tmp"     # another machine's
+    other.write_text("not ours")
+    rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb", "--k", 2,
+                     "-q")
+    assert rc == 0, err
+    left = sorted(os.listdir(out.parent))
+    assert left == sorted(["r.csv", "r.clusters.csv", live.name, other.name])
+    assert clean_stale_temps(out) == []
+
+
+def test_sigkill_during_the_final_write_is_cleaned_by_the_rerun(tmp_path, inp):
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    out = tmp_path / "o" / "r.parquet"
+    out.parent.mkdir()
+    code = f"""
+import os, signal, sys
+from fastanneal import cli
+real = cli.write_table
+def dying(table, path, fmt=None):
+    real(table, path, fmt)
+    os.kill(os.getpid(), signal.SIGKILL)
+cli.write_table = dying
+sys.exit(cli.main({[ 'cluster', str(src), '-o', str(out), '--embedding-column', 'emb',
+                    '--k', '2', '-q']!r}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    hidden = [f for f in os.listdir(out.parent) if f.startswith(".")]
+    assert hidden and not out.exists()           # the kill left a partial temporary
+    p = _run_cli_subprocess(["cluster", src, "-o", out, "--embedding-column", "emb", "--k", 2,
+                             "-q"])
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(out.parent)) == ["r.clusters.csv", "r.parquet"]
+
+
+# =========================================================================== 7. CSV formulas
+HOSTILE = ["=HYPERLINK(\"http://x\",\"click\")", "+cmd|' /C calc'!A0", "-2+3", "@SUM(A1:A2)",
+           "\t=1+1", "\r=1+1", "-1.5", "+3e-4", "plain query", "a=b", "-"]
+
+
+@pytest.mark.parametrize("ext", [".csv", ".tsv", ".parquet"])
+def test_spreadsheet_formulas_are_neutralised(capsys, tmp_path, ext):
+    n = len(HOSTILE) * 6
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(n, 3)).astype(np.float32)
+    queries = [HOSTILE[i % len(HOSTILE)] for i in range(n)]
+    table = pa.table({"query": queries, "note": queries,
+                      "emb": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), 3)})
+    src = tmp_path / "q.parquet"
+    pq.write_table(table, src)
+    out = tmp_path / f"r{ext}"
+    rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb", "--k", n,
+                     "-q")
+    assert rc == 0, err
+    dangerous = {q for q in HOSTILE if q[0] in "=+-@\t\r" and q not in ("-1.5", "+3e-4")}
+    if ext == ".parquet":
+        got = pq.read_table(out).column("note").to_pylist()
+        assert got == queries                    # a typed format keeps the text verbatim
+    else:
+        got = pacsv.read_csv(out, parse_options=pacsv.ParseOptions(
+            delimiter="\t" if ext == ".tsv" else ",", newlines_in_values=True),
+            convert_options=pacsv.ConvertOptions(column_types={"note": pa.string(),
+                                                               "query": pa.string()}))
+        for q, cell in zip(queries, got.column("note").to_pylist()):
+            assert cell == ("'" + q if q in dangerous else q), (q, cell)
+    ctab = pacsv.read_csv(out.with_name(out.stem + ".clusters.csv"),
+                          parse_options=pacsv.ParseOptions(newlines_in_values=True),
+                          convert_options=pacsv.ConvertOptions(
+                              column_types={"central_query": pa.string()}))
+    for cell in ctab.column("central_query").to_pylist():
+        assert not (cell[0] in "=+-@\t\r" and cell not in ("-1.5", "+3e-4", "-")) \
+            or cell.startswith("'"), cell
+    assert any(c.startswith("'") for c in ctab.column("central_query").to_pylist())
+
+
+# =========================================================================== 7. Parquet checksums
+def _corrupt_parquet(path, n=4000):
+    X = np.arange(n, dtype=np.float64) + 0.123
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(X, 2)), 2)
+    pq.write_table(pa.table({"query": [f"q{i}" for i in range(n)], "emb": emb}), path,
+                   compression="none", write_page_checksum=True, use_dictionary=False)
+    b = bytearray(path.read_bytes())
+    i = b.find(np.float64(X[n // 2]).tobytes())
+    assert i > 0
+    b[i + 3] ^= 0xFF                                  # one flipped byte inside a data page
+    path.write_bytes(bytes(b))
+    return path
+
+
+def test_parquet_page_checksums_are_verified(capsys, tmp_path):
+    src = _corrupt_parquet(tmp_path / "bad.parquet")
+    assert pq.read_table(src).num_rows == 4000       # unchecked, the damage goes unnoticed
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "r.csv", "--k", 2,
+                     "--embedding-column", "emb")
+    assert_one_line_error(rc, err, "bad.parquet", "checksum")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    os.replace(src, ds / "part-0.parquet")
+    rc, _, err = run(capsys, "cluster", ds, "-o", tmp_path / "r.csv", "--k", 2,
+                     "--embedding-column", "emb")
+    assert_one_line_error(rc, err, "checksum")
+    pytest.importorskip("dask")
+    from fastanneal.dask import read_parquet_embeddings
+    X, _, _ = read_parquet_embeddings(ds, column="emb")
+    with pytest.raises(OSError, match="part-0.parquet.*checksum"):
+        X.compute(scheduler="sync")
+    assert not (tmp_path / "r.csv").exists()
+
+
+# =========================================================================== 9. random bad input
+def _hypothesis():
+    return pytest.importorskip("hypothesis")
+
+
+def test_random_bad_files_exit_2_and_leave_the_input(tmp_path_factory):
+    hyp = _hypothesis()
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    header = st.sampled_from(["query,emb\n", "query\temb\n", "emb\n", "query,emb,emb\n", "",
+                              "\ufeffquery,emb\n", "query,weight,emb\n"])
+    cell = st.one_of(st.text(max_size=12), st.sampled_from(
+        ["[1, 2]", "[1, nan]", "[inf, 0]", "[1e400, 1]", "[]", "[1, 2, 3]", "\"[1,\n2]\"",
+         "=cmd()", "-1", "NaN", "\x00", "1e39", "[3.0e38, 3.0e38]"]))
+    row = st.lists(cell, min_size=0, max_size=4).map(lambda cs: ",".join(cs) + "\n")
+    body = st.lists(row, max_size=6).map("".join)
+    raw = st.binary(max_size=64)
+    ext = st.sampled_from([".csv", ".tsv", ".jsonl", ".parquet", ".csv.gz"])
+
+    @settings(max_examples=60, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(header=header, body=body, raw=raw, ext=ext, use_raw=st.booleans(),
+           k=st.integers(min_value=-1, max_value=5))
+    def check(header, body, raw, ext, use_raw, k):
+        d = tmp_path_factory.mktemp("bad")
+        src = d / f"in{ext}"
+        data = raw if use_raw else (header + body).encode("utf-8", "surrogatepass")
+        src.write_bytes(data)
+        before = digest(src)
+        out = d / "out" / "r.csv"
+        out.parent.mkdir()
+        try:
+            rc = cli.main(["cluster", str(src), "-o", str(out), "--embedding-column", "emb",
+                           "--k", str(k), "-q"])
+        except BaseException as e:              # noqa: BLE001 - must never escape
+            pytest.fail(f"{type(e).__name__} escaped main(): {e!r} for {data!r}")
+        assert digest(src) == before
+        if rc == 0:                              # a valid file by chance: outputs complete
+            assert sorted(os.listdir(out.parent)) == ["r.clusters.csv", "r.csv"]
+        else:
+            assert rc == 2, (rc, data)
+            assert os.listdir(out.parent) == [], data
+        # the readers alone: InputError (a ValueError) or a table
+        try:
+            t = read_table(src)
+            from fastanneal._io import embedding_matrix
+            embedding_matrix(t, "emb", src)
+        except InputError:
+            pass
+    check()
