@@ -33,6 +33,8 @@ _LAZY = {
     "AdaptiveSchedule": ("adaptive", "AdaptiveSchedule"),
     "value_and_grad": ("gradient", "value_and_grad"),
     "Loss": ("gradient", "Loss"),
+    "suggest_k": ("choose_k", "suggest_k"),
+    "KSuggestion": ("choose_k", "KSuggestion"),
 }
 
 __all__ = ["Moments", "assign", "entmax15", "moments", "pairwise_distances",

@@ -318,6 +318,7 @@ class _CriticalPhase:
         if unstable.size == 0 and T <= st.T_end * self.cooling ** 6:
             unstable = np.argsort(-lam)[:1]     # nothing left to split on its own
         order = unstable[np.argsort(-lam[unstable])][:K - ke]
+        self.last_split = (lam, order)          # read by the K-choosing path (choose_k.py)
         if order.size:
             eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * ctx.scale))[:, None] * V[order]
             newc = C[order] + eps

@@ -49,8 +49,18 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     # ------------------------------------------------------------------ validation
     def _check_common(self, n_samples=None):
         K = self.n_clusters
-        if not isinstance(K, numbers.Integral) or isinstance(K, bool) or K < 1:
-            raise ValueError(f"n_clusters must be a positive integer; got {K!r}")
+        if isinstance(K, str) and K == "auto" and hasattr(self, "k_max"):
+            km, kn = self.k_max, self.k_min
+            for name, v in (("k_max", km), ("k_min", kn)):
+                if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 2:
+                    raise ValueError(f"n_clusters='auto' needs {name} >= 2 (an integer); "
+                                     f"got {v!r}")
+            if km < kn:
+                raise ValueError(f"k_max={km} must be >= k_min={kn}")
+            K = km
+        elif not isinstance(K, numbers.Integral) or isinstance(K, bool) or K < 1:
+            extra = " or 'auto'" if hasattr(self, "k_max") else ""
+            raise ValueError(f"n_clusters must be a positive integer{extra}; got {K!r}")
         if n_samples is not None and n_samples < K:
             raise ValueError(f"n_samples={n_samples} should be >= n_clusters={K}")
         metric_code(self.metric)
@@ -333,7 +343,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                  learning_rate=0.05, adam_betas=(0.9, 0.999), gradient_steps=10,
                  separation_weight=0.1, phi="identity", phi_margin=None, phi_eps=None,
                  anchor_weight=0.0, batch_size=None, learning_decay=0.6,
-                 learning_offset=1.0, checkpoint=None, reallocate=True):
+                 learning_offset=1.0, checkpoint=None, reallocate=True, k_max=None,
+                 k_min=2):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -369,6 +380,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.learning_offset = learning_offset
         self.checkpoint = checkpoint
         self.reallocate = reallocate
+        self.k_max = k_max
+        self.k_min = k_min
 
     # ------------------------------------------------------------------ validation
     def _check_params(self, n_samples):
@@ -462,7 +475,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         t0 = time.perf_counter() if _t0 is None else _t0
         check_source(source)
         rc = self._check_params(source.n_rows)
-        K = int(self.n_clusters)
+        auto = isinstance(self.n_clusters, str)
+        K = int(self.k_max) if auto else int(self.n_clusters)
         rng = self._rng()
         stats = data_stats(source)
         check_n_clusters(source, K, rng)
@@ -470,14 +484,19 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             raise ValueError("all rows are identical: more than one cluster is undefined")
         self.n_features_in_ = source.n_features
         self.critical_temperature_ = critical_temperature(source, stats.mean, rng)
-        best = None
-        n_init = int(self.n_init)
-        for run in range(n_init):
-            res = self._fit_once(source, in_memory, K, rc, rng, stats, t0,
-                                 run if n_init > 1 else None)
-            if best is None or res[0].hard_objective_final < best[0].hard_objective_final:
-                best = res
-        result, trace, T0 = best
+        if auto:
+            result, trace, T0 = self._fit_auto(source, rc, rng, stats, t0)
+            K = int(self.n_clusters_)
+        else:
+            best = None
+            n_init = int(self.n_init)
+            for run in range(n_init):
+                res = self._fit_once(source, in_memory, K, rc, rng, stats, t0,
+                                     run if n_init > 1 else None)
+                if best is None or res[0].hard_objective_final < best[0].hard_objective_final:
+                    best = res
+            result, trace, T0 = best
+            self.n_clusters_ = K
         C = result.centers
         if in_memory:
             # final hard E-step so that labels_ == predict(X)
@@ -501,6 +520,47 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.n_reallocations_ = int(result.reallocations)
         self.trace_ = trace
         return self
+
+    def _fit_auto(self, source, rc, rng, stats, t0):
+        """``n_clusters="auto"``: follow the phase transitions up to ``k_max`` effective
+        clusters, rank K by plateau width (:mod:`fastanneal.choose_k`), then continue the
+        annealing from the path's coldest state with the chosen K (no refit from scratch):
+        the same critical phase down to ``T_end``, the polish and the re-allocation moves."""
+        from .choose_k import _merged, path_on_source
+        if self.solver == "gradient":
+            raise ValueError("n_clusters='auto' runs the Lloyd solver; use solver='lloyd'")
+        if self.checkpoint is not None:
+            raise ValueError("n_clusters='auto' does not write checkpoints yet; fit the "
+                             "suggested K (k_suggestion_.best) with checkpoint=")
+        if rc != 0:
+            raise ValueError("n_clusters='auto' uses softmax responsibilities")
+        sug = path_on_source(source, int(self.k_max), int(self.k_min), rng)
+        K = int(sug.best)
+        self.k_suggestion_ = sug
+        self.n_clusters_ = K
+        snap = sug.snapshots[K]
+        C, p = _merged(snap, source.metric)
+        T0 = sug.temperature_start
+        T_end = float(self.temperature_end_ratio) * T0
+        self._mass_constrained = True
+        cfg = EngineConfig(n_clusters=K, resp=0, mass_constrained=True,
+                           max_iter=int(self.max_iter), tol=float(self.tol),
+                           polish=bool(self.polish), max_polish_iter=int(self.max_polish_iter),
+                           diagnostics=self.diagnostics, verbose=int(self.verbose),
+                           reallocate=bool(self.reallocate) and bool(self.polish))
+        trace = Trace()
+        trace._rows = [dict(r) for r in sug.trace._rows if r["step"] <= snap["step"]]
+        st = E.AnnealState(centers=C, temperature=float(snap["T"]), T_start=T0, T_end=T_end,
+                           scale=stats.scale, phase="critical",
+                           rule_state={"p": p / p.sum()}, step=int(snap["step"]) + 1)
+        st.phase_step0 = st.step
+        crit = E._CriticalPhase(0.85, 200)
+        result = E.run(source, st, None, cfg, rng, trace, t0, critical=crit)
+        if result.relocations:
+            warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
+                          AnnealingWarning, stacklevel=4)
+        result.hard_objective_final = float(trace["hard_distortion"][-1])
+        return result, trace, T0
 
     def _fit_once(self, source, in_memory, K, rc, rng, stats, t0, run):
         schedule = make_schedule(self.schedule, int(self.n_steps))

@@ -1,0 +1,338 @@
+"""Choosing K from the phase transitions of deterministic annealing (``docs/theory.md`` §9).
+
+Annealing from above the first critical temperature, one effective cluster splits into two
+when the temperature falls below ``2 lambda_max`` of its own covariance; the number of
+clusters then grows one transition at a time. A number of clusters that the data supports
+survives over a wide range of temperatures before its next transition: its *plateau*
+(measured in ``log T``) is wide. :func:`suggest_k` follows that path up to ``k_max``
+clusters (moments only: every backend) and ranks each K by the width of its plateau
+
+    width(K) = log( T_in(K) / T_out(K) ),
+
+``T_in(K)`` the critical temperature at which the K-th cluster appeared and ``T_out(K)`` the
+one at which the next split happens (for ``K = k_max`` the predicted next transition,
+``max_k 2 lambda_max(C_k)`` of the ``k_max``-cluster state). Critical temperatures are the
+``2 lambda_max`` of the splitting cluster computed at the temperature of the split (finer
+than the cooling grid). A K that was skipped (several clusters split at one temperature)
+has width 0.
+
+``AnnealedKMeans(n_clusters="auto", k_max=...)`` fits the best-ranked K by continuing the
+annealing from the path's state with that many clusters (no refit from scratch).
+"""
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _engine as E
+from ._trace import Trace
+
+__all__ = ["suggest_k", "KSuggestion"]
+
+
+def effective_groups(C, thr2):
+    """Groups of codevectors closer than ``sqrt(thr2)`` (single linkage): one effective
+    cluster each. Returns a label per codevector (0 .. groups-1, in order of appearance)."""
+    n = C.shape[0]
+    parent = np.arange(n)
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    d2 = np.einsum("ij,ij->i", C, C)[:, None] + np.einsum("ij,ij->i", C, C)[None, :] \
+        - 2.0 * C @ C.T
+    ii, jj = np.nonzero(np.triu(d2 < thr2, 1))
+    for i, j in zip(ii, jj):
+        ri, rj = find(i), find(j)
+        if ri != rj:
+            parent[max(ri, rj)] = min(ri, rj)
+    roots = np.array([find(i) for i in range(n)])
+    _, lab = np.unique(roots, return_inverse=True)
+    return lab
+
+
+class _PathPhase(E._CriticalPhase):
+    """The critical phase, recording the number of *effective* clusters at every
+    temperature (codevectors closer than ``sqrt(merge * T)`` count once: at temperature
+    ``T`` the Gibbs distribution does not resolve them) and the coldest state of each
+    count; stops once ``k_max`` effective clusters exist (or at ``T_floor``)."""
+
+    def __init__(self, cooling, max_steps, k_max, merge, T_floor):
+        super().__init__(cooling, max_steps)
+        self.k_max = int(k_max)
+        # twins that have not separated yet hold two codevectors for one effective cluster:
+        # room for them, so that the budget does not stall the path below k_max
+        self.max_codevectors = self.k_max + max(2, self.k_max // 2)
+        self.merge = float(merge)
+        self.T_floor = float(T_floor)
+        self.steps = []            # (T, effective clusters, J, F) per temperature
+        self.snapshots = {}        # K -> coldest state with K effective clusters
+        self._pending = None
+
+    def after_step(self, ctx, st, T):
+        """Split effective clusters (not codevectors): an effective cluster made of one
+        codevector splits into twins when ``T < 2 lambda_max`` of its cell; twins that have
+        not separated yet are left to do so (splitting them again would spend codevectors
+        on one cluster: the waste that makes the textbook schedule miss clusters)."""
+        C = st.centers
+        p = np.asarray(st.rule_state["p"], dtype=np.float64)
+        lab = effective_groups(C, self.merge * T)
+        self._pending = dict(centers=C.copy(), p=p.copy(), T=float(T), step=int(st.step),
+                             groups=lab)
+        budget = self.max_codevectors - C.shape[0]
+        if budget <= 0:
+            return 0
+        snap = dict(groups=lab, centers=C, p=p)
+        Ce, _ = _merged(snap, ctx.metric)
+        lam, V = ctx.source.cluster_top_eigenvalues(Ce, 30, ctx.rng, return_vectors=True)
+        count = np.bincount(lab, minlength=Ce.shape[0])
+        unstable = np.nonzero((2.0 * lam > T) & (count == 1))[0]
+        order = unstable[np.argsort(-lam[unstable])][:budget]
+        if not order.size:
+            return 0
+        member = np.full(Ce.shape[0], -1)
+        member[lab[::-1]] = np.arange(C.shape[0])[::-1]       # first codevector per group
+        idx = member[order]
+        eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * ctx.scale))[:, None] * V[order]
+        newc = C[idx] + eps
+        C = C.copy()
+        C[idx] -= eps
+        st.centers = E._project(np.concatenate([C, newc]), ctx.metric)
+        p = p.copy()
+        p[idx] /= 2.0
+        st.rule_state["p"] = np.concatenate([p, p[idx]])
+        return int(order.size)
+
+    def next_temperature(self, st, T, n_split):
+        pend = self._pending
+        self._pending = None
+        lab = pend["groups"]
+        k = int(lab.max()) + 1
+        J, F = float(st.last["hard_distortion"]), float(st.last["free_energy"])
+        self.steps.append((float(T), k, J, F))
+        pend.update(groups=lab, J=J, F=F)
+        self.snapshots[k] = pend
+        if k >= self.k_max or T <= self.T_floor:
+            return None
+        if st.step + 1 - st.phase_step0 >= self.max_steps:
+            return None
+        if n_split and st.centers.shape[0] < self.k_max:
+            return T                     # new twins: equilibrate at this temperature first
+        return T * self.cooling
+
+
+@dataclass
+class KSuggestion:
+    """Candidate numbers of clusters ranked by the width of their phase-transition plateau.
+
+    Attributes
+    ----------
+    best : int, the top-ranked K.
+    ranking : list of int, every K in ``[k_min, k_max]`` that appeared, widest plateau first.
+    ks : (m,) int array, K = k_min .. k_max.
+    width : (m,) plateau widths ``log(T_in / T_out)`` (0 for a K the path skipped).
+    t_in, t_out : (m,) critical temperatures entering / leaving each K (NaN if skipped).
+    hard_distortion, free_energy : (m,) J and F of the coldest equilibrium with K clusters
+        on the path (NaN if skipped).
+    critical_temperature : ``T_c = 2 lambda_max(C)`` of the data (first transition).
+    trace : the path's :class:`~fastanneal._trace.Trace` (temperature, F, J, n_distinct...).
+    """
+    best: int
+    ranking: list
+    ks: np.ndarray
+    width: np.ndarray
+    t_in: np.ndarray
+    t_out: np.ndarray
+    hard_distortion: np.ndarray
+    free_energy: np.ndarray
+    critical_temperature: float
+    k_max: int
+    trace: Trace = field(repr=False, default=None)
+    snapshots: dict = field(repr=False, default_factory=dict)
+    temperature_start: float = float("nan")
+    scale: float = float("nan")
+
+    def table(self):
+        """One dict per K (ranked): k, rank, width, t_in, t_out, hard_distortion."""
+        rank = {k: i + 1 for i, k in enumerate(self.ranking)}
+        rows = []
+        for i, k in enumerate(self.ks):
+            rows.append(dict(k=int(k), rank=rank.get(int(k)), width=float(self.width[i]),
+                             t_in=float(self.t_in[i]), t_out=float(self.t_out[i]),
+                             hard_distortion=float(self.hard_distortion[i]),
+                             free_energy=float(self.free_energy[i])))
+        rows.sort(key=lambda r: (r["rank"] is None, r["rank"] or 0))
+        return rows
+
+    def plot(self, axes=None, top=3):
+        """Two panels: distinct clusters against T (log scale) with the ``top`` widest
+        plateaus shaded, and J against K. Needs matplotlib. Returns the figure."""
+        import matplotlib.pyplot as plt
+        if axes is None:
+            fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        else:
+            fig = axes[0].figure
+        ax = axes[0]
+        tr = self.trace.as_dict()
+        T = np.asarray(tr["temperature"], dtype=float)
+        nd = np.asarray(tr["n_distinct"], dtype=float)
+        ok = T > 0
+        ax.step(T[ok], nd[ok], where="post", color="#0550ae")
+        ax.set_xscale("log")
+        ax.invert_xaxis()
+        colors = ["#2da44e", "#bf8700", "#8250df", "#cf222e"]
+        for j, k in enumerate(self.ranking[:top]):
+            i = int(np.nonzero(self.ks == k)[0][0])
+            lo, hi = self.t_out[i], self.t_in[i]
+            if np.isfinite(lo) and np.isfinite(hi) and hi > lo > 0:
+                ax.axvspan(lo, hi, color=colors[j % len(colors)], alpha=0.25,
+                           label=f"K={k} (width {self.width[i]:.2f})")
+        ax.set_xlabel("temperature T (log, cooling →)")
+        ax.set_ylabel("clusters on the path")
+        ax.legend(fontsize=8, loc="upper left")
+        ax.set_title("phase transitions")
+        ax = axes[1]
+        ok = np.isfinite(self.hard_distortion)
+        ax.plot(self.ks[ok], self.hard_distortion[ok], "o-", ms=3, color="#0550ae")
+        ax.axvline(self.best, color="#2da44e", ls="--", label=f"suggested K={self.best}")
+        ax.set_xlabel("K")
+        ax.set_ylabel("J (hard distortion)")
+        ax.legend(fontsize=8)
+        ax.set_title("objective along the path")
+        fig.tight_layout()
+        return fig
+
+
+def _check_k_range(k_min, k_max, n_rows):
+    for name, v in (("k_min", k_min), ("k_max", k_max)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer; got {v!r}")
+    if k_min < 2:
+        raise ValueError(f"k_min must be >= 2 (one cluster has no plateau to compare); got "
+                         f"{k_min}")
+    if k_max < k_min:
+        raise ValueError(f"k_max={k_max} must be >= k_min={k_min}")
+    if k_max > n_rows:
+        raise ValueError(f"k_max={k_max} is larger than the number of rows ({n_rows})")
+
+
+def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400,
+                   merge=0.5, floor=1e-5, max_iter=4):
+    """Follow the phase transitions on a moment source up to ``k_max`` effective clusters
+    and rank the K; returns :class:`KSuggestion` (with the path's snapshots)."""
+    from ._seeding import check_n_clusters, critical_temperature, data_stats
+    rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+    _check_k_range(k_min, k_max, source.n_rows)
+    stats = data_stats(source)
+    if not stats.scale > 0:
+        raise ValueError("all rows are identical: more than one cluster is undefined")
+    check_n_clusters(source, k_max, rng)
+    T_c = critical_temperature(source, stats.mean, rng)
+    T0 = 1.02 * T_c if T_c > 0 else stats.scale
+    # codevectors: k_max (the effective clusters never outnumber them)
+    cfg = E.EngineConfig(n_clusters=k_max + max(2, k_max // 2), resp=0,
+                         mass_constrained=True, polish=False, reallocate=False,
+                         max_iter=int(max_iter))
+    st = E.critical_state(stats.mean_c, T0, floor * T0, stats.scale)
+    phase = _PathPhase(cooling, max_steps, k_max, merge, floor * T0)
+    trace = Trace()
+    ctx = E.Context(source, cfg, rng, stats.scale, trace, time.perf_counter(),
+                    source.n_features)
+    st.centers = E._project(np.array(st.centers, dtype=np.float64), source.metric)
+    st.rule_state["K"] = cfg.n_clusters
+    E._loop(ctx, st, E.EMRule(critical=True), None, phase, None, 0.0)
+    T_out_last = None
+    if k_max in phase.snapshots:
+        snap = phase.snapshots[k_max]
+        C = _merged(snap, source.metric)[0]
+        lam = source.cluster_top_eigenvalues(C, 30, rng)
+        T_out_last = float(2.0 * np.max(lam))
+    return _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last)
+
+
+def _merged(snap, metric):
+    """``(centers, masses)`` of the effective clusters of a snapshot (mass-weighted)."""
+    lab, C, p = snap["groups"], snap["centers"], snap["p"]
+    k = int(lab.max()) + 1
+    m = np.bincount(lab, weights=p, minlength=k)
+    S = np.zeros((k, C.shape[1]))
+    np.add.at(S, lab, C * p[:, None])
+    out = S / np.maximum(m, 1e-300)[:, None]
+    return E._project(out, metric), m
+
+
+def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last):
+    ks = np.arange(k_min, k_max + 1)
+    m = ks.shape[0]
+    width = np.zeros(m)
+    t_in = np.full(m, np.nan)
+    t_out = np.full(m, np.nan)
+    steps = phase.steps
+    for j, (T, k, _, _) in enumerate(steps):
+        if not k_min <= k <= k_max:
+            continue
+        i = k - k_min
+        t_in[i] = T if np.isnan(t_in[i]) else max(t_in[i], T)
+        if j + 1 < len(steps):
+            T_next = steps[j + 1][0]
+        else:
+            T_next = T_out_last if (T_out_last is not None and k == k_max) else T
+        T_next = min(T_next, T)
+        width[i] += math.log(T / max(T_next, 1e-300)) if T_next > 0 else 0.0
+        t_out[i] = T_next if np.isnan(t_out[i]) else min(t_out[i], T_next)
+    J = np.full(m, np.nan)
+    F = np.full(m, np.nan)
+    for k, snap in phase.snapshots.items():
+        if k_min <= k <= k_max:
+            J[k - k_min], F[k - k_min] = snap["J"], snap["F"]
+    seen = [int(k) for k in ks if int(k) in phase.snapshots]
+    if not seen:
+        raise RuntimeError("the annealing path reached no K in the range; raise max_steps")
+    order = sorted(seen, key=lambda k: (-width[k - k_min], k))
+    return KSuggestion(best=order[0], ranking=order, ks=ks, width=width, t_in=t_in,
+                       t_out=t_out, hard_distortion=J, free_energy=F,
+                       critical_temperature=float(T_c), k_max=int(k_max), trace=trace,
+                       snapshots=phase.snapshots, temperature_start=float(T0),
+                       scale=float(scale))
+
+
+def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
+              random_state=None, backend=None, scheduler=None, cooling=0.85, max_steps=400):
+    """Rank the numbers of clusters ``k_min .. k_max`` by the width of their plateau on the
+    deterministic-annealing path (see the module docstring).
+
+    Parameters
+    ----------
+    X : array (n, D), or a Dask array / Parquet path (``backend="dask"``), like
+        :meth:`AnnealedKMeans.fit`.
+    k_max : int, the most clusters the path splits into (the cost grows with it).
+    k_min : int >= 2, the fewest clusters to rank.
+    cooling : factor between temperatures where nothing splits.
+
+    Returns
+    -------
+    KSuggestion
+        ``.best``, ``.ranking``, ``.table()``, ``.plot()`` and the evidence (plateau widths,
+        critical temperatures, J and F per K, the path's trace).
+
+    Examples
+    --------
+    >>> import numpy as np, fastanneal
+    >>> rng = np.random.default_rng(0)
+    >>> centers = rng.normal(size=(4, 2)) * 10
+    >>> X = np.concatenate([c + rng.normal(size=(100, 2)) for c in centers])
+    >>> fastanneal.suggest_k(X, k_max=8, random_state=0).best
+    4
+    """
+    from .estimator import AnnealedKMeans
+    est = AnnealedKMeans(n_clusters=int(k_max) if isinstance(k_max, (int, np.integer)) else 1,
+                         metric=metric, backend=backend, scheduler=scheduler,
+                         random_state=random_state)
+    source, _ = est._make_source(X, sample_weight)
+    try:
+        return path_on_source(source, k_max, k_min, est._rng(), cooling, max_steps)
+    finally:
+        source.close()

@@ -1,0 +1,100 @@
+"""Choosing K from the phase transitions (``fastanneal.suggest_k``,
+``AnnealedKMeans(n_clusters="auto")``)."""
+import numpy as np
+import pytest
+from sklearn.metrics import adjusted_rand_score
+
+import fastanneal
+from fastanneal.choose_k import effective_groups
+
+
+def blobs(K, D, sep, n=150, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(K, D)) * sep
+    X = np.concatenate([c + rng.normal(size=(n, D)) for c in centers])
+    return X, np.repeat(np.arange(K), n)
+
+
+@pytest.mark.parametrize("K,D,sep", [(4, 2, 10), (8, 5, 8), (12, 10, 6), (6, 64, 3)])
+def test_suggest_k_finds_the_true_k(K, D, sep):
+    X, _ = blobs(K, D, sep)
+    s = fastanneal.suggest_k(X, k_max=2 * K, random_state=0)
+    assert s.best == K, s.table()[:4]
+    i = K - 2
+    assert s.width[i] == s.width.max() > 0
+    # the evidence is consistent: the plateau lies inside the path's temperatures, and the
+    # winner's plateau is wider than the runner-up's by a clear margin
+    assert s.critical_temperature * 1.02 >= s.t_in[i] > s.t_out[i] > 0
+    runner_up = np.sort(s.width)[-2]
+    assert s.width[i] > 1.5 * runner_up
+    assert s.ranking[0] == K and sorted(s.ranking) == sorted(set(s.ranking))
+    rows = s.table()
+    assert rows[0]["k"] == K and rows[0]["rank"] == 1
+
+
+def test_widths_are_measured_on_the_path():
+    """The widths add up the log-temperature steps spent at each effective K: together they
+    cover the path from the first split down to where it stopped."""
+    X, _ = blobs(5, 3, 10, seed=2)
+    s = fastanneal.suggest_k(X, k_max=9, random_state=0)
+    tr = s.trace.as_dict()
+    T = tr["temperature"]
+    assert T[0] >= s.t_in[np.isfinite(s.t_in)].max()
+    covered = s.width.sum()
+    span = np.log(np.nanmax(s.t_in) / np.nanmin(s.t_out))
+    assert covered == pytest.approx(span, rel=1e-9)
+
+
+def test_effective_groups_merge_close_codevectors():
+    C = np.array([[0.0, 0.0], [0.01, 0.0], [5.0, 5.0], [5.0, 5.02], [9.0, 0.0]])
+    lab = effective_groups(C, 0.01)
+    assert lab.max() + 1 == 3 and lab[0] == lab[1] and lab[2] == lab[3] != lab[4]
+    assert effective_groups(C, 1e-8).max() + 1 == 5
+
+
+def test_auto_estimator_continues_from_the_path():
+    X, y = blobs(6, 4, 8, seed=1)
+    km = fastanneal.AnnealedKMeans("auto", k_max=12, random_state=0).fit(X)
+    assert km.n_clusters_ == 6 == km.cluster_centers_.shape[0]
+    assert km.k_suggestion_.best == 6
+    assert adjusted_rand_score(y, km.labels_) > 0.99       # two blobs touch at sep 8
+    np.testing.assert_array_equal(km.predict(X), km.labels_)
+    # the trace starts with the path (one cluster at the top) and ends hard
+    d = km.trace_.as_dict()
+    assert d["n_distinct"][0] == 1 and d["temperature"][-1] == 0
+    assert d["step"][0] == 0 and np.all(np.diff(d["step"][d["step"] >= 0]) >= 0)
+    ref = fastanneal.AnnealedKMeans(6, random_state=0).fit(X)
+    assert km.inertia_ <= ref.inertia_ * (1 + 1e-9)
+
+
+def test_auto_on_dask_matches_in_memory():
+    da = pytest.importorskip("dask.array")
+    X, _ = blobs(5, 3, 10, seed=3)
+    a = fastanneal.suggest_k(X, k_max=9, random_state=0)
+    b = fastanneal.suggest_k(da.from_array(X, chunks=(200, 3)), k_max=9, random_state=0)
+    assert a.best == b.best == 5
+    np.testing.assert_allclose(a.width, b.width, rtol=1e-6, atol=1e-9)
+
+
+def test_bad_k_ranges():
+    X, _ = blobs(3, 2, 10, n=20)
+    for kw, word in [(dict(k_max=1), "k_max"), (dict(k_max=5, k_min=1), "k_min"),
+                     (dict(k_max=3, k_min=4), "k_max"), (dict(k_max=500), "larger")]:
+        with pytest.raises(ValueError, match=word):
+            fastanneal.suggest_k(X, **kw)
+    with pytest.raises(ValueError, match="k_max"):
+        fastanneal.AnnealedKMeans("auto").fit(X)
+    with pytest.raises(ValueError, match="positive integer or 'auto'"):
+        fastanneal.AnnealedKMeans("many").fit(X)
+    with pytest.raises(ValueError, match="checkpoint"):
+        fastanneal.AnnealedKMeans("auto", k_max=5, checkpoint="x").fit(X)
+
+
+def test_plot_has_both_panels():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    X, _ = blobs(4, 2, 10)
+    fig = fastanneal.suggest_k(X, k_max=8, random_state=0).plot()
+    assert len(fig.axes) == 2
+    assert fig.axes[0].get_xscale() == "log"
