@@ -4,6 +4,7 @@ silhouette score, the gap statistic, BIC-based X-means and HDBSCAN, in the same 
     python benchmarks/bench_choose_k.py             # all sets, 3 seeds
     python benchmarks/bench_choose_k.py --quick     # 1 seed
     python benchmarks/bench_choose_k.py --sets a20,iris --seeds 2
+    python benchmarks/bench_choose_k.py --clinc     # CLINC150 (K=150) and its ten domains
 
 Sets (true K known): the known-answer look-alikes with K <= 35 (A-sets a20/a35, DIM-sets
 dim32/dim128, unbalanced), Gaussian blobs (scikit-learn ``make_blobs``) in 2 / 16 / 128 /
@@ -19,6 +20,11 @@ classes are not clean clusters: read those rows loosely). Every method searches 
   Gaussian model of Pelleg & Moore (2000) (X-means scores its splits with this BIC);
 * ``hdbscan``: scikit-learn HDBSCAN (min_cluster_size = 5 % of the smallest true
   cluster, at least 5), the number of clusters it finds (no K range).
+
+``--clinc``: real query intents (not clean clusters): ``suggest_k`` on all of CLINC150 (cosine,
+``k_max = 300``; the peers' sweeps over 2..300 are left out: hours here) and on each of its
+ten domains (15 intents, 2,250 queries, ``k_max = 30``, with the peers), reporting the
+suggested K, whether a clear plateau supports it (``KSuggestion.supported``) and the ranking.
 
 Prints a table per set (K found per seed, seconds) and an overview (how often each method
 hits the true K), and writes JSON atomically (``benchmarks/results/bench_choose_k.json``).
@@ -112,14 +118,15 @@ def by_hdbscan(X, K):
     return int(len(set(lab) - {-1}))
 
 
-def run_set(X, K, seed):
+def run_set(X, K, seed, metric="euclidean"):
     import fastanneal
     k_max = max(8, 2 * K)
     ks = list(range(2, k_max + 1))
     res = {}
     t = time.perf_counter()
-    s = fastanneal.suggest_k(X, k_max=k_max, random_state=seed)
+    s = fastanneal.suggest_k(X, k_max=k_max, metric=metric, random_state=seed)
     res["fastanneal"] = (s.best, time.perf_counter() - t)
+    res["supported"] = bool(s.supported)
     t = time.perf_counter()
     fits = kmeans_sweep(X, ks, seed)
     t_sweep = time.perf_counter() - t
@@ -134,17 +141,48 @@ def run_set(X, K, seed):
     return res
 
 
+def run_clinc(quick):
+    import fastanneal
+    rows = []
+    ds = _study.load("clinc150", quick)
+    t = time.perf_counter()
+    s = fastanneal.suggest_k(ds.X, k_max=2 * ds.n_clusters, metric="cosine", random_state=0)
+    dt = time.perf_counter() - t
+    print(f"clinc150     n={ds.X.shape[0]} true K {ds.n_clusters}: suggested {s.best} "
+          f"(supported {s.supported}; top 5 {s.ranking[:5]}; widest "
+          f"{np.round(np.sort(s.width)[::-1][:3], 2).tolist()}) {dt:.1f}s", flush=True)
+    rows.append(dict(set="clinc150", seed=0, true_k=ds.n_clusters, method="fastanneal",
+                     k=int(s.best), seconds=dt, supported=bool(s.supported),
+                     ranking=[int(k) for k in s.ranking[:10]]))
+    for dom in _study.CLINC_DOMAINS:
+        ds = _study.load(f"clinc150/{dom}", quick)
+        res = run_set(ds.X, ds.n_clusters, 0, metric="cosine")
+        for m in METHODS:
+            rows.append(dict(set=f"clinc150/{dom}", seed=0, true_k=ds.n_clusters, method=m,
+                             k=int(res[m][0]), seconds=float(res[m][1]),
+                             supported=res.get("supported")))
+        print(f"{dom:12s} true K {ds.n_clusters:3d}  " + "  ".join(
+            f"{m} {res[m][0]:>3d}" for m in METHODS)
+            + f"  (fastanneal supported: {res['supported']})", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--sets", default=None)
+    ap.add_argument("--clinc", action="store_true")
     args = ap.parse_args(argv)
     n_seeds = args.seeds or (1 if args.quick else 3)
     warnings.simplefilter("ignore")
     import fastanneal
     Xw = np.random.default_rng(0).normal(size=(200, 4))
     fastanneal.suggest_k(Xw, k_max=4, random_state=0)          # compile outside the timings
+    if args.clinc:
+        rows = run_clinc(args.quick)
+        _study.write_json(_study.RESULTS / "bench_choose_k_clinc.json", {"rows": rows})
+        return
     rows = []
     for seed in range(n_seeds):
         sets = make_sets(seed)
@@ -154,7 +192,7 @@ def main(argv=None):
             res = run_set(X, K, seed)
             for m in METHODS:
                 rows.append(dict(set=name, seed=seed, true_k=K, method=m, k=int(res[m][0]),
-                                 seconds=float(res[m][1])))
+                                 seconds=float(res[m][1]), supported=res["supported"]))
             print(f"{name:12s} seed {seed}  true K {K:3d}  " + "  ".join(
                 f"{m} {res[m][0]:>3d} ({res[m][1]:.1f}s)" for m in METHODS), flush=True)
     print()

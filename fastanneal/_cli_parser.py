@@ -9,6 +9,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"fastanneal: error: {msg} (see: {self.prog} --help)\n")
 
 
+def _k_value(text):
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer or 'auto': {text!r}") from None
+
+
 def _seed(text):
     try:
         v = int(text)
@@ -30,9 +39,12 @@ def _add_cluster_options(p, demo=False):
                          "the input rows with cluster, probability and margin added; the format "
                          "follows the extension (.csv, .tsv, .parquet, .jsonl). The cluster table "
                          "goes to OUTPUT's name + .clusters.csv"))
-    p.add_argument("--k", "-k", type=int, default=None, metavar="K",
-                   help="number of clusters" + (" (default 30, the number of intents)" if demo
-                                                else " (required)"))
+    p.add_argument("--k", "-k", type=_k_value, default=None, metavar="K",
+                   help="number of clusters, or 'auto': chosen from the phase transitions "
+                        "(widest plateau up to --k-max)"
+                        + (" (default 30, the number of intents)" if demo else " (required)"))
+    p.add_argument("--k-max", type=int, default=None, metavar="N",
+                   help="with --k auto: the most clusters considered (default 50)")
     if not demo:
         p.add_argument("--text-column", default="query", metavar="COL",
                        help="column with the query text (default: query)")

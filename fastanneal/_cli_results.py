@@ -101,8 +101,15 @@ def cluster_table(labels, w, cos, texts, ids, K, order):
 
 def summary_items(args, n, D, K, fit, timings, ari, est):
     m = fit.meta
-    items = [("rows", f"{n:,}"), ("dimensions", str(D)), ("clusters (K)", str(K)),
-             ("metric", args.metric), ("schedule", f"{args.schedule}, {args.steps} steps"),
+    kdesc = str(K)
+    sug = getattr(est, "k_suggestion_", None)
+    if sug is not None:
+        kdesc = (f"{K} (auto: widest plateau among 2..{sug.k_max}; next: "
+                 + ", ".join(str(k) for k in sug.ranking[1:4])
+                 + ("" if sug.supported else "; no clear plateau: weak evidence") + ")")
+    items = [("rows", f"{n:,}"), ("dimensions", str(D)), ("clusters (K)", kdesc),
+             ("metric", args.metric), ("schedule", f"{args.schedule}, {args.steps} steps" if sug is None else
+                          "phase-transition path (critical), continued for the chosen K"),
              ("responsibilities", args.responsibilities), ("seed", str(args.seed)),
              ("T start / final", f"{m['temperature_start_']:.4g} / {m['temperature_']:.4g}"),
              ("critical temperature T_c", f"{m['critical_temperature_']:.4g}"),

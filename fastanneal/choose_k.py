@@ -154,6 +154,19 @@ class KSuggestion:
     snapshots: dict = field(repr=False, default_factory=dict)
     temperature_start: float = float("nan")
     scale: float = float("nan")
+    cooling: float = 0.85
+
+    @property
+    def supported(self):
+        """True when the best K's plateau is wide in absolute terms (more than two cooling
+        steps of ``log T``) and clearly wider than the runner-up's (1.5x). False means the
+        path shows no clear plateau -- typical of embeddings whose spectrum is flat, where
+        every cluster splits within a step or two below ``T_c``: ``best`` is then only
+        where the path happened to stop, not a K the data supports."""
+        w = np.sort(self.width)[::-1]
+        step = -math.log(self.cooling)
+        runner = w[1] if w.shape[0] > 1 else 0.0
+        return bool(w[0] > 2.0 * step + 1e-12 and w[0] >= 1.5 * runner)
 
     def table(self):
         """One dict per K (ranked): k, rank, width, t_in, t_out, hard_distortion."""
@@ -250,7 +263,9 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
         C = _merged(snap, source.metric)[0]
         lam = source.cluster_top_eigenvalues(C, 30, rng)
         T_out_last = float(2.0 * np.max(lam))
-    return _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last)
+    out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last)
+    out.cooling = float(cooling)
+    return out
 
 
 def _merged(snap, metric):

@@ -32,6 +32,8 @@ from ._cli_results import (adjusted_rand_index, assignments, cluster_table,  # n
 __all__ = ["main", "build_parser", "adjusted_rand_index"]
 
 EXIT_USAGE = 2
+#: ``--k auto`` without ``--k-max``: the most clusters considered.
+DEFAULT_K_MAX = 50
 #: An unexpected failure (a bug, or the environment): one line, exit 1; --debug: traceback.
 EXIT_INTERNAL = 1
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "clinc150_demo.parquet"
@@ -245,9 +247,11 @@ def fit_model(X, w, args, console):
     """Fit AnnealedKMeans as the arguments say; ``--checkpoint DIR`` is the estimator's
     ``checkpoint=`` (state saved at every step, resumed after a kill, finished fit reused)."""
     from .estimator import AnnealedKMeans
-    kw = dict(n_clusters=int(args.k), metric=args.metric,
+    kw = dict(n_clusters=args.k if args.k == "auto" else int(args.k), metric=args.metric,
               responsibilities=args.responsibilities, schedule=args.schedule,
               n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars)
+    if args.k == "auto":
+        kw["k_max"] = int(args.k_max)
     if args.checkpoint:
         kw["checkpoint"] = args.checkpoint
     if args.backend == "dask":
@@ -413,8 +417,20 @@ def run_cluster(args, console):
         raise CLIError("missing INPUT: a .csv, .tsv, .parquet (file or folder) or .jsonl file "
                        "(or use --demo)")
     if args.k is None:
-        raise CLIError("missing --k: the number of clusters")
-    if args.k < 1:
+        raise CLIError("missing --k: the number of clusters (or --k auto)")
+    if args.k == "auto":
+        if args.k_max is None:
+            args.k_max = DEFAULT_K_MAX
+        if args.k_max < 2:
+            raise CLIError(f"--k-max must be >= 2; got {args.k_max}")
+        if args.checkpoint:
+            raise CLIError("--k auto does not write checkpoints yet; run with --k auto once, "
+                           "then with the chosen --k and --checkpoint")
+        if args.responsibilities != "softmax":
+            raise CLIError("--k auto uses softmax responsibilities")
+    elif args.k_max is not None:
+        raise CLIError("--k-max applies to --k auto")
+    elif args.k < 1:
         raise CLIError(f"--k must be >= 1; got {args.k}")
     if args.steps < 1:
         raise CLIError(f"--steps must be >= 1; got {args.steps}")
@@ -478,15 +494,17 @@ def run_cluster(args, console):
             if args.truth_column not in table.column_names:
                 raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
             truth = table.column(args.truth_column).to_pylist()
-        K = int(args.k)
+        auto = args.k == "auto"
+        K = int(args.k_max) if auto else int(args.k)
+        flag = "--k-max" if auto else "--k"
         live = w > 0
         if K > int(live.sum()):
-            raise CLIError(f"--k {K} is larger than the number of rows with weight > 0 "
+            raise CLIError(f"{flag} {K} is larger than the number of rows with weight > 0 "
                            f"({int(live.sum())})")
         if args.embedding_column is None:
             nd = len({t for t, ok in zip(texts, live) if ok})
             if K > nd:
-                raise CLIError(f"--k {K} is larger than the number of distinct queries ({nd})")
+                raise CLIError(f"{flag} {K} is larger than the number of distinct queries ({nd})")
         timings["read"] = time.perf_counter() - t0
         # ------------------------------------------------------------- vectors
         if args.embedding_column is not None:
@@ -516,14 +534,28 @@ def run_cluster(args, console):
                 what = ("queries" if args.embedding_column is None else
                         "embedding directions (cosine)" if args.metric == "cosine" else
                         "embeddings")
-                raise CLIError(f"--k {K} is larger than the number of distinct {what} ({nd})")
+                raise CLIError(f"{flag} {K} is larger than the number of distinct {what} ({nd})")
             del Xl
         # ------------------------------------------------------------- fit
         t0 = time.perf_counter()
-        console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions) into {K} clusters")
+        if auto:
+            console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions); choosing K in "
+                         f"2..{K} from the phase transitions")
+        else:
+            console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions) into {K} clusters")
         fit = fit_model(X, w, args, console)
         timings["fit"] = time.perf_counter() - t0
         est = fit.estimator
+        if auto:
+            K = int(est.n_clusters_)
+            top = ", ".join(f"{r['k']} ({r['width']:.2f})"
+                            for r in est.k_suggestion_.table()[:5])
+            console.note(f"chose K = {K}: the widest plateau in log T (ranked: {top})")
+            if not est.k_suggestion_.supported:
+                console.note("warning: no clear plateau: the clusters split in a burst below "
+                             "the critical temperature, so no K in the range is clearly "
+                             "supported by the data; K = "
+                             f"{K} is where the path stopped. Choose K for your use instead")
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
         labels, prob, margin, cos = assignments(est, X)
@@ -557,7 +589,8 @@ def run_cluster(args, console):
                     html = build_report(title=f"fastanneal: {Path(src).name}", summary=summary,
                                         trace=fit.trace, clusters=ctab,
                                         centers=np.asarray(est.cluster_centers_)[order],
-                                        metric=args.metric)
+                                        metric=args.metric,
+                                        k_suggestion=getattr(est, "k_suggestion_", None))
                     with open(outs.temp_for(report), "w", encoding="utf-8") as f:
                         f.write(html)
                 outs.commit()

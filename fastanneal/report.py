@@ -220,7 +220,15 @@ def _table_html(rows, columns, numeric):
             + "\n".join(body) + "</tbody></table>")
 
 
-def build_report(title, summary, trace, clusters, centers, metric="cosine"):
+def choose_k_figure(suggestion):
+    """The K-choosing evidence (:meth:`fastanneal.KSuggestion.plot`) as PNG bytes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    return _png(suggestion.plot())
+
+
+def build_report(title, summary, trace, clusters, centers, metric="cosine",
+                 k_suggestion=None):
     """The report as one HTML string.
 
     ``summary``: list of (name, value) pairs; ``trace``: dict of arrays (``Trace.as_dict()``);
@@ -244,6 +252,13 @@ def build_report(title, summary, trace, clusters, centers, metric="cosine"):
             centers, sizes, labels, None if np.isnan(cohesion).all() else cohesion, metric),
          "Projection of the centers on their first two principal components (numpy SVD)."),
     ]
+    if k_suggestion is not None:
+        top = ", ".join(f"K={r['k']} ({r['width']:.2f})" for r in k_suggestion.table()[:5])
+        figs.insert(0, ("choose-k", "Choosing K", choose_k_figure(k_suggestion),
+                        "Left: effective clusters on the annealing path against the temperature "
+                        "(log scale, cooling to the right); the shaded bands are the widest "
+                        "plateaus. Right: the hard objective J of the coldest state of each K "
+                        f"on the path. Ranked by plateau width in log T: {html.escape(top)}."))
     cols = [c for c in ("cluster", "size", "weight", "share", "label", "central_query",
                         "cohesion", "terms") if rows and c in rows[0]]
     numeric = {"cluster", "size", "weight", "share", "cohesion"}

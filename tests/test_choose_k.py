@@ -30,6 +30,16 @@ def test_suggest_k_finds_the_true_k(K, D, sep):
     assert s.ranking[0] == K and sorted(s.ranking) == sorted(set(s.ranking))
     rows = s.table()
     assert rows[0]["k"] == K and rows[0]["rank"] == 1
+    assert s.supported
+
+
+def test_no_plateau_on_a_single_high_dimensional_gaussian():
+    """An isotropic Gaussian in many dimensions has no natural K: below T_c every half is as
+    unstable as the whole and the splits come in a burst. The suggestion says so."""
+    X = np.random.default_rng(5).normal(size=(1500, 64))
+    s = fastanneal.suggest_k(X, k_max=16, random_state=0)
+    assert not s.supported
+    assert s.width.max() <= 2.5 * -np.log(0.85)
 
 
 def test_widths_are_measured_on_the_path():
@@ -98,3 +108,37 @@ def test_plot_has_both_panels():
     fig = fastanneal.suggest_k(X, k_max=8, random_state=0).plot()
     assert len(fig.axes) == 2
     assert fig.axes[0].get_xscale() == "log"
+
+
+def test_cli_k_auto(capsys, tmp_path):
+    from test_cli import assert_one_line_error, make_table, run, write_any
+    table, X, lab = make_table(n=240, D=8, K=4)
+    src = write_any(table, tmp_path / "q.parquet")
+    out = tmp_path / "r.parquet"
+    argv = ["cluster", src, "-o", out, "--embedding-column", "emb", "--metric", "euclidean",
+            "--k", "auto", "--k-max", 8]
+    report = []
+    try:
+        import matplotlib  # noqa: F401
+        report = ["--report", tmp_path / "rep.html"]
+    except ImportError:
+        pass
+    rc, stdout, err = run(capsys, *argv, *report)
+    assert rc == 0, err
+    assert "chose K = 4" in err
+    import pyarrow.parquet as pq
+    got = pq.read_table(out).column("cluster").to_numpy()
+    assert len(np.unique(got)) == 4
+    assert adjusted_rand_score(lab, got) == 1.0
+    if report:
+        html = (tmp_path / "rep.html").read_text()
+        assert 'id="choose-k"' in html and "auto: widest plateau" in html
+    for extra, word in [(["--k", "auto", "--k-max", "1"], "--k-max"),
+                        (["--k", "3", "--k-max", "5"], "--k auto"),
+                        (["--k", "auto", "--checkpoint", tmp_path / "ck"], "checkpoint"),
+                        (["--k", "many"], "--k"),
+                        (["--k", "auto", "--k-max", "500"], "--k-max 500")]:
+        rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "x.csv",
+                         "--embedding-column", "emb", *extra)
+        assert_one_line_error(rc, err, word)
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "x.csv").exists()
