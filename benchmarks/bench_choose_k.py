@@ -146,22 +146,22 @@ def run_clinc(quick):
     rows = []
     ds = _study.load("clinc150", quick)
     t = time.perf_counter()
-    s = fastanneal.suggest_k(ds.X, k_max=2 * ds.n_clusters, metric="cosine", random_state=0)
+    s = fastanneal.suggest_k(ds.X, k_max=2 * ds.K, metric="cosine", random_state=0)
     dt = time.perf_counter() - t
-    print(f"clinc150     n={ds.X.shape[0]} true K {ds.n_clusters}: suggested {s.best} "
+    print(f"clinc150     n={ds.X.shape[0]} true K {ds.K}: suggested {s.best} "
           f"(supported {s.supported}; top 5 {s.ranking[:5]}; widest "
           f"{np.round(np.sort(s.width)[::-1][:3], 2).tolist()}) {dt:.1f}s", flush=True)
-    rows.append(dict(set="clinc150", seed=0, true_k=ds.n_clusters, method="fastanneal",
+    rows.append(dict(set="clinc150", seed=0, true_k=ds.K, method="fastanneal",
                      k=int(s.best), seconds=dt, supported=bool(s.supported),
                      ranking=[int(k) for k in s.ranking[:10]]))
     for dom in _study.CLINC_DOMAINS:
         ds = _study.load(f"clinc150/{dom}", quick)
-        res = run_set(ds.X, ds.n_clusters, 0, metric="cosine")
+        res = run_set(ds.X, ds.K, 0, metric="cosine")
         for m in METHODS:
-            rows.append(dict(set=f"clinc150/{dom}", seed=0, true_k=ds.n_clusters, method=m,
+            rows.append(dict(set=f"clinc150/{dom}", seed=0, true_k=ds.K, method=m,
                              k=int(res[m][0]), seconds=float(res[m][1]),
                              supported=res.get("supported")))
-        print(f"{dom:12s} true K {ds.n_clusters:3d}  " + "  ".join(
+        print(f"{dom:12s} true K {ds.K:3d}  " + "  ".join(
             f"{m} {res[m][0]:>3d}" for m in METHODS)
             + f"  (fastanneal supported: {res['supported']})", flush=True)
     return rows
