@@ -290,16 +290,58 @@ class EMRule:
 
 
 # ---------------------------------------------------------------------------- the loop
+#: Codevectors closer than ``sqrt(MERGE * T)`` are one effective cluster at temperature ``T``
+#: (the Gibbs distribution does not resolve them; docs/theory.md section 9).
+MERGE = 0.5
+
+
+def effective_groups(C, thr2):
+    """Groups of codevectors closer than ``sqrt(thr2)`` (single linkage): one effective
+    cluster each. Returns a label per codevector (0 .. groups-1)."""
+    n = C.shape[0]
+    parent = np.arange(n)
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    sq = np.einsum("ij,ij->i", C, C)
+    d2 = sq[:, None] + sq[None, :] - 2.0 * C @ C.T
+    ii, jj = np.nonzero(np.triu(d2 < thr2, 1))
+    for i, j in zip(ii, jj):
+        ri, rj = find(i), find(j)
+        if ri != rj:
+            parent[max(ri, rj)] = min(ri, rj)
+    roots = np.array([find(i) for i in range(n)])
+    _, lab = np.unique(roots, return_inverse=True)
+    return lab
+
+
+def merge_groups(C, p, lab, metric):
+    """``(centers, masses)`` of the effective clusters ``lab`` (mass-weighted means)."""
+    k = int(lab.max()) + 1
+    m = np.bincount(lab, weights=p, minlength=k)
+    S = np.zeros((k, C.shape[1]))
+    np.add.at(S, lab, C * p[:, None])
+    return _project(S / np.maximum(m, 1e-300)[:, None], metric), m
+
+
 class _CriticalPhase:
     """Deterministic annealing with phase transitions, as a phase of the engine loop.
 
-    Starts with one effective cluster at the mean. After the EM of each temperature (run to
-    convergence, mass-constrained), each cluster's own critical temperature
-    ``2 lambda_max(C_k)`` is computed (Lanczos on additive moments of the cluster's rows)
-    and every cluster with ``T < 2 lambda_max(C_k)`` is split along its top eigenvector into
-    two codevectors with half the mass each, largest ``lambda`` first, until ``K`` clusters
-    exist. The temperature is held while clusters split and cools by ``cooling`` otherwise;
-    the phase ends once ``K`` clusters exist and ``T <= T_end`` (or after ``max_steps``).
+    Starts with one effective cluster at the mean. After the EM of each temperature
+    (mass-constrained), codevectors closer than ``sqrt(MERGE * T)`` are grouped into
+    effective clusters; each effective cluster's own critical temperature
+    ``2 lambda_max(C_k)`` is computed (Lanczos on additive moments of its cell), and every
+    effective cluster that is a single codevector and has ``T < 2 lambda_max(C_k)`` gets a
+    twin along its top eigenvector (half the mass each), largest ``lambda`` first, until
+    ``K`` codevectors exist. Twins that have not separated yet are not split again: the
+    textbook rule (split every codevector whose cell is unstable) splits coincident twins,
+    whose cells are half-spaces through one cluster, in a cascade at one temperature and
+    spends the codevectors on a few clusters (docs/theory.md section 9). The temperature is
+    held while clusters split and cools by ``cooling`` otherwise; the phase ends once ``K``
+    codevectors exist and ``T <= T_end`` (or after ``max_steps``).
     """
 
     def __init__(self, cooling=0.85, max_steps=200):
@@ -307,27 +349,41 @@ class _CriticalPhase:
         self.max_steps = int(max_steps)
 
     def after_step(self, ctx, st, T):
-        """Split the unstable clusters; returns the number of splits."""
+        """Split the unstable effective clusters; returns the number of splits."""
         K = ctx.cfg.n_clusters
+        force = T <= st.T_end * self.cooling ** 6
+        return self.split(ctx, st, T, K - st.centers.shape[0], force)[0]
+
+    def split(self, ctx, st, T, budget, force=False):
+        """Give twins to up to ``budget`` unstable single-codevector effective clusters
+        (``force``: the most unstable one even if it is stable). Returns ``(n_split,
+        groups)``, the groups being those before the split."""
         C = st.centers
-        ke = C.shape[0]
-        if ke >= K:
-            return 0
-        lam, V = ctx.source.cluster_top_eigenvalues(C, 30, ctx.rng, return_vectors=True)
-        unstable = np.nonzero(2.0 * lam > T)[0]
-        if unstable.size == 0 and T <= st.T_end * self.cooling ** 6:
-            unstable = np.argsort(-lam)[:1]     # nothing left to split on its own
-        order = unstable[np.argsort(-lam[unstable])][:K - ke]
-        self.last_split = (lam, order)          # read by the K-choosing path (choose_k.py)
-        if order.size:
-            eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * ctx.scale))[:, None] * V[order]
-            newc = C[order] + eps
-            C[order] -= eps
-            st.centers = _project(np.concatenate([C, newc]), ctx.metric)
-            p = st.rule_state["p"]
-            p[order] /= 2.0
-            st.rule_state["p"] = np.concatenate([p, p[order]])
-        return int(order.size)
+        p = np.asarray(st.rule_state["p"], dtype=np.float64)
+        lab = effective_groups(C, MERGE * T)
+        if budget <= 0:
+            return 0, lab
+        Ce, _ = merge_groups(C, p, lab, ctx.metric)
+        lam, V = ctx.source.cluster_top_eigenvalues(Ce, 30, ctx.rng, return_vectors=True)
+        single = np.bincount(lab, minlength=Ce.shape[0]) == 1
+        unstable = np.nonzero((2.0 * lam > T) & single)[0]
+        if unstable.size == 0 and force and single.any():
+            unstable = np.nonzero(single)[0][np.argsort(-lam[single])][:1]
+        order = unstable[np.argsort(-lam[unstable])][:budget]
+        if not order.size:
+            return 0, lab
+        member = np.empty(Ce.shape[0], dtype=np.int64)
+        member[lab[::-1]] = np.arange(C.shape[0])[::-1]      # first codevector per group
+        idx = member[order]
+        eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * ctx.scale))[:, None] * V[order]
+        C = C.copy()
+        newc = C[idx] + eps
+        C[idx] -= eps
+        st.centers = _project(np.concatenate([C, newc]), ctx.metric)
+        p = p.copy()
+        p[idx] /= 2.0
+        st.rule_state["p"] = np.concatenate([p, p[idx]])
+        return int(order.size), lab
 
     def next_temperature(self, st, T, n_split):
         K_now = st.centers.shape[0]

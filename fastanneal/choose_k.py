@@ -31,80 +31,34 @@ from ._trace import Trace
 __all__ = ["suggest_k", "KSuggestion"]
 
 
-def effective_groups(C, thr2):
-    """Groups of codevectors closer than ``sqrt(thr2)`` (single linkage): one effective
-    cluster each. Returns a label per codevector (0 .. groups-1, in order of appearance)."""
-    n = C.shape[0]
-    parent = np.arange(n)
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-    d2 = np.einsum("ij,ij->i", C, C)[:, None] + np.einsum("ij,ij->i", C, C)[None, :] \
-        - 2.0 * C @ C.T
-    ii, jj = np.nonzero(np.triu(d2 < thr2, 1))
-    for i, j in zip(ii, jj):
-        ri, rj = find(i), find(j)
-        if ri != rj:
-            parent[max(ri, rj)] = min(ri, rj)
-    roots = np.array([find(i) for i in range(n)])
-    _, lab = np.unique(roots, return_inverse=True)
-    return lab
+effective_groups = E.effective_groups
 
 
 class _PathPhase(E._CriticalPhase):
     """The critical phase, recording the number of *effective* clusters at every
-    temperature (codevectors closer than ``sqrt(merge * T)`` count once: at temperature
+    temperature (codevectors closer than ``sqrt(E.MERGE * T)`` count once: at temperature
     ``T`` the Gibbs distribution does not resolve them) and the coldest state of each
     count; stops once ``k_max`` effective clusters exist (or at ``T_floor``)."""
 
-    def __init__(self, cooling, max_steps, k_max, merge, T_floor):
+    def __init__(self, cooling, max_steps, k_max, T_floor):
         super().__init__(cooling, max_steps)
         self.k_max = int(k_max)
         # twins that have not separated yet hold two codevectors for one effective cluster:
         # room for them, so that the budget does not stall the path below k_max
         self.max_codevectors = self.k_max + max(2, self.k_max // 2)
-        self.merge = float(merge)
         self.T_floor = float(T_floor)
         self.steps = []            # (T, effective clusters, J, F) per temperature
         self.snapshots = {}        # K -> coldest state with K effective clusters
         self._pending = None
 
     def after_step(self, ctx, st, T):
-        """Split effective clusters (not codevectors): an effective cluster made of one
-        codevector splits into twins when ``T < 2 lambda_max`` of its cell; twins that have
-        not separated yet are left to do so (splitting them again would spend codevectors
-        on one cluster: the waste that makes the textbook schedule miss clusters)."""
-        C = st.centers
-        p = np.asarray(st.rule_state["p"], dtype=np.float64)
-        lab = effective_groups(C, self.merge * T)
-        self._pending = dict(centers=C.copy(), p=p.copy(), T=float(T), step=int(st.step),
-                             groups=lab)
-        budget = self.max_codevectors - C.shape[0]
-        if budget <= 0:
-            return 0
-        snap = dict(groups=lab, centers=C, p=p)
-        Ce, _ = _merged(snap, ctx.metric)
-        lam, V = ctx.source.cluster_top_eigenvalues(Ce, 30, ctx.rng, return_vectors=True)
-        count = np.bincount(lab, minlength=Ce.shape[0])
-        unstable = np.nonzero((2.0 * lam > T) & (count == 1))[0]
-        order = unstable[np.argsort(-lam[unstable])][:budget]
-        if not order.size:
-            return 0
-        member = np.full(Ce.shape[0], -1)
-        member[lab[::-1]] = np.arange(C.shape[0])[::-1]       # first codevector per group
-        idx = member[order]
-        eps = 0.1 * np.sqrt(np.maximum(lam[order], 1e-12 * ctx.scale))[:, None] * V[order]
-        newc = C[idx] + eps
-        C = C.copy()
-        C[idx] -= eps
-        st.centers = E._project(np.concatenate([C, newc]), ctx.metric)
-        p = p.copy()
-        p[idx] /= 2.0
-        st.rule_state["p"] = np.concatenate([p, p[idx]])
-        return int(order.size)
+        """The engine's split of effective clusters (:meth:`_CriticalPhase.split`), with a
+        budget of ``max_codevectors``; remembers the state before the split."""
+        C0 = st.centers.copy()
+        p0 = np.array(st.rule_state["p"], dtype=np.float64, copy=True)
+        n, lab = self.split(ctx, st, T, self.max_codevectors - C0.shape[0])
+        self._pending = dict(centers=C0, p=p0, T=float(T), step=int(st.step), groups=lab)
+        return n
 
     def next_temperature(self, st, T, n_split):
         pend = self._pending
@@ -233,7 +187,7 @@ def _check_k_range(k_min, k_max, n_rows):
 
 
 def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400,
-                   merge=0.5, floor=1e-5, max_iter=4):
+                   floor=1e-5, max_iter=4):
     """Follow the phase transitions on a moment source up to ``k_max`` effective clusters
     and rank the K; returns :class:`KSuggestion` (with the path's snapshots)."""
     from ._seeding import check_n_clusters, critical_temperature, data_stats
@@ -250,7 +204,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
                          mass_constrained=True, polish=False, reallocate=False,
                          max_iter=int(max_iter))
     st = E.critical_state(stats.mean_c, T0, floor * T0, stats.scale)
-    phase = _PathPhase(cooling, max_steps, k_max, merge, floor * T0)
+    phase = _PathPhase(cooling, max_steps, k_max, floor * T0)
     trace = Trace()
     ctx = E.Context(source, cfg, rng, stats.scale, trace, time.perf_counter(),
                     source.n_features)
@@ -270,13 +224,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
 
 def _merged(snap, metric):
     """``(centers, masses)`` of the effective clusters of a snapshot (mass-weighted)."""
-    lab, C, p = snap["groups"], snap["centers"], snap["p"]
-    k = int(lab.max()) + 1
-    m = np.bincount(lab, weights=p, minlength=k)
-    S = np.zeros((k, C.shape[1]))
-    np.add.at(S, lab, C * p[:, None])
-    out = S / np.maximum(m, 1e-300)[:, None]
-    return E._project(out, metric), m
+    return E.merge_groups(snap["centers"], snap["p"], snap["groups"], metric)
 
 
 def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last):

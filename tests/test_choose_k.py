@@ -142,3 +142,29 @@ def test_cli_k_auto(capsys, tmp_path):
                          "--embedding-column", "emb", *extra)
         assert_one_line_error(rc, err, word)
     assert not (tmp_path / "ck").exists() and not (tmp_path / "x.csv").exists()
+
+
+def test_critical_phase_splits_effective_clusters_not_twins():
+    """The rule shared by schedule="critical" and suggest_k: twins that have not separated
+    yet (closer than sqrt(MERGE T)) are one effective cluster and are not split again; a
+    lone codevector on an unstable cluster is. The textbook rule split both twins here."""
+    import fastanneal._engine as E
+    from fastanneal._sources import InMemorySource
+    from fastanneal._trace import Trace
+    X, _ = blobs(2, 2, 12, seed=4)
+    src = InMemorySource(X, np.ones(X.shape[0]), 0)
+    T = 0.5 * 2.0 * float(np.linalg.eigvalsh(np.cov(X.T, bias=True))[-1])   # below T_c
+    cfg = E.EngineConfig(n_clusters=8)
+    ctx = E.Context(src, cfg, np.random.default_rng(0), 1.0, Trace(), 0.0, 2)
+    m = X.mean(axis=0)
+    phase = E._CriticalPhase()
+    twins = E.AnnealState(centers=np.array([m, m + 1e-3]), temperature=T, T_start=T,
+                          T_end=T / 100, scale=1.0, phase="critical",
+                          rule_state={"p": np.array([0.5, 0.5])})
+    n, lab = phase.split(ctx, twins, T, budget=6)
+    assert lab.tolist() == [0, 0] and n == 0 and twins.centers.shape[0] == 2
+    lone = E.AnnealState(centers=m[None].copy(), temperature=T, T_start=T, T_end=T / 100,
+                         scale=1.0, phase="critical", rule_state={"p": np.ones(1)})
+    n, _ = phase.split(ctx, lone, T, budget=6)
+    assert n == 1 and lone.centers.shape[0] == 2
+    np.testing.assert_allclose(lone.rule_state["p"], [0.5, 0.5])
