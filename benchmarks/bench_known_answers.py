@@ -15,6 +15,8 @@ for ``--methods``):
 * ``fa-norealloc``: the default without the phase-transition re-allocation moves
   (``reallocate=False``): the annealing schedule and the polish alone;
 * ``fa-critical``, ``fa-adaptive``: the same with ``schedule="critical"`` / ``"adaptive"``;
+* ``fa-critical-norealloc``: ``schedule="critical"`` with ``reallocate=False``: the phase
+  transitions (splits of effective clusters) and the polish alone;
 * ``fa-kpp-lloyd``: scikit-learn Lloyd (``KMeans(init=C0, n_init=1)``) from the very k-means++
   seeds C0 the default fit of the same seed started from (recorded by wrapping fastanneal's
   ``kmeans_plusplus`` during that fit): what the annealing adds over its own seeding. Its
@@ -54,6 +56,7 @@ METHODS = {                    # id -> label in the tables
     "fa": "fastanneal (default)",
     "fa-norealloc": "fastanneal reallocate=False",
     "fa-critical": "fastanneal critical",
+    "fa-critical-norealloc": "fastanneal critical, reallocate=False",
     "fa-adaptive": "fastanneal adaptive",
     "fa-kpp-lloyd": "Lloyd from fastanneal k-means++",
     "sk1": "sklearn KMeans n_init=1",
@@ -169,6 +172,7 @@ def make_methods(ids, K, n_swaps, seeds):
 
     table = {"fa": fa_fit(), "fa-norealloc": fa_fit(reallocate=False),
              "fa-critical": fa_fit(schedule="critical"),
+             "fa-critical-norealloc": fa_fit(schedule="critical", reallocate=False),
              "fa-adaptive": fa_fit(schedule="adaptive"), "fa-kpp-lloyd": kpp_lloyd,
              "sk1": sk(1), "sk10": sk(10), "faiss": fa_iss, "rs": rs}
     return [(i, table[i]) for i in ids]
