@@ -29,17 +29,22 @@ def _seed(text):
 
 
 def _add_cluster_options(p, demo=False):
+    req = p if demo else p.add_argument_group(
+        "required (unless --demo)", "what to cluster, where to write it, how many clusters")
     if not demo:
-        p.add_argument("input", nargs="?", metavar="INPUT",
-                       help="queries: .csv / .tsv (optionally .gz), .parquet (file or dataset "
-                            "folder) or .jsonl")
-    p.add_argument("-o", "--output", metavar="OUTPUT",
+        # list the required group first in --help (argparse lists groups in creation order)
+        p._action_groups.insert(0, p._action_groups.pop())
+    if not demo:
+        req.add_argument("input", nargs="?", metavar="INPUT",
+                         help="queries: .csv / .tsv (optionally .gz), .parquet (file or "
+                              "dataset folder) or .jsonl")
+    req.add_argument("-o", "--output", metavar="OUTPUT",
                    help=("folder for the demo outputs (default ./fastanneal-demo/) or a .csv / "
                          ".parquet / .jsonl file" if demo else
                          "the input rows with cluster, probability and margin added; the format "
                          "follows the extension (.csv, .tsv, .parquet, .jsonl). The cluster table "
                          "goes to OUTPUT's name + .clusters.csv"))
-    p.add_argument("--k", "-k", type=_k_value, default=None, metavar="K",
+    req.add_argument("--k", "-k", type=_k_value, default=None, metavar="K",
                    help="number of clusters, or 'auto': chosen from the phase transitions "
                         "(widest plateau up to --k-max)"
                         + (" (default 30, the number of intents)" if demo else " (required)"))

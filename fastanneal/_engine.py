@@ -13,7 +13,9 @@ Everything around the rule exists once, here: the temperature loop, the critical
 centers, the trace record with its certificate, the checkpointable :class:`AnnealState`
 and the Lloyd polish at ``T = 0``. The theory is in ``docs/theory.md``.
 """
+import contextlib
 import logging
+import sys
 import math
 import os
 import time
@@ -26,6 +28,27 @@ from ._trace import Trace
 from .schedules import ScheduleState
 
 log = logging.getLogger("fastanneal")
+
+
+@contextlib.contextmanager
+def verbose_logging(verbose):
+    """``verbose >= 1``: the ``fastanneal`` logger's INFO lines (one per temperature step,
+    one per phase) go to stderr for the duration, whatever the logging configuration."""
+    if not verbose:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fastanneal: %(message)s"))
+    old_level, old_prop = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+        log.propagate = old_prop
 
 RESP_HARD = 2
 #: Clusters with soft mass at most this fraction of the total weight are empty (relocated):
@@ -458,6 +481,9 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
     res_last = st.last
     if st.phase == "polish":
         polish_state(ctx, st, st.last.get("temperature") or 1.0)  # T of the hard pass: moot
+        if len(ctx.trace):
+            log.info("polish (Lloyd at T = 0): J=%.6g, %d moment passes so far",
+                     ctx.trace[-1]["hard_distortion"], st.n_iter)
         st.phase = "reallocate" if cfg.reallocate else "done"
         st.rule_state = {}
         st.rng_state = ctx.rng.bit_generator.state
@@ -466,6 +492,9 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
     if st.phase == "reallocate":
         reallocate_state(ctx, st, hook)
         st.phase = "done"
+        if len(ctx.trace):
+            log.info("re-allocation: %d codevector(s) moved, J=%.6g",
+                     int(st.rule_state.get("moves", 0)), ctx.trace[-1]["hard_distortion"])
     return EngineResult(centers=st.centers, temperature=res_last.get("temperature", math.nan),
                         free_energy=res_last.get("free_energy", math.nan),
                         soft_objective=res_last.get("soft_distortion", math.nan),

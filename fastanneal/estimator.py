@@ -270,6 +270,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         The hard objective ``J`` comes with every moments pass at no extra cost, so both
         record it.
     verbose : int, default=0
+        1: one line per temperature step (T, F, J, entropy, distinct centers) and per
+        phase on stderr.
     progress : bool, default=False
         Show a tqdm progress bar over temperature steps (needs ``fastanneal[progress]``).
     solver : {"lloyd", "gradient"}, default="lloyd"
@@ -436,14 +438,15 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         set, mini-batch annealing (:class:`MiniBatchAnnealedKMeans`).
         """
         self.__dict__.pop("_partial_state", None)
-        if self.batch_size is not None:
-            return self._fit_minibatch(X, sample_weight)
-        t0 = time.perf_counter()
-        source, in_memory = self._make_source(X, sample_weight)
-        try:
-            return self.fit_source(source, in_memory=in_memory, _t0=t0)
-        finally:
-            source.close()
+        with E.verbose_logging(self.verbose):
+            if self.batch_size is not None:
+                return self._fit_minibatch(X, sample_weight)
+            t0 = time.perf_counter()
+            source, in_memory = self._make_source(X, sample_weight)
+            try:
+                return self.fit_source(source, in_memory=in_memory, _t0=t0)
+            finally:
+                source.close()
 
     def _fit_minibatch(self, X, sample_weight):
         self._check_params(None)
@@ -869,6 +872,10 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         """Anneal over ``X``; with ``labels_path`` (Dask / Parquet input), write the labels
         (and ids) as Parquet in the final pass (see :func:`fastanneal.dask.write_labels`).
         Returns self."""
+        with E.verbose_logging(self.verbose):
+            return self._fit(X, sample_weight, ids, labels_path, overwrite)
+
+    def _fit(self, X, sample_weight, ids, labels_path, overwrite):
         t_start = time.perf_counter()
         self.__dict__.pop("_partial_state", None)
         rc = self._check_params()

@@ -125,6 +125,27 @@ def test_help_on_every_subcommand(capsys):
         assert opt in out, opt
     rc, _, err = run(capsys, "cluster", "--bogus")
     assert rc == 2 and "unrecognized" in err
+    # the required arguments are listed first, in their own group, not among the options
+    req = out.index("required (unless --demo)")
+    opts = out.index("options:")
+    assert req < opts
+    for a in ("INPUT", "--output", "--k K"):
+        assert req < out.index(a, req) < opts, a
+
+
+def test_verbose_logs_each_step(capsys):
+    X = np.random.default_rng(0).normal(size=(300, 3))
+    fastanneal.AnnealedKMeans(3, verbose=1, n_steps=3, random_state=0).fit(X)
+    err = capsys.readouterr().err
+    steps = [ln for ln in err.splitlines() if ln.startswith("fastanneal: lloyd step")]
+    assert len(steps) == 3 and "T=" in steps[0] and "J=" in steps[0]
+    assert "fastanneal: polish" in err and "re-allocation" in err
+    fastanneal.AnnealedKMeans(3, n_steps=3, random_state=0).fit(X)
+    assert capsys.readouterr().err == ""                    # verbose=0: silent
+
+
+def test_package_is_typed():
+    assert (Path(fastanneal.__file__).parent / "py.typed").exists()
 
 
 def test_python_dash_m_and_bad_input_subprocess(tmp_path):
