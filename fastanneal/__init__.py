@@ -35,6 +35,7 @@ _LAZY = {
     "Loss": ("gradient", "Loss"),
     "suggest_k": ("choose_k", "suggest_k"),
     "KSuggestion": ("choose_k", "KSuggestion"),
+    "QueryClusters": ("queries", "QueryClusters"),
 }
 
 __all__ = ["Moments", "assign", "entmax15", "moments", "pairwise_distances",

@@ -3,7 +3,7 @@ probability, margin), the labelled cluster table, the adjusted Rand index and th
 import numpy as np
 
 __all__ = ["adjusted_rand_index", "assignments", "cluster_table", "summary_items",
-           "print_summary"]
+           "print_summary", "runner_up", "label_clusters", "Labelled"]
 
 
 def adjusted_rand_index(a, b):
@@ -62,7 +62,72 @@ def assignments(est, X, block_entries=1 << 22):
     return labels, prob, margin, cos
 
 
-def cluster_table(labels, w, cos, texts, ids, K, order):
+def runner_up(X, C, metric, labels, block_entries=1 << 22):
+    """The second-nearest center of every row (blockwise; -1 when K = 1)."""
+    from ._moments import pairwise_distances
+    n, K = X.shape[0], C.shape[0]
+    out = np.full(n, -1, dtype=np.int64)
+    if K < 2:
+        return out
+    block = max(1, min(n, block_entries // K))
+    rows = np.arange(block)
+    for s in range(0, n, block):
+        d = np.asarray(pairwise_distances(X[s:s + block], C, metric=metric), dtype=np.float64)
+        m = d.shape[0]
+        d[rows[:m], labels[s:s + m]] = np.inf
+        out[s:s + m] = np.argmin(d, axis=1)
+    return out
+
+
+def representatives(labels, cos, texts, K, n):
+    """Up to ``n`` distinct texts per cluster, most central first (highest cosine to the
+    center; ties: first row)."""
+    out = [[] for _ in range(K)]
+    if texts is None or n <= 0:
+        return out
+    idx = np.lexsort((np.arange(labels.shape[0]), -cos, labels))
+    for i in idx:
+        k = labels[i]
+        lst = out[k]
+        if len(lst) >= n:
+            continue
+        t = texts[i]
+        if t is not None and t not in lst:
+            lst.append(t)
+    return out
+
+
+class Labelled:
+    """What a fit says about the rows and the clusters, clusters renumbered largest first:
+    ``labels``, ``probability``, ``margin``, ``runner_up`` (per row) and ``clusters`` (the
+    cluster table, a ``pyarrow.Table``)."""
+
+    def __init__(self, labels, probability, margin, runner_up, clusters, order):
+        self.labels = labels
+        self.probability = probability
+        self.margin = margin
+        self.runner_up = runner_up
+        self.clusters = clusters
+        self.order = order
+
+
+def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5):
+    """Per-row assignments and the labelled cluster table of a fitted estimator (what the
+    ``fastanneal`` command writes and :class:`fastanneal.QueryClusters` returns)."""
+    labels, prob, margin, cos = assignments(est, X)
+    C = np.asarray(est.cluster_centers_)
+    K = C.shape[0]
+    ru = runner_up(X, C, est.metric, labels)
+    weight = np.bincount(labels, weights=w, minlength=K)
+    order = np.lexsort((np.arange(K), -weight))          # largest cluster first
+    rank = np.empty(K, dtype=np.int64)
+    rank[order] = np.arange(K)
+    ctab = cluster_table(labels, w, cos, texts, ids, K, order, n_representatives)
+    ru_new = np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)
+    return Labelled(rank[labels], prob, margin, ru_new, ctab, order)
+
+
+def cluster_table(labels, w, cos, texts, ids, K, order, n_representatives=0):
     """The per-cluster table (clusters renumbered by ``order``: largest first)."""
     import pyarrow as pa
     from .labels import cluster_labels
@@ -81,6 +146,8 @@ def cluster_table(labels, w, cos, texts, ids, K, order):
                                       weights=w)
     else:
         short, terms = [""] * K, [""] * K
+    reps = (representatives(labels, cos, texts, K, n_representatives)
+            if texts is not None and n_representatives > 0 else None)
     cols = {
         "cluster": np.arange(K, dtype=np.int64),
         "size": size[order],
@@ -89,6 +156,9 @@ def cluster_table(labels, w, cos, texts, ids, K, order):
         "label": [short[k] for k in order],
         "central_query": [(texts[central[k]] if texts is not None and central[k] >= 0 else None)
                           for k in order],
+        **({"representative_queries": pa.array([reps[k] for k in order],
+                                                type=pa.list_(pa.string()))}
+           if reps is not None else {}),
         "cohesion": cohesion[order],
         "terms": [terms[k] for k in order],
     }

@@ -27,7 +27,7 @@ from ._io import (InputError, OutputSet, atomic_save_npy, atomic_write_bytes,
 
 from ._cli_parser import build_parser  # noqa: E402
 from ._cli_results import (adjusted_rand_index, assignments, cluster_table,  # noqa: E402,F401
-                           print_summary, summary_items)
+                           label_clusters, print_summary, summary_items)
 
 __all__ = ["main", "build_parser", "adjusted_rand_index"]
 
@@ -558,19 +558,15 @@ def run_cluster(args, console):
                              f"{K} is where the path stopped. Choose K for your use instead")
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
-        labels, prob, margin, cos = assignments(est, X)
-        weight = np.bincount(labels, weights=w, minlength=K)
-        order = np.lexsort((np.arange(K), -weight))          # largest cluster first
-        rank = np.empty(K, dtype=np.int64)
-        rank[order] = np.arange(K)
-        ctab = cluster_table(labels, w, cos, texts, ids, K, order)
-        new_labels = rank[labels]
+        lab = label_clusters(est, X, w, texts, ids)
+        ctab, order, new_labels = lab.clusters, lab.order, lab.labels
         out = table
         for name in args.drop_columns:
             if name in out.column_names:
                 out = out.drop_columns([name])
         import pyarrow as pa
-        for name, values in (("cluster", new_labels), ("probability", prob), ("margin", margin)):
+        for name, values in (("cluster", new_labels), ("probability", lab.probability),
+                             ("margin", lab.margin), ("runner_up", lab.runner_up)):
             if name in out.column_names:
                 console.note(f"replacing the input column {name!r}")
                 out = out.drop_columns([name])

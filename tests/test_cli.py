@@ -173,7 +173,8 @@ def test_formats_rows_and_ids_preserved(capsys, dirs, src, dst):
     assert rc == 0, err
     res = read_any(out)
     assert res.num_rows == table.num_rows
-    assert res.column_names == table.column_names + ["cluster", "probability", "margin"]
+    assert res.column_names == table.column_names + ["cluster", "probability", "margin",
+                                                       "runner_up"]
     ids = [str(v) if not isinstance(v, str) else v for v in res.column("id").to_pylist()]
     assert ids == table.column("id").to_pylist()        # "00007" stays "00007", in order
     assert res.column("query").to_pylist() == table.column("query").to_pylist()
@@ -278,7 +279,8 @@ def test_csv_cells_are_kept_verbatim(capsys, dirs):
                      "--embedding-column", "e", "--weight-column", "count", "-q")
     assert rc == 0, err
     out = (o / "r.csv").read_text().splitlines()
-    assert out[0] == '"id","query","zip","count","e","cluster","probability","margin"'
+    assert out[0] == ('"id","query","zip","count","e","cluster","probability","margin",'
+                      '"runner_up"')
     assert out[1].startswith('"000","query 0","00123","1.50","[0.5, 0, 1e-3]",')
 
 
@@ -662,7 +664,8 @@ def test_demo_without_arguments(capsys, tmp_path, monkeypatch):
     assert "fastanneal-demo" in out
     res = pacsv.read_csv(tmp_path / "fastanneal-demo" / "queries.csv")
     assert res.num_rows == 4500
-    assert res.column_names == ["query", "label", "cluster", "probability", "margin"]
+    assert res.column_names == ["query", "label", "cluster", "probability", "margin",
+                               "runner_up"]
     ct = pacsv.read_csv(tmp_path / "fastanneal-demo" / "queries.clusters.csv")
     assert ct.num_rows == 30
 

