@@ -92,7 +92,10 @@ class KSuggestion:
     hard_distortion, free_energy : (m,) J and F of the coldest equilibrium with K clusters
         on the path (NaN if skipped).
     critical_temperature : ``T_c = 2 lambda_max(C)`` of the data (first transition).
-    trace : the path's :class:`~fastanneal._trace.Trace` (temperature, F, J, n_distinct...).
+    trace : the path's :class:`~fastanneal._trace.Trace` (temperature, F, J, ...; its
+        ``n_distinct`` counts codevectors, twins included).
+    path_temperature, path_clusters : the path's temperatures and its number of effective
+        clusters at each (what the plateaus are measured on).
     """
     best: int
     ranking: list
@@ -109,6 +112,8 @@ class KSuggestion:
     temperature_start: float = float("nan")
     scale: float = float("nan")
     cooling: float = 0.85
+    path_temperature: np.ndarray = field(repr=False, default=None)
+    path_clusters: np.ndarray = field(repr=False, default=None)
 
     @property
     def supported(self):
@@ -143,9 +148,8 @@ class KSuggestion:
         else:
             fig = axes[0].figure
         ax = axes[0]
-        tr = self.trace.as_dict()
-        T = np.asarray(tr["temperature"], dtype=float)
-        nd = np.asarray(tr["n_distinct"], dtype=float)
+        T = np.asarray(self.path_temperature, dtype=float)
+        nd = np.asarray(self.path_clusters, dtype=float)
         ok = T > 0
         ax.step(T[ok], nd[ok], where="post", color="#0550ae")
         ax.set_xscale("log")
@@ -158,7 +162,7 @@ class KSuggestion:
                 ax.axvspan(lo, hi, color=colors[j % len(colors)], alpha=0.25,
                            label=f"K={k} (width {self.width[i]:.2f})")
         ax.set_xlabel("temperature T (log, cooling →)")
-        ax.set_ylabel("clusters on the path")
+        ax.set_ylabel("effective clusters on the path")
         ax.legend(fontsize=8, loc="upper left")
         ax.set_title("phase transitions")
         ax = axes[1]
@@ -219,6 +223,8 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
         T_out_last = float(2.0 * np.max(lam))
     out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last)
     out.cooling = float(cooling)
+    out.path_temperature = np.array([r[0] for r in phase.steps])
+    out.path_clusters = np.array([r[1] for r in phase.steps], dtype=np.int64)
     return out
 
 

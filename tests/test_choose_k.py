@@ -50,6 +50,14 @@ def test_widths_are_measured_on_the_path():
     tr = s.trace.as_dict()
     T = tr["temperature"]
     assert T[0] >= s.t_in[np.isfinite(s.t_in)].max()
+    # the widths are measured on the effective-cluster path: K's width is the log-T span
+    # of the path's temperatures with K effective clusters
+    Tp, kp = s.path_temperature, s.path_clusters
+    for k in (3, 5):
+        j = np.nonzero(kp == k)[0]
+        if j.size:
+            nxt = np.append(Tp[1:], s.t_out[k - 2])[j]
+            assert s.width[k - 2] == pytest.approx(np.log(Tp[j] / nxt).sum(), rel=1e-9)
     covered = s.width.sum()
     span = np.log(np.nanmax(s.t_in) / np.nanmin(s.t_out))
     assert covered == pytest.approx(span, rel=1e-9)
