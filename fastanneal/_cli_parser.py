@@ -120,6 +120,31 @@ def build_parser():
     pd.set_defaults(input=None, text_column="query", embedding_column="embedding",
                     id_column=None, weight_column=None, truth_column="label", demo=True,
                     drop_columns=["embedding"])
+    ps = sub.add_parser(
+        "suggest-k", help="rank the numbers of clusters by their phase-transition plateau",
+        description="Follow the annealing path of INPUT's embeddings up to --k-max effective "
+                    "clusters and rank every K by the width of its plateau in log T (the "
+                    "rule of fastanneal.suggest_k). Prints the ranking; writes nothing "
+                    "unless --plot is given.",
+        epilog="example: fastanneal suggest-k queries.parquet --embedding-column embedding "
+               "--k-max 60")
+    ps.add_argument("input", metavar="INPUT",
+                    help=".csv / .tsv, .parquet (file or dataset folder) or .jsonl")
+    ps.add_argument("--embedding-column", required=True, metavar="COL",
+                    help="column with the vectors (a list of floats per row)")
+    ps.add_argument("--weight-column", metavar="COL", help="sample weights (>= 0)")
+    ps.add_argument("--k-max", type=int, default=50, metavar="N",
+                    help="the most clusters considered (default 50)")
+    ps.add_argument("--k-min", type=int, default=2, metavar="N", help="default 2")
+    ps.add_argument("--metric", choices=["cosine", "euclidean"], default="cosine")
+    ps.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    ps.add_argument("--top", type=int, default=10, metavar="N",
+                    help="rows of the ranking to print (default 10)")
+    ps.add_argument("--plot", metavar="PNG", help="save the evidence figure (needs matplotlib)")
+    ps.add_argument("--quiet", "-q", action="store_true", help="only the suggested K")
+    ps.add_argument("--debug", action="store_true",
+                    help="on an unexpected error, print the full traceback")
+    ps.set_defaults(progress=False)
     return parser
 
 

@@ -599,6 +599,71 @@ def run_cluster(args, console):
     return 0
 
 
+def run_suggest(args, console):
+    """``fastanneal suggest-k``: rank K by plateau width; prints a table, writes only --plot."""
+    from .choose_k import suggest_k
+    if args.k_min < 2:
+        raise CLIError(f"--k-min must be >= 2; got {args.k_min}")
+    if args.k_max < args.k_min:
+        raise CLIError(f"--k-max {args.k_max} must be >= --k-min {args.k_min}")
+    if args.plot:
+        if not str(args.plot).lower().endswith(".png"):
+            raise CLIError(f"--plot {args.plot}: the figure is a .png file")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CLIError('--plot needs matplotlib: pip install "fastanneal[report]"') from None
+        check_paths([("INPUT", Path(args.input))], [("--plot", Path(args.plot))])
+        check_writable(Path(args.plot))
+    src = args.input
+    table = read_table(src)
+    n = table.num_rows
+    w = weight_vector(table, args.weight_column, src) if args.weight_column else np.ones(n)
+    X = embedding_matrix(table, args.embedding_column, src)
+    from ._sources import n_distinct_rows
+    from ._validation import check_range, normalize_rows
+    live = w > 0
+    Xl = normalize_rows(X[live]) if args.metric == "cosine" else X[live]
+    try:
+        check_range(Xl, f"{src}: the embeddings")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    nd = n_distinct_rows(Xl, np.ones(Xl.shape[0]), np.random.default_rng(0))
+    if args.k_max > nd:
+        raise CLIError(f"--k-max {args.k_max} is larger than the number of distinct embeddings "
+                       f"with weight > 0 ({nd})")
+    del Xl
+    console.note(f"following the phase transitions of {n:,} rows up to {args.k_max} clusters")
+    t0 = time.perf_counter()
+    try:
+        s = suggest_k(X, k_max=int(args.k_max), k_min=int(args.k_min), sample_weight=w,
+                      metric=args.metric, random_state=int(args.seed))
+    except ValueError as e:
+        raise CLIError(f"cannot rank K: {e}") from None
+    dt = time.perf_counter() - t0
+    if args.quiet:
+        print(s.best)
+    else:
+        print(f"{'rank':>4}  {'K':>5}  {'plateau (log T)':>15}  {'T in':>10}  {'T out':>10}  "
+              f"{'J':>12}")
+        for r in [r for r in s.table() if r["rank"] is not None][:max(1, int(args.top))]:
+            print(f"{r['rank']:>4}  {r['k']:>5}  {r['width']:>15.3f}  {r['t_in']:>10.4g}  "
+                  f"{r['t_out']:>10.4g}  {r['hard_distortion']:>12.6g}")
+        print(f"suggested K = {s.best} ({dt:.1f} s)")
+        if not s.supported:
+            print("no clear plateau: the clusters split in a burst below the critical "
+                  "temperature; no K in the range is clearly supported by the data")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        fig = s.plot()
+        with OutputSet() as outs:
+            fig.savefig(outs.temp_for(args.plot), format="png", dpi=100, bbox_inches="tight")
+            outs.commit()
+        console.note(f"figure: {args.plot}")
+    return 0
+
+
 def main(argv=None):
     """Entry point of the ``fastanneal`` command; returns the exit code."""
     parser = build_parser()
@@ -614,6 +679,8 @@ def main(argv=None):
     console = _Console(args.quiet, args.progress)
     args._created = []
     try:
+        if args.command == "suggest-k":
+            return run_suggest(args, console)
         return run_cluster(args, console)
     except InputError as e:
         _remove_created(args._created)

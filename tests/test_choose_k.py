@@ -176,3 +176,34 @@ def test_critical_phase_splits_effective_clusters_not_twins():
     n, _ = phase.split(ctx, lone, T, budget=6)
     assert n == 1 and lone.centers.shape[0] == 2
     np.testing.assert_allclose(lone.rule_state["p"], [0.5, 0.5])
+
+
+def test_cli_suggest_k(capsys, tmp_path):
+    from test_cli import assert_one_line_error, make_table, run, write_any
+    table, X, lab = make_table(n=240, D=8, K=4)
+    src = write_any(table, tmp_path / "q.parquet")
+    rc, out, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--metric",
+                       "euclidean", "--k-max", 8)
+    assert rc == 0, err
+    assert "suggested K = 4" in out
+    first = [ln for ln in out.splitlines() if ln.strip().startswith("1 ")][0].split()
+    assert first[1] == "4"
+    rc, out, _ = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--metric",
+                     "euclidean", "--k-max", 8, "-q")
+    assert rc == 0 and out.strip() == "4"
+    try:
+        import matplotlib  # noqa: F401
+        rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--k-max", 8,
+                         "--plot", tmp_path / "k.png")
+        assert rc == 0, err
+        assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        pass
+    for extra, word in [(["--k-max", "1"], "--k-max"), (["--k-min", "1"], "--k-min"),
+                        (["--k-max", "500"], "distinct"), (["--plot", tmp_path / "k.jpg"], "png")]:
+        rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", *extra)
+        assert_one_line_error(rc, err, word)
+    rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "nope")
+    assert_one_line_error(rc, err, "'nope' not found")
+    rc, _, err = run(capsys, "suggest-k", src)
+    assert_one_line_error(rc, err, "--embedding-column")
