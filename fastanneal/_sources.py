@@ -51,6 +51,20 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
             Y[k, :j + 1] = vec[:, -1]
         return lam_j
 
+    def ritz_values(j):
+        """The top Ritz values of all clusters in one stacked ``eigvalsh`` (the convergence
+        checks: one LAPACK call instead of K; the final values and vectors come from
+        :func:`ritz`)."""
+        n = j + 1
+        if n == 1:
+            return alpha[0].copy()
+        T = np.zeros((K, n, n))
+        d = np.arange(n)
+        T[:, d, d] = alpha[:n].T
+        T[:, d[:-1], d[1:]] = beta[:j].T
+        T[:, d[1:], d[:-1]] = beta[:j].T
+        return np.linalg.eigvalsh(T)[:, -1]
+
     for j in range(m):
         U = matvec(mu, Q[j]) / wsafe[:, None]
         alpha[j] = np.einsum("kd,kd->k", Q[j], U)
@@ -64,11 +78,12 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
         ok = b > 1e-10 * np.maximum(np.abs(alpha[j]), 1e-300)
         Q[j + 1][ok] = U[ok] / b[ok, None]
         if (j + 1) % 5 == 0 or j == m - 1 or not ok.any():
-            new = ritz(j)
+            new = ritz_values(j)
             done = np.all(np.abs(new - lam) <= 1e-9 * np.maximum(np.abs(new), 1e-300))
             lam = new
             if done or not ok.any():
                 break
+    lam = ritz(steps - 1)                 # final values and Ritz vectors, cluster by cluster
     lam = np.where(wk > 0, np.maximum(lam, 0.0), 0.0)
     if not return_vectors:
         return lam
