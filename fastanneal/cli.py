@@ -3,12 +3,16 @@
     fastanneal demo                                  # bundled CLINC150 sample, no arguments
     fastanneal cluster queries.csv -o clusters.parquet --k 200 --weight-column count \\
         --report report.html --checkpoint ckpt/
+    fastanneal cluster queries.parquet -o out.parquet --k auto --k-max 60 ...
+    fastanneal suggest-k queries.parquet --embedding-column embedding --k-max 60
 
 Every failure the user can fix (a missing file or column, an empty file, bytes that are not
 UTF-8, ragged or NaN embeddings, ``--k`` above the number of distinct queries, duplicate ids,
-an unwritable output, a missing optional extra) is reported in one line on stderr with exit
-code 2, and leaves no partial output behind (all outputs are written to temporary files and
-renamed into place together at the end).
+an output that would overwrite an input, an unwritable output, a missing optional extra, a
+bad scheduler address) is reported in one line on stderr with exit code 2, and leaves no
+partial output behind (all outputs are written to temporary files and renamed into place
+together at the end; temporaries of a killed run are removed by the next one). Anything
+unexpected is one line with exit code 1 (``--debug``: the traceback).
 """
 import contextlib
 import hashlib
