@@ -3,7 +3,7 @@ probability, margin), the labelled cluster table, the adjusted Rand index and th
 import numpy as np
 
 __all__ = ["adjusted_rand_index", "assignments", "cluster_table", "summary_items",
-           "print_summary", "runner_up", "label_clusters", "Labelled"]
+           "print_summary", "label_clusters", "Labelled"]
 
 
 def adjusted_rand_index(a, b):
@@ -35,10 +35,11 @@ def _unit(M):
     return M / np.where(n > 0, n, 1.0)
 
 
-def assignments(est, X, block_entries=1 << 22):
+def assignments(est, X, block_entries=1 << 22, runner_up=False):
     """``(labels, probability, margin, cosine_to_center)`` computed blockwise: the soft
     responsibility of the assigned cluster (``predict_proba`` at the final temperature) never
-    needs the full N x K matrix."""
+    needs the full N x K matrix. ``runner_up``: also the second-nearest center of every row
+    (-1 for K = 1), from the same assignment pass."""
     from ._moments import assign
     C = np.asarray(est.cluster_centers_)
     K = C.shape[0]
@@ -48,35 +49,22 @@ def assignments(est, X, block_entries=1 << 22):
     prob = np.empty(n, dtype=np.float64)
     margin = np.empty(n, dtype=np.float64)
     cos = np.empty(n, dtype=np.float64)
+    second = np.empty(n, dtype=np.int64)
     Cu = _unit(C)
     for s in range(0, n, block):
         Xb = X[s:s + block]
-        lab, _, mar = assign(Xb, C, est.metric)
+        lab, _, mar, sec = assign(Xb, C, est.metric, return_second=True)
         P = est.predict_proba(Xb)
         labels[s:s + block] = lab
+        second[s:s + block] = sec
         prob[s:s + block] = P[np.arange(lab.shape[0]), lab]
         margin[s:s + block] = mar if K > 1 else np.inf
         cos[s:s + block] = np.einsum("ij,ij->i", _unit(Xb), Cu[lab])
     if K == 1:
         margin[:] = np.nan
+    if runner_up:
+        return labels, prob, margin, cos, second
     return labels, prob, margin, cos
-
-
-def runner_up(X, C, metric, labels, block_entries=1 << 22):
-    """The second-nearest center of every row (blockwise; -1 when K = 1)."""
-    from ._moments import pairwise_distances
-    n, K = X.shape[0], C.shape[0]
-    out = np.full(n, -1, dtype=np.int64)
-    if K < 2:
-        return out
-    block = max(1, min(n, block_entries // K))
-    rows = np.arange(block)
-    for s in range(0, n, block):
-        d = np.asarray(pairwise_distances(X[s:s + block], C, metric=metric), dtype=np.float64)
-        m = d.shape[0]
-        d[rows[:m], labels[s:s + m]] = np.inf
-        out[s:s + m] = np.argmin(d, axis=1)
-    return out
 
 
 def representatives(labels, cos, texts, K, n):
@@ -114,10 +102,8 @@ class Labelled:
 def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5):
     """Per-row assignments and the labelled cluster table of a fitted estimator (what the
     ``fastanneal`` command writes and :class:`fastanneal.QueryClusters` returns)."""
-    labels, prob, margin, cos = assignments(est, X)
-    C = np.asarray(est.cluster_centers_)
-    K = C.shape[0]
-    ru = runner_up(X, C, est.metric, labels)
+    labels, prob, margin, cos, ru = assignments(est, X, runner_up=True)
+    K = np.asarray(est.cluster_centers_).shape[0]
     weight = np.bincount(labels, weights=w, minlength=K)
     order = np.lexsort((np.arange(K), -weight))          # largest cluster first
     rank = np.empty(K, dtype=np.int64)

@@ -465,8 +465,9 @@ def distances_kernel(X, C, csq, metric, block, out):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def assign_kernel(X, C, csq, metric, block, labels, dmin, margin):
-    """Nearest center, its squared distance and the second-best margin of every row."""
+def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
+    """Nearest center, its squared distance, the second-best margin and the second-nearest
+    center (-1 for K = 1) of every row."""
     n = X.shape[0]
     K = C.shape[0]
     nb = (n + block - 1) // block
@@ -480,18 +481,22 @@ def assign_kernel(X, C, csq, metric, block, labels, dmin, margin):
         for i in range(m):
             d1 = np.inf
             d2 = np.inf
-            kmin = 0
+            kmin = -1
+            k2 = -1
             for k in range(K):
                 d = np.float64(G[i, k])
                 if d < d1:
                     d2 = d1
+                    k2 = kmin
                     d1 = d
                     kmin = k
                 elif d < d2:
                     d2 = d
-            labels[b0 + i] = kmin
+                    k2 = k
+            labels[b0 + i] = max(kmin, 0)
             dmin[b0 + i] = d1
             margin[b0 + i] = d2 - d1
+            second[b0 + i] = k2
 
 
 @njit(cache=True, nogil=True)

@@ -320,8 +320,9 @@ def pairwise_distances(X, centers, metric="euclidean"):
     return out
 
 
-def assign(X, centers, metric="euclidean", _prepared=False):
-    """Hard assignment: ``(labels, d_min, margin)`` with ``margin = d_(2) - d_(1)``."""
+def assign(X, centers, metric="euclidean", _prepared=False, return_second=False):
+    """Hard assignment: ``(labels, d_min, margin)`` with ``margin = d_(2) - d_(1)``; with
+    ``return_second`` also the second-nearest center of every row (-1 for K = 1)."""
     if _prepared:
         C = np.ascontiguousarray(centers, dtype=X.dtype)
         mc = metric if isinstance(metric, int) else metric_code(metric)
@@ -332,8 +333,12 @@ def assign(X, centers, metric="euclidean", _prepared=False):
     labels = np.empty(n, dtype=np.int64)
     dmin = np.empty(n, dtype=np.float64)
     margin = np.empty(n, dtype=np.float64)
+    second = np.empty(n, dtype=np.int64)
     with blas_single_thread():
-        K_.assign_kernel(X, C, csq, mc, int(_config.CPU_BLOCK_ROWS), labels, dmin, margin)
+        K_.assign_kernel(X, C, csq, mc, int(_config.CPU_BLOCK_ROWS), labels, dmin, margin,
+                         second)
+    if return_second:
+        return labels, dmin, margin, second
     return labels, dmin, margin
 
 

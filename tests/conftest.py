@@ -57,6 +57,19 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "clinc150.parquet"
 
 
+def require_cuda():
+    """CUDA tests run on the simulator (numba-cuda is in the test extra), so an unavailable
+    backend is a broken install and fails the test; only with FASTANNEAL_REAL_CUDA=1 on a
+    machine without a GPU is it a skip (the variable asks for real hardware)."""
+    from fastanneal import cuda
+    if cuda.is_available():
+        return
+    if os.environ.get("FASTANNEAL_REAL_CUDA") == "1":
+        pytest.skip("FASTANNEAL_REAL_CUDA=1 but no CUDA device is visible")
+    pytest.fail("fastanneal.cuda.is_available() is False although the numba-cuda simulator "
+                "is enabled: install the test extra (numba-cuda==0.30.4)")
+
+
 def pytest_addoption(parser):
     parser.addoption("--fresh-seeds", action="store_true",
                      help="draw a fresh seed for every test that uses the rng fixture (and "

@@ -31,6 +31,8 @@ from fastanneal._protocol import MomentSource, check_source
 from fastanneal._sources import InMemorySource
 from fastanneal.gradient import value_and_grad_from_source
 
+from conftest import require_cuda
+
 KINDS = ["memory-f64", "memory-f32", "dask", "dask-stream", "cuda"]
 RESP_NAMES = ["softmax", "entmax15", "hard"]
 
@@ -71,8 +73,7 @@ def make_source(kind, X, w, request):
         return InMemorySource(np.ascontiguousarray(X), np.asarray(w, dtype=np.float64), 0)
     if kind == "cuda":
         from fastanneal import cuda
-        if not cuda.is_available():
-            pytest.skip("fastanneal.cuda.is_available() is False (no GPU, no simulator)")
+        require_cuda()
         request.getfixturevalue("cuda_tuning")
         return cuda.CudaSource(np.ascontiguousarray(X), np.asarray(w, dtype=np.float64), 0)
     da = pytest.importorskip("dask.array")
@@ -335,9 +336,7 @@ def test_gradient_solver_on_dask_matches_in_memory(client):
 
 
 def test_gradient_solver_on_cuda_matches_in_memory(request):
-    from fastanneal import cuda
-    if not cuda.is_available():
-        pytest.skip("fastanneal.cuda.is_available() is False (no GPU, no simulator)")
+    require_cuda()
     request.getfixturevalue("cuda_tuning")
     d = Data("cuda")
     kw = dict(solver="gradient", random_state=0, n_steps=3, gradient_steps=2)

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 STOP_STEP = 3
 
 
-from conftest import blobs  # noqa: E402  (shared with test_dask.py)
+from conftest import blobs, require_cuda  # noqa: E402  (shared with test_dask.py)
 
 
 @pytest.fixture(scope="module")
@@ -546,9 +546,7 @@ def test_cuda_backend_resumes_to_the_same_result(tmp_path, monkeypatch):
     small launches, it is slow): interrupted after step 2 and resumed, the fit equals an
     uninterrupted one."""
     from fastanneal import _config
-    from fastanneal import cuda as fcuda
-    if not fcuda.is_available():
-        pytest.skip("no CUDA device or simulator")
+    require_cuda()
     monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 8)
     monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 5)
     monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 13, raising=False)
