@@ -320,8 +320,12 @@ MERGE = 0.5
 
 def effective_groups(C, thr2):
     """Groups of codevectors closer than ``sqrt(thr2)`` (single linkage): one effective
-    cluster each. Returns a label per codevector (0 .. groups-1)."""
+    cluster each. Returns a label per codevector (0 .. groups-1, numbered by their first
+    codevector)."""
     n = C.shape[0]
+    if n < 2:
+        return np.zeros(n, dtype=np.int64)
+    _, D2 = min_center_distance(C)
     parent = np.arange(n)
 
     def find(i):
@@ -329,16 +333,12 @@ def effective_groups(C, thr2):
             parent[i] = parent[parent[i]]
             i = parent[i]
         return i
-    sq = np.einsum("ij,ij->i", C, C)
-    d2 = sq[:, None] + sq[None, :] - 2.0 * C @ C.T
-    ii, jj = np.nonzero(np.triu(d2 < thr2, 1))
-    for i, j in zip(ii, jj):
+    for i, j in zip(*np.nonzero(np.triu(D2 < thr2, 1))):
         ri, rj = find(i), find(j)
         if ri != rj:
             parent[max(ri, rj)] = min(ri, rj)
-    roots = np.array([find(i) for i in range(n)])
-    _, lab = np.unique(roots, return_inverse=True)
-    return lab
+    _, lab = np.unique([find(i) for i in range(n)], return_inverse=True)
+    return lab.astype(np.int64)
 
 
 def merge_groups(C, p, lab, metric):

@@ -31,9 +31,6 @@ from ._trace import Trace
 __all__ = ["suggest_k", "KSuggestion"]
 
 
-effective_groups = E.effective_groups
-
-
 class _PathPhase(E._CriticalPhase):
     """The critical phase, recording the number of *effective* clusters at every
     temperature (codevectors closer than ``sqrt(E.MERGE * T)`` count once: at temperature

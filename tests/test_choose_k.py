@@ -5,7 +5,7 @@ import pytest
 from sklearn.metrics import adjusted_rand_score
 
 import fastanneal
-from fastanneal.choose_k import effective_groups
+from fastanneal._engine import effective_groups
 
 
 def blobs(K, D, sep, n=150, seed=0):
