@@ -82,15 +82,15 @@ def data_stats(source):
     return DataStats(mean, mean_c, float(m0.hard_distortion / source.total_weight))
 
 
-def check_n_clusters(source, K, rng):
+def check_n_clusters(source, K, rng, name="n_clusters"):
     """``ValueError`` when ``K`` exceeds the rows or the distinct rows, or the rows are all
-    identical (draws one random vector from ``rng``)."""
+    identical (draws one random vector from ``rng``). ``name``: the parameter to name."""
     if source.n_rows < K:
-        raise ValueError(f"n_samples={source.n_rows} should be >= n_clusters={K}")
+        raise ValueError(f"n_samples={source.n_rows} should be >= {name}={K}")
     if K > 1:
         nd = source.n_distinct_rows(rng, K)
         if nd < K:
-            raise ValueError(f"n_clusters={K} is larger than the number of distinct points "
+            raise ValueError(f"{name}={K} is larger than the number of distinct points "
                              f"with non-zero weight ({nd})")
 
 

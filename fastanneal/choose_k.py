@@ -188,17 +188,22 @@ def _check_k_range(k_min, k_max, n_rows):
 
 
 def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400,
-                   floor=1e-5, max_iter=4):
+                   floor=1e-5, max_iter=4, checked=None):
     """Follow the phase transitions on a moment source up to ``k_max`` effective clusters
-    and rank the K; returns :class:`KSuggestion` (with the path's snapshots)."""
+    and rank the K; returns :class:`KSuggestion` (with the path's snapshots).
+    ``checked``: ``(stats, T_c)`` of a caller that has already computed the data
+    statistics, the critical temperature and checked ``k_max`` (no second pass for them)."""
     from ._seeding import check_n_clusters, critical_temperature, data_stats
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
     _check_k_range(k_min, k_max, source.n_rows)
-    stats = data_stats(source)
-    if not stats.scale > 0:
-        raise ValueError("all rows are identical: more than one cluster is undefined")
-    check_n_clusters(source, k_max, rng)
-    T_c = critical_temperature(source, stats.mean, rng)
+    if checked is not None:
+        stats, T_c = checked
+    else:
+        stats = data_stats(source)
+        if not stats.scale > 0:
+            raise ValueError("all rows are identical: more than one cluster is undefined")
+        check_n_clusters(source, k_max, rng, name="k_max")
+        T_c = critical_temperature(source, stats.mean, rng)
     T0 = 1.02 * T_c if T_c > 0 else stats.scale
     # codevectors: k_max (the effective clusters never outnumber them)
     cfg = E.EngineConfig(n_clusters=k_max + max(2, k_max // 2), resp=0,

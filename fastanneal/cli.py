@@ -266,7 +266,9 @@ def fit_model(X, w, args, console):
         try:
             est.fit(X, sample_weight=w)
         except ValueError as e:
-            raise CLIError(f"cannot cluster: {e}") from None
+            # the estimator names its parameters; the user typed the command's flags
+            msg = str(e).replace("n_clusters=", "--k ").replace("k_max=", "--k-max ")
+            raise CLIError(f"cannot cluster: {msg}") from None
     info = getattr(est, "checkpoint_info_", None) or {}
     if info.get("finished"):
         console.note(f"using the finished fit in {args.checkpoint}")
@@ -522,24 +524,9 @@ def run_cluster(args, console):
             if zero.any():
                 raise CLIError(f"{src}: row {int(np.argmax(zero)) + 1} has an all-zero embedding;"
                                " the cosine metric needs non-zero vectors")
-        if K > 1:
-            # the rows as the fit sees them (unit rows for cosine), counted exactly
-            from ._sources import n_distinct_rows
-            from ._validation import check_range, normalize_rows
-            Xl = X[live]
-            if args.metric == "cosine":
-                Xl = normalize_rows(Xl)
-            try:
-                check_range(Xl, f"{src}: the embeddings")
-            except ValueError as e:
-                raise CLIError(str(e)) from None
-            nd = n_distinct_rows(Xl, np.ones(Xl.shape[0]), np.random.default_rng(0))
-            if K > nd:
-                what = ("queries" if args.embedding_column is None else
-                        "embedding directions (cosine)" if args.metric == "cosine" else
-                        "embeddings")
-                raise CLIError(f"{flag} {K} is larger than the number of distinct {what} ({nd})")
-            del Xl
+        # K above the distinct embeddings (exact, on the rows as the fit sees them: unit
+        # rows for cosine) and values out of range are the estimator's checks: its
+        # ValueError becomes a one-line "cannot cluster: ..." (no second copy of X here)
         # ------------------------------------------------------------- fit
         t0 = time.perf_counter()
         if auto:

@@ -482,7 +482,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         K = int(self.k_max) if auto else int(self.n_clusters)
         rng = self._rng()
         stats = data_stats(source)
-        check_n_clusters(source, K, rng)
+        check_n_clusters(source, K, rng, name="k_max" if auto else "n_clusters")
         if not stats.scale > 0 and K > 1:
             raise ValueError("all rows are identical: more than one cluster is undefined")
         self.n_features_in_ = source.n_features
@@ -537,7 +537,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                              "suggested K (k_suggestion_.best) with checkpoint=")
         if rc != 0:
             raise ValueError("n_clusters='auto' uses softmax responsibilities")
-        sug = path_on_source(source, int(self.k_max), int(self.k_min), rng)
+        sug = path_on_source(source, int(self.k_max), int(self.k_min), rng,
+                             checked=(stats, self.critical_temperature_))
         K = int(sug.best)
         self.k_suggestion_ = sug
         self.n_clusters_ = K

@@ -300,7 +300,8 @@ def test_k_above_exact_distinct_rows_everywhere(capsys, tmp_path):
     src = write_any(table, tmp_path / "x.parquet")
     rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "r.csv", "--k", 4,
                      "--embedding-column", "emb")
-    assert_one_line_error(rc, err, "distinct embedding directions (cosine) (3)")
+    assert_one_line_error(rc, err, "cannot cluster", "--k 4",
+                          "distinct points with non-zero weight (3)")
 
 
 # =========================================================================== 4. numeric range
@@ -340,6 +341,17 @@ def test_finite_extremes_are_refused_or_exact(dtype, good, bad, word):
         with pytest.raises(ValueError, match=word) as e:
             call()
         assert "rescale" in str(e.value)
+
+
+def test_range_check_in_the_command(capsys, tmp_path):
+    Xb, _ = _blobs(np.float32, 1e19)
+    table = pa.table({"query": [f"q{i}" for i in range(Xb.shape[0])],
+                      "emb": pa.FixedSizeListArray.from_arrays(pa.array(Xb.ravel()), 4)})
+    src = write_any(table, tmp_path / "big.parquet")
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "r.csv", "--k", 3,
+                     "--embedding-column", "emb", "--metric", "euclidean")
+    assert_one_line_error(rc, err, "cannot cluster", "too large", "rescale")
+    assert not (tmp_path / "r.csv").exists()
 
 
 def test_range_check_on_dask_chunks_and_init():
