@@ -503,6 +503,24 @@ def test_stale_temporaries_are_removed_live_ones_kept(capsys, tmp_path, inp):
     assert clean_stale_temps(out) == []
 
 
+def test_labels_folder_writer_cleans_stale_temporaries(tmp_path):
+    """The mini-batch labels writer (an output folder) uses the same temporary naming: a
+    dead run's ``.tmpdir`` is removed when the next run starts writing the same folder."""
+    pytest.importorskip("dask")
+    from fastanneal.dask._minibatch import _AtomicFolder
+    target = tmp_path / "labels"
+    host = temp_prefix(target)[len(".labels."):-1].rsplit("-", 1)[0]
+    stale = tmp_path / f".labels.{host}-{_dead_pid()}.abc.tmpdir"
+    stale.mkdir()
+    (stale / "part-000000.parquet").write_bytes(b"half")
+    folder = _AtomicFolder(target)
+    assert not stale.exists() and Path(folder.tmp).is_dir()
+    (Path(folder.tmp) / "part-000000.parquet").write_bytes(b"done")
+    folder.commit()
+    assert sorted(os.listdir(tmp_path)) == ["labels"]
+    assert os.listdir(target) == ["part-000000.parquet"]
+
+
 def test_sigkill_during_the_final_write_is_cleaned_by_the_rerun(tmp_path, inp):
     table, d = inp
     src = write_any(table, d / "q.parquet")

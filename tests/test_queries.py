@@ -48,11 +48,19 @@ def test_cluster_info_and_assignments(data):
     assert qc.n_clusters_ == 4 and info.num_rows == 4
     reps = info.column("representative_queries").to_pylist()
     central = info.column("central_query").to_pylist()
+    # reference: each cluster's distinct member texts by cosine to its center, most
+    # central first (ties: first row), the first three
+    Xu = X / np.linalg.norm(X, axis=1, keepdims=True)
+    Cu = qc.cluster_centers_ / np.linalg.norm(qc.cluster_centers_, axis=1, keepdims=True)
     for k in range(4):
-        assert 1 <= len(reps[k]) <= 3 and len(set(reps[k])) == len(reps[k])
+        rows = np.nonzero(qc.labels_ == k)[0]
+        cosk = Xu[rows] @ Cu[k]
+        expected = []
+        for i in rows[np.lexsort((rows, -cosk))]:
+            if texts[i] not in expected:
+                expected.append(texts[i])
+        assert reps[k] == expected[:3], (k, reps[k], expected[:3])
         assert reps[k][0] == central[k]
-        members = {t for t, c in zip(texts, qc.labels_) if c == k}
-        assert set(reps[k]) <= members
         # the label names the cluster's topic: one of its four topic words
         words = set(info.column("label")[k].as_py().split())
         assert any(words & set(t) for t in TOPICS)
