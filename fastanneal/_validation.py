@@ -89,16 +89,21 @@ _SQ_MIN = {dt: float(np.finfo(dt).tiny) * 2.0 ** (np.finfo(dt).nmant + 1)
            for dt in (np.dtype(np.float64), np.dtype(np.float32))}
 
 
+def scaled_row_norms(B):
+    """Row norms of ``B`` in float64, each row scaled by its largest entry first: no overflow
+    or underflow of the squares, whatever the magnitude."""
+    B = np.asarray(B, dtype=np.float64)
+    m = np.max(np.abs(B), axis=1, keepdims=True)
+    m[m == 0] = 1.0
+    z = B / m
+    return np.sqrt(np.einsum("ij,ij->i", z, z)) * m[:, 0]
+
+
 def max_row_norm(X, block_rows=16384):
-    """The largest row norm of ``X`` in float64 (rows scaled first: no overflow)."""
+    """The largest row norm of ``X`` (:func:`scaled_row_norms`, in row blocks)."""
     out = 0.0
     for b in range(0, X.shape[0], block_rows):
-        blk = np.asarray(X[b:b + block_rows], dtype=np.float64)
-        m = np.max(np.abs(blk), axis=1, keepdims=True)
-        m[m == 0] = 1.0
-        z = blk / m
-        norms = np.sqrt(np.einsum("ij,ij->i", z, z)) * m[:, 0]
-        out = max(out, float(norms.max(initial=0.0)))
+        out = max(out, float(scaled_row_norms(X[b:b + block_rows]).max(initial=0.0)))
     return out
 
 
@@ -163,9 +168,7 @@ def normalize_rows(X, name="X"):
         norms = np.sqrt(np.einsum("ij,ij->i", X, X, dtype=np.float64))
     big = ~np.isfinite(norms)
     if big.any():
-        Xb = np.asarray(X[big], dtype=np.float64)
-        m = np.max(np.abs(Xb), axis=1)
-        norms[big] = m * np.sqrt(np.einsum("ij,ij->i", Xb / m[:, None], Xb / m[:, None]))
+        norms[big] = scaled_row_norms(X[big])
     if X.shape[0] and (norms == 0).any():
         raise ValueError(f"{name} has all-zero rows (first at row "
                          f"{int(np.argwhere(norms == 0)[0, 0])}); the cosine metric needs "

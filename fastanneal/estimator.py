@@ -547,11 +547,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         T0 = sug.temperature_start
         T_end = float(self.temperature_end_ratio) * T0
         self._mass_constrained = True
-        cfg = EngineConfig(n_clusters=K, resp=0, mass_constrained=True,
-                           max_iter=int(self.max_iter), tol=float(self.tol),
-                           polish=bool(self.polish), max_polish_iter=int(self.max_polish_iter),
-                           diagnostics=self.diagnostics, verbose=int(self.verbose),
-                           reallocate=bool(self.reallocate) and bool(self.polish))
+        cfg = self._engine_config(K, 0, True)
         trace = Trace()
         trace._rows = [dict(r) for r in sug.trace._rows if r["step"] <= snap["step"]]
         st = E.AnnealState(centers=C, temperature=float(snap["T"]), T_start=T0, T_end=T_end,
@@ -560,10 +556,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         st.phase_step0 = st.step
         crit = E._CriticalPhase(0.85, 200)
         result = E.run(source, st, None, cfg, rng, trace, t0, critical=crit)
-        if result.relocations:
-            warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
-                          AnnealingWarning, stacklevel=4)
-        result.hard_objective_final = float(trace["hard_distortion"][-1])
+        self._check_run(result, trace, K)
         return result, trace, T0
 
     def _fit_once(self, source, in_memory, K, rc, rng, stats, t0, run):
@@ -577,11 +570,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         if self.solver == "gradient":
             mc = False                      # value_and_grad has no log-prior
         self._mass_constrained = mc
-        cfg = EngineConfig(n_clusters=K, resp=rc, mass_constrained=mc,
-                           max_iter=int(self.max_iter), tol=float(self.tol),
-                           polish=bool(self.polish), max_polish_iter=int(self.max_polish_iter),
-                           diagnostics=self.diagnostics, verbose=int(self.verbose),
-                           reallocate=bool(self.reallocate) and bool(self.polish))
+        cfg = self._engine_config(K, rc, mc)
         ckpt = self._make_checkpoint(source, K, run)
         st = ckpt.load() if ckpt is not None else None
         trace = Trace()
@@ -637,17 +626,30 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                 bar.close()
         if ckpt is not None:
             ckpt.save(st)
+        self._check_run(result, trace, K)
+        return result, trace, T0
+
+    def _engine_config(self, K, rc, mass_constrained):
+        return EngineConfig(n_clusters=K, resp=rc, mass_constrained=mass_constrained,
+                            max_iter=int(self.max_iter), tol=float(self.tol),
+                            polish=bool(self.polish),
+                            max_polish_iter=int(self.max_polish_iter),
+                            diagnostics=self.diagnostics, verbose=int(self.verbose),
+                            reallocate=bool(self.reallocate) and bool(self.polish))
+
+    def _check_run(self, result, trace, K):
+        """What every fit reports after the engine ran: polish convergence and relocations
+        (warnings), no coincident centers, the final hard objective."""
         if not result.converged:
             warnings.warn(f"Lloyd polish did not converge in {self.max_polish_iter} iterations",
-                          AnnealingWarning, stacklevel=3)
+                          AnnealingWarning, stacklevel=4)
         if result.relocations:
             warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
-                          AnnealingWarning, stacklevel=3)
+                          AnnealingWarning, stacklevel=4)
         dmin, _ = min_center_distance(result.centers)
         if K > 1 and not dmin > 0:
             raise RuntimeError("coincident centers survived the fit; please report this")
         result.hard_objective_final = float(trace["hard_distortion"][-1])
-        return result, trace, T0
 
 
 def _schedule_temperature(schedule, t, T_start, T_end, n_steps):
