@@ -571,7 +571,7 @@ def neutralize_formulas(col):
     return pc.if_else(risky, quoted, col)
 
 
-def _csv_ready(table, escape_formulas=True):
+def _csv_ready(table):
     cols = []
     for name in table.column_names:
         col = table.column(name)
@@ -583,7 +583,7 @@ def _csv_ready(table, escape_formulas=True):
             col = pa.array([None if v is None else v.hex() for v in col.to_pylist()], pa.string())
         elif pa.types.is_dictionary(t):
             col = pc.cast(col, t.value_type)
-        cols.append(neutralize_formulas(col) if escape_formulas else col)
+        cols.append(neutralize_formulas(col))
     return pa.table(cols, names=table.column_names)
 
 

@@ -247,6 +247,11 @@ class FitResult:
         self.meta = meta
 
 
+def _as_flags(error):
+    """The library names its parameters; the user typed the command's flags."""
+    return str(error).replace("n_clusters=", "--k ").replace("k_max=", "--k-max ")
+
+
 def fit_model(X, w, args, console):
     """Fit AnnealedKMeans as the arguments say; ``--checkpoint DIR`` is the estimator's
     ``checkpoint=`` (state saved at every step, resumed after a kill, finished fit reused)."""
@@ -266,9 +271,7 @@ def fit_model(X, w, args, console):
         try:
             est.fit(X, sample_weight=w)
         except ValueError as e:
-            # the estimator names its parameters; the user typed the command's flags
-            msg = str(e).replace("n_clusters=", "--k ").replace("k_max=", "--k-max ")
-            raise CLIError(f"cannot cluster: {msg}") from None
+            raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
     info = getattr(est, "checkpoint_info_", None) or {}
     if info.get("finished"):
         console.note(f"using the finished fit in {args.checkpoint}")
@@ -611,26 +614,14 @@ def run_suggest(args, console):
     n = table.num_rows
     w = weight_vector(table, args.weight_column, src) if args.weight_column else np.ones(n)
     X = embedding_matrix(table, args.embedding_column, src)
-    from ._sources import n_distinct_rows
-    from ._validation import check_range, normalize_rows
-    live = w > 0
-    Xl = normalize_rows(X[live]) if args.metric == "cosine" else X[live]
-    try:
-        check_range(Xl, f"{src}: the embeddings")
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    nd = n_distinct_rows(Xl, np.ones(Xl.shape[0]), np.random.default_rng(0))
-    if args.k_max > nd:
-        raise CLIError(f"--k-max {args.k_max} is larger than the number of distinct embeddings "
-                       f"with weight > 0 ({nd})")
-    del Xl
+    # --k-max above the distinct rows and values out of range: the library's exact checks
     console.note(f"following the phase transitions of {n:,} rows up to {args.k_max} clusters")
     t0 = time.perf_counter()
     try:
         s = suggest_k(X, k_max=int(args.k_max), k_min=int(args.k_min), sample_weight=w,
                       metric=args.metric, random_state=int(args.seed))
     except ValueError as e:
-        raise CLIError(f"cannot rank K: {e}") from None
+        raise CLIError(f"cannot rank K: {_as_flags(e)}") from None
     dt = time.perf_counter() - t0
     if args.quiet:
         print(s.best)

@@ -1,6 +1,7 @@
 """Choosing K from the phase transitions (``fastanneal.suggest_k``,
 ``AnnealedKMeans(n_clusters="auto")``)."""
 import numpy as np
+import pyarrow as pa
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
@@ -200,9 +201,17 @@ def test_cli_suggest_k(capsys, tmp_path):
     except ImportError:
         pass
     for extra, word in [(["--k-max", "1"], "--k-max"), (["--k-min", "1"], "--k-min"),
-                        (["--k-max", "500"], "distinct"), (["--plot", tmp_path / "k.jpg"], "png")]:
+                        (["--k-max", "500"], "--k-max 500 is larger than the number of rows"),
+                        (["--plot", tmp_path / "k.jpg"], "png")]:
         rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", *extra)
         assert_one_line_error(rc, err, word)
+    # three distinct embeddings: --k-max 5 is refused by the exact distinct-row count
+    dup = table.set_column(table.column_names.index("emb"), "emb",
+                           pa.FixedSizeListArray.from_arrays(
+                               pa.array(np.repeat(X[:3], 80, axis=0).ravel()), X.shape[1]))
+    dsrc = write_any(dup, tmp_path / "dup.parquet")
+    rc, _, err = run(capsys, "suggest-k", dsrc, "--embedding-column", "emb", "--k-max", 5)
+    assert_one_line_error(rc, err, "--k-max 5", "distinct points with non-zero weight (3)")
     rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "nope")
     assert_one_line_error(rc, err, "'nope' not found")
     rc, _, err = run(capsys, "suggest-k", src)
