@@ -176,6 +176,16 @@ def _load_cache(cache, meta_path, key, n, console):
     return E
 
 
+def distinct_texts(texts):
+    """``(distinct, inverse)``: the distinct texts in order of first appearance and, per
+    row, the index of its text (query logs repeat a lot: each text is embedded once)."""
+    uniq = {}
+    inverse = np.empty(len(texts), dtype=np.int64)
+    for i, t in enumerate(texts):
+        inverse[i] = uniq.setdefault(t, len(uniq))
+    return list(uniq), inverse
+
+
 def embed_queries(texts, output, console, checkpoint=None, chunk=None):
     """Embed the distinct texts (cached next to ``output`` as ``<stem>.embeddings.npy`` with a
     ``.json`` key: sha256 of the texts + the model name). With a checkpoint folder, finished
@@ -191,12 +201,7 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
     if E is not None:
         console.note(f"using cached embeddings {cache}")
         return E, 0.0
-    # distinct texts only: query logs repeat a lot
-    uniq = {}
-    inverse = np.empty(n, dtype=np.int64)
-    for i, t in enumerate(texts):
-        inverse[i] = uniq.setdefault(t, len(uniq))
-    distinct = list(uniq)
+    distinct, inverse = distinct_texts(texts)
     t0 = time.perf_counter()
     encode = _load_embedder()
     parts_dir = None

@@ -65,14 +65,15 @@ class QueryClusters:
         if texts is not None:
             texts = [None if t is None else str(t) for t in texts]
         if embeddings is None:
-            from .cli import _load_embedder
+            from .cli import _load_embedder, distinct_texts
+            if any(t is None for t in texts):
+                raise ValueError("texts hold a missing value; embedding needs every text")
             try:
                 encode = _load_embedder()
             except InputError as e:
                 raise ImportError(str(e)) from None
-            if any(t is None for t in texts):
-                raise ValueError("texts hold a missing value; embedding needs every text")
-            embeddings = encode(texts)
+            distinct, inverse = distinct_texts(texts)     # each distinct text embedded once
+            embeddings = np.asarray(encode(distinct))[inverse]
         X = np.asarray(embeddings)
         if X.ndim != 2:
             raise ValueError(f"embeddings must be 2-D (n, D); got shape {X.shape}")

@@ -111,3 +111,18 @@ def test_auto_k(data):
     assert qc.n_clusters_ == 4
     assert adjusted_rand_index(qc.labels_, lab) == 1.0
     assert "representative_queries" not in qc.cluster_info().column_names   # no texts
+
+
+def test_texts_only_embeds_each_distinct_text_once(monkeypatch):
+    from fastanneal import cli
+    from test_cli import FakeEmbedder
+    texts = [f"{w} {v} please" for w in ("pin code", "flight paris", "alarm morning")
+             for v in range(10)] * 3                         # 30 distinct texts, 90 rows
+    fake = FakeEmbedder()
+    monkeypatch.setattr(cli, "_load_embedder", fake)
+    qc = fastanneal.QueryClusters(3, random_state=0).fit(texts=texts)
+    assert fake.rows == 30
+    assert qc.labels_.shape == (90,)
+    # repeated texts get the same vector, hence the same cluster
+    np.testing.assert_array_equal(qc.labels_[:30], qc.labels_[30:60])
+    assert sorted(qc.cluster_info().column("size").to_pylist()) == [30, 30, 30]
