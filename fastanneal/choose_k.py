@@ -1,20 +1,18 @@
 """Choosing K from the phase transitions of deterministic annealing (``docs/theory.md`` §9).
 
-Annealing from above the first critical temperature, one effective cluster splits into two
-when the temperature falls below ``2 lambda_max`` of its own covariance; the number of
-clusters then grows one transition at a time. A number of clusters that the data supports
-survives over a wide range of temperatures before its next transition: its *plateau*
-(measured in ``log T``) is wide. :func:`suggest_k` follows that path up to ``k_max``
-clusters (moments only: every backend) and ranks each K by the width of its plateau
+Annealing from above the first critical temperature, an effective cluster splits into two
+when the temperature falls below ``2 lambda_max`` of its own cell; the number of effective
+clusters (codevectors closer than ``sqrt(MERGE * T)`` count once) grows one transition at a
+time. A number of clusters that the data supports survives over a wide range of
+temperatures: its *plateau* is wide. :func:`suggest_k` follows that path up to ``k_max``
+effective clusters (moments only: every backend) and ranks each K by
 
-    width(K) = log( T_in(K) / T_out(K) ),
+    width(K) = sum over the path's temperatures T_j with K effective clusters of
+               log(T_j / T_{j+1}),
 
-``T_in(K)`` the critical temperature at which the K-th cluster appeared and ``T_out(K)`` the
-one at which the next split happens (for ``K = k_max`` the predicted next transition,
-``max_k 2 lambda_max(C_k)`` of the ``k_max``-cluster state). Critical temperatures are the
-``2 lambda_max`` of the splitting cluster computed at the temperature of the split (finer
-than the cooling grid). A K that was skipped (several clusters split at one temperature)
-has width 0.
+the last temperature of ``k_max`` ending at its predicted next transition
+(``max_k 2 lambda_max(C_k)`` of the ``k_max``-cluster state). A K that the path skipped
+(several clusters split at one temperature) has width 0; ties go to the smaller K.
 
 ``AnnealedKMeans(n_clusters="auto", k_max=...)`` fits the best-ranked K by continuing the
 annealing from the path's state with that many clusters (no refit from scratch).
@@ -64,7 +62,7 @@ class _PathPhase(E._CriticalPhase):
         k = int(lab.max()) + 1
         J, F = float(st.last["hard_distortion"]), float(st.last["free_energy"])
         self.steps.append((float(T), k, J, F))
-        pend.update(groups=lab, J=J, F=F)
+        pend.update(J=J, F=F)
         self.snapshots[k] = pend
         if k >= self.k_max or T <= self.T_floor:
             return None
@@ -84,7 +82,8 @@ class KSuggestion:
     best : int, the top-ranked K.
     ranking : list of int, every K in ``[k_min, k_max]`` that appeared, widest plateau first.
     ks : (m,) int array, K = k_min .. k_max.
-    width : (m,) plateau widths ``log(T_in / T_out)`` (0 for a K the path skipped).
+    width : (m,) plateau widths: the ``log T`` span the path spent with K effective clusters
+        (0 for a K the path skipped).
     t_in, t_out : (m,) critical temperatures entering / leaving each K (NaN if skipped).
     hard_distortion, free_energy : (m,) J and F of the coldest equilibrium with K clusters
         on the path (NaN if skipped).
