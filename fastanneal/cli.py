@@ -58,23 +58,14 @@ class CLIError(InputError):
 
 # =========================================================================== helpers
 class _Console:
-    """Where the messages go: the summary on stdout, notes and bars on stderr."""
+    """Where the messages go: the summary on stdout; notes, progress bars and stage lines on
+    stderr. On a terminal every stage (reading, embedding, kernels, annealing, labelling,
+    writing) shows a tqdm bar with its rate and, where the total is known, an ETA; when
+    stderr is not a terminal (logs, CI) each stage prints one line when it ends."""
 
     def __init__(self, quiet=False, progress=None):
         self.quiet = bool(quiet)
-        if self.quiet:
-            self.bars = False
-        elif progress:
-            self.bars = True
-        else:
-            self.bars = sys.stderr.isatty()
-        if self.bars:
-            try:
-                import tqdm  # noqa: F401
-            except ImportError:
-                if progress:
-                    self.note('progress bars need tqdm: pip install "fastanneal[progress]"')
-                self.bars = False
+        self.bars = False if self.quiet else bool(progress) or sys.stderr.isatty()
 
     def note(self, msg):
         if not self.quiet:
@@ -88,7 +79,43 @@ class _Console:
         if not self.bars:
             return _NoBar()
         from tqdm.auto import tqdm
-        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
+                    dynamic_ncols=True)
+
+    @contextlib.contextmanager
+    def stage(self, name, total=None, unit="row", done=None):
+        """A stage of the command: ``with console.stage("reading") as st: ... st.update(n)``.
+        The closing line says how many units in how long, and the rate; ``done``: a
+        callable returning the text of that line instead (given the elapsed seconds)."""
+        st = _Stage(self.bar(total, name, unit), unit)
+        t0 = time.perf_counter()
+        try:
+            yield st
+        finally:
+            st.bar.close()
+        dt = time.perf_counter() - t0
+        if done is not None:
+            self.note(f"{name}: {done(dt)}")
+        elif st.n:
+            units = _PLURAL.get(unit, unit + "s")
+            rate = f" ({st.n / dt:,.0f} {units}/s)" if dt > 0 else ""
+            self.note(f"{name}: {st.n:,} {units} in {dt:.1f} s{rate}")
+        else:
+            self.note(f"{name}: {dt:.1f} s")
+
+
+_PLURAL = {"query": "queries"}
+
+
+class _Stage:
+    def __init__(self, bar, unit):
+        self.bar = bar
+        self.unit = unit
+        self.n = 0
+
+    def update(self, n=1):
+        self.n += int(n)
+        self.bar.update(n)
 
 
 class _NoBar:
@@ -209,8 +236,7 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
         parts_dir = Path(checkpoint) / f"embed-{key[:16]}"
         parts_dir.mkdir(parents=True, exist_ok=True)
     blocks = []
-    bar = console.bar(len(distinct), "embedding", "query")
-    try:
+    with console.stage("embedding", len(distinct), "query") as bar:
         for j, start in enumerate(range(0, len(distinct), chunk)):
             batch = distinct[start:start + chunk]
             part = parts_dir / f"{j:06d}.npy" if parts_dir is not None else None
@@ -226,8 +252,6 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
                     atomic_save_npy(part, E)
             blocks.append(np.asarray(E, dtype=np.float32))
             bar.update(len(batch))
-    finally:
-        bar.close()
     E = np.concatenate(blocks, axis=0)[inverse] if blocks else np.zeros((0, 0), np.float32)
     E = np.ascontiguousarray(E)
     atomic_save_npy(cache, E)
@@ -376,13 +400,6 @@ def check_paths(inputs, outputs, folders=()):
                                "paths")
 
 
-def _check_report_deps():
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CLIError('--report needs matplotlib: pip install "fastanneal[report]"') from None
-
-
 def _dask_setup(args, stack):
     """Scheduler for ``--backend dask`` (None: the estimator's default)."""
     args._dask_scheduler = None
@@ -453,13 +470,8 @@ def run_cluster(args, console):
     clusters_path = sidecar(output, "clusters", ".csv")
     report = args.report
     if demo and report is None and not args.no_report:
-        try:
-            import matplotlib  # noqa: F401
-            report = str(out_dir / "report.html")
-        except ImportError:
-            console.note('no report: it needs matplotlib (pip install "fastanneal[report]")')
+        report = str(out_dir / "report.html")
     if report:
-        _check_report_deps()
         if not str(report).lower().endswith((".html", ".htm")):
             raise CLIError(f"--report {report}: the report is an HTML file (.html)")
     outputs = [("-o/--output", output), ("the cluster table", clusters_path)]
@@ -490,7 +502,9 @@ def run_cluster(args, console):
         # ------------------------------------------------------------- read + check
         t0 = time.perf_counter()
         src = args.input
-        table = read_table(src, string_columns=[args.text_column, args.id_column])
+        with console.stage("reading") as st:
+            table = read_table(src, string_columns=[args.text_column, args.id_column])
+            st.update(table.num_rows)
         n = table.num_rows
         ids = None
         if args.id_column:
@@ -542,7 +556,14 @@ def run_cluster(args, console):
                          f"2..{K} from the phase transitions")
         else:
             console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions) into {K} clusters")
-        fit = fit_model(X, w, args, console)
+        if args.backend != "dask":
+            from .estimator import warm_up
+            with console.stage("kernels", done=lambda dt: f"ready in {dt:.1f} s (compiled on "
+                                "the first run, cached after)"):
+                warm_up(X.dtype, args.metric, args.responsibilities)
+        with console.stage("annealing", done=lambda dt: f"{fit.estimator.n_steps_} temperature "
+                           f"steps, {fit.estimator.n_iter_} passes in {dt:.1f} s"):
+            fit = fit_model(X, w, args, console)
         timings["fit"] = time.perf_counter() - t0
         est = fit.estimator
         if auto:
@@ -557,7 +578,9 @@ def run_cluster(args, console):
                              f"{K} is where the path stopped. Choose K for your use instead")
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
-        lab = label_clusters(est, X, w, texts, ids)
+        with console.stage("labelling") as st:
+            lab = label_clusters(est, X, w, texts, ids)
+            st.update(n)
         ctab, order, new_labels = lab.clusters, lab.order, lab.labels
         out = table
         for name in args.drop_columns:
@@ -575,20 +598,24 @@ def run_cluster(args, console):
         # ------------------------------------------------------------- write
         t0 = time.perf_counter()
         try:
-            with OutputSet() as outs:
+            with console.stage("writing") as st, OutputSet() as outs:
                 write_table(out, outs.temp_for(output), fmt)
                 write_table(ctab, outs.temp_for(clusters_path), "csv")
                 if report:
-                    from .report import build_report
+                    from .report import ambiguous_rows, build_report
                     summary = summary_items(args, n, X.shape[1], K, fit, timings, ari, est)
+                    amb = ambiguous_rows(lab.probability, new_labels, lab.runner_up,
+                                         lab.margin, texts)
                     html = build_report(title=f"fastanneal: {Path(src).name}", summary=summary,
                                         trace=fit.trace, clusters=ctab,
                                         centers=np.asarray(est.cluster_centers_)[order],
                                         metric=args.metric,
-                                        k_suggestion=getattr(est, "k_suggestion_", None))
+                                        k_suggestion=getattr(est, "k_suggestion_", None),
+                                        ambiguous=amb)
                     with open(outs.temp_for(report), "w", encoding="utf-8") as f:
                         f.write(html)
                 outs.commit()
+                st.update(n)
         except OSError as e:
             where = f" {e.filename}" if getattr(e, "filename", None) else ""
             raise CLIError(f"cannot write the outputs{where}: {e.strerror or e}") from None

@@ -160,9 +160,12 @@ class QueryClusters:
         return path, side
 
     def report(self, path, title="fastanneal clusters"):
-        """Write the self-contained HTML report (needs matplotlib) atomically."""
+        """Write the self-contained HTML report atomically: the clusters first (searchable,
+        sortable, with representative queries and nearest clusters), the ambiguous queries,
+        the closest cluster pairs, the sizes, then the annealing diagnostics. Returns
+        ``path``."""
         from ._io import atomic_write_bytes
-        from .report import build_report
+        from .report import ambiguous_rows, build_report
         self._check()
         est = self.estimator_
         summary = [("rows", f"{self.labels_.shape[0]:,}"), ("clusters (K)", str(self.n_clusters_)),
@@ -170,6 +173,9 @@ class QueryClusters:
         html = build_report(title=title, summary=summary, trace=est.trace_.as_dict(),
                             clusters=self._clusters, centers=self.cluster_centers_,
                             metric=self.metric,
-                            k_suggestion=getattr(est, "k_suggestion_", None))
+                            k_suggestion=getattr(est, "k_suggestion_", None),
+                            ambiguous=ambiguous_rows(self.probability_, self.labels_,
+                                                     self.runner_up_, self.margin_,
+                                                     self._texts))
         atomic_write_bytes(path, html.encode("utf-8"))
         return path

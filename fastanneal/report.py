@@ -1,285 +1,617 @@
-"""A self-contained HTML report of a clustering run (``fastanneal cluster --report``).
+"""A self-contained HTML report of a clustering run, written for the analyst first.
 
-One HTML file, no external resources: the figures are PNGs drawn with matplotlib (the
-``fastanneal[report]`` extra; the object-oriented API, so no global backend is touched) and
-embedded as base64 ``data:`` URIs. Sections: run summary, the annealing trace (temperature,
-entropy, free energy F and hard objective J, hardening gap, certificate, distinct centers),
-the cluster size distribution, a 2-D PCA projection of the centers, and the cluster table.
+One HTML file with no external resources and no plotting dependency: the figures are inline
+SVG drawn here, the table search and sorting are a few lines of inline JavaScript (the page
+reads without it). Sections, in the order an analyst reads them:
+
+1. **Summary** of the run (rows, K, objective, time, ...).
+2. **Clusters**: one row per cluster, largest first: size, share, label (class-based TF-IDF
+   terms), representative queries, cohesion, and the nearest clusters (by center
+   similarity). A search box filters the rows (every cell is searched) and a click on a
+   column heading sorts by it. The address can carry the search: ``report.html#q=alarm``
+   (and ``&sort=cohesion`` or ``&sort=-size``).
+3. **Ambiguous queries**: the rows with the lowest probability, with their runner-up cluster.
+4. **Closest cluster pairs** (merge candidates) and the **cluster sizes** (rank plot), which
+   read at K = 1,000 where a 2-D projection of the centers is a blob.
+5. **Choosing K** (when K was chosen from the phase transitions) and the **annealing
+   diagnostics**: temperature, entropy, F and J, hardening gap, certificate, distinct
+   centers per temperature step.
+
+Every text from the data is HTML-escaped.
 """
-import base64
 import html
-import io
 import math
 
 import numpy as np
 
-__all__ = ["build_report", "trace_figure", "sizes_figure", "centers_figure", "pca_2d"]
+__all__ = ["build_report", "svg_chart", "nearest_clusters", "closest_pairs",
+           "ambiguous_rows"]
 
 _CSS = """
-body{font-family:-apple-system,"Segoe UI",Roboto,"DejaVu Sans",Arial,sans-serif;margin:2em auto;
-max-width:1180px;color:#1d232a;padding:0 1em;line-height:1.4}
+body{font-family:-apple-system,"Segoe UI",Roboto,"DejaVu Sans",Arial,sans-serif;margin:1.5em auto;
+max-width:1280px;color:#1d232a;padding:0 1em;line-height:1.4}
 h1{font-size:1.6em;margin-bottom:.2em}h2{font-size:1.25em;margin-top:1.8em;border-bottom:1px solid
 #d8dee4;padding-bottom:.2em}
+nav a{margin-right:1em}
 table{border-collapse:collapse;font-size:.88em}
 td,th{padding:.25em .6em;border-bottom:1px solid #e4e8ec;text-align:left;vertical-align:top}
 th{background:#f3f5f7;position:sticky;top:0}
+table.sortable th{cursor:pointer;user-select:none}
+table.sortable th[aria-sort=ascending]::after{content:" \\25B2";font-size:.7em}
+table.sortable th[aria-sort=descending]::after{content:" \\25BC";font-size:.7em}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 table.summary td:first-child{color:#57606a}
-figure{margin:1em 0}figure img{max-width:100%;height:auto;border:1px solid #eef0f2}
-figcaption{color:#57606a;font-size:.9em}
+td ul{margin:0;padding-left:1.1em}td li{margin:0}
+.label{font-weight:600}.terms{color:#57606a;font-size:.85em}
+.near a{color:#0550ae;text-decoration:none;white-space:nowrap}
+.figs{display:flex;flex-wrap:wrap;gap:.6em}
+figure{margin:1em 0}figcaption{color:#57606a;font-size:.9em;max-width:70em}
+svg text{font-family:inherit}
 .muted{color:#57606a;font-size:.9em}
+input.search{font-size:1em;padding:.3em .5em;width:24em;max-width:90%;margin:.4em 0}
+tr:target{background:#fff8c5}
 """
 
+_JS = r"""
+(function(){
+function val(td){var v=td.getAttribute('data-v');if(v!==null&&v!==''&&!isNaN(+v))return +v;
+ return (td.textContent||'').toLowerCase();}
+function sortBy(table,col,desc){var tb=table.tBodies[0];var rows=Array.prototype.slice.call(tb.rows);
+ rows.sort(function(a,b){var x=val(a.cells[col]),y=val(b.cells[col]);
+  if(typeof x!==typeof y){x=String(x);y=String(y);}
+  return (x<y?-1:x>y?1:0)*(desc?-1:1);});
+ rows.forEach(function(r){tb.appendChild(r);});
+ Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th,i){
+  if(i===col)th.setAttribute('aria-sort',desc?'descending':'ascending');else th.removeAttribute('aria-sort');});}
+function filter(table,q,count){q=(q||'').toLowerCase().trim();var n=0,rows=table.tBodies[0].rows;
+ for(var i=0;i<rows.length;i++){var hit=!q||rows[i].textContent.toLowerCase().indexOf(q)>=0;
+  rows[i].style.display=hit?'':'none';if(hit)n++;}
+ if(count)count.textContent=q?('showing '+n+' of '+rows.length):(rows.length+' rows');return n;}
+document.querySelectorAll('table.sortable').forEach(function(table){
+ Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th,i){
+  th.addEventListener('click',function(){sortBy(table,i,th.getAttribute('aria-sort')==='ascending');});});});
+document.querySelectorAll('input.search').forEach(function(inp){
+ var table=document.getElementById(inp.getAttribute('data-table'));
+ var count=document.getElementById(inp.getAttribute('data-count'));
+ inp.addEventListener('input',function(){filter(table,inp.value,count);});});
+var h=location.hash.replace(/^#/,'');if(h.indexOf('=')<0)return;
+var p={};h.split('&').forEach(function(kv){var i=kv.indexOf('=');
+ if(i>0)p[kv.slice(0,i)]=decodeURIComponent(kv.slice(i+1).replace(/\+/g,' '));});
+var table=document.getElementById('clusters');if(!table)return;
+if(p.sort){var desc=p.sort.charAt(0)==='-',key=desc?p.sort.slice(1):p.sort;
+ Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th,i){
+  if(th.getAttribute('data-key')===key)sortBy(table,i,desc);});}
+if(p.q!==undefined){var inp=document.getElementById('cluster-search');inp.value=p.q;
+ filter(table,p.q,document.getElementById('cluster-count'));}
+})();
+"""
 
-def _png(fig):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
-
-
-def _figure(w, h):
-    from matplotlib.figure import Figure
-    return Figure(figsize=(w, h), layout="constrained")
-
-
-def _anneal_rows(trace):
-    step = np.asarray(trace.get("step", []))
-    return step >= 0
-
-
-def trace_figure(trace):
-    """Six panels over the temperature steps; PNG bytes."""
-    sel = _anneal_rows(trace)
-    x = np.asarray(trace["step"])[sel] if sel.any() else np.zeros(0)
-    g = {k: np.asarray(v)[sel] for k, v in trace.items()}
-    polish = ~sel
-    J_polish = np.asarray(trace["hard_distortion"])[polish] if polish.any() else np.zeros(0)
-    fig = _figure(12, 6.2)
-    axes = fig.subplots(2, 3)
-
-    def panel(ax, title, ylabel=None, logy=False):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("temperature step", fontsize=8)
-        if ylabel:
-            ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=.3)
-        if logy:
-            ax.set_yscale("log")
-
-    ax = axes[0, 0]
-    T = g["temperature"]
-    ax.plot(x, T, "o-", ms=3, color="#0969da")
-    panel(ax, "temperature T", logy=bool(T.size and (T > 0).all()))
-    ax = axes[0, 1]
-    ax.plot(x, g["entropy"], "o-", ms=3, color="#8250df")
-    panel(ax, "assignment entropy (nats / unit weight)")
-    ax = axes[0, 2]
-    ax.plot(x, g["free_energy"], "o-", ms=3, label="free energy F", color="#cf222e")
-    ax.plot(x, g["hard_distortion"], "s-", ms=3, label="hard objective J", color="#1a7f37")
-    if J_polish.size:
-        ax.axhline(J_polish[-1], ls="--", color="#1a7f37", lw=1, label="J after polish")
-    ax.legend(fontsize=7)
-    panel(ax, "F and J")
-    ax = axes[1, 0]
-    ax.plot(x, g["hardening_gap"], "o-", ms=3, color="#bc4c00")
-    panel(ax, "hardening gap (soft - hard distortion)")
-    ax = axes[1, 1]
-    gap = np.maximum(g["certificate_gap"], 0)
-    ax.plot(x, gap, "o-", ms=3, label="J - F", color="#cf222e")
-    ax.plot(x, g["certificate_bound"], "--", label="bound T W log K", color="#57606a")
-    ok = np.asarray(g.get("certificate_ok", np.ones_like(x, dtype=bool)), dtype=bool)
-    if (~ok).any():
-        ax.plot(x[~ok], gap[~ok], "x", color="k", label="violated")
-    ax.legend(fontsize=7)
-    pos = np.concatenate([gap[gap > 0], g["certificate_bound"][g["certificate_bound"] > 0]])
-    panel(ax, "certificate 0 <= J - F <= T W log K", logy=bool(pos.size))
-    ax = axes[1, 2]
-    nd = np.asarray(g.get("n_distinct", np.zeros_like(x)), dtype=float)
-    ax.plot(x, nd, "o-", ms=3, color="#0550ae", label="distinct centers")
-    ax.set_ylim(bottom=0)
-    panel(ax, "distinct centers")
-    if "min_center_distance" in g:
-        ax2 = ax.twinx()
-        ax2.plot(x, g["min_center_distance"], ":", color="#bc4c00", label="min center distance")
-        ax2.tick_params(labelsize=8)
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
-    return _png(fig)
+_COLORS = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#57606a"]
 
 
-def sizes_figure(sizes, weights=None):
-    """Cluster sizes (largest first) and their distribution; PNG bytes."""
-    sizes = np.asarray(sizes, dtype=float)
-    fig = _figure(12, 3.4)
-    ax1, ax2 = fig.subplots(1, 2, width_ratios=[2, 1])
-    k = np.arange(sizes.shape[0])
-    ax1.bar(k, sizes, width=1.0 if sizes.shape[0] > 60 else 0.8, color="#0969da", label="rows")
-    if weights is not None and not np.allclose(np.asarray(weights), sizes):
-        ax1b = ax1.twinx()
-        ax1b.plot(k, weights, ".", color="#bc4c00", label="weight")
-        ax1b.set_ylabel("total weight", fontsize=8)
-        ax1b.tick_params(labelsize=8)
-    ax1.set_xlabel("cluster (largest first)", fontsize=8)
-    ax1.set_ylabel("rows", fontsize=8)
-    ax1.set_title("cluster sizes", fontsize=10)
-    ax1.tick_params(labelsize=8)
-    ax1.grid(alpha=.3, axis="y")
-    bins = min(30, max(5, int(math.sqrt(max(sizes.shape[0], 1)))))
-    ax2.hist(sizes, bins=bins, color="#8250df")
-    ax2.set_xlabel("rows per cluster", fontsize=8)
-    ax2.set_ylabel("clusters", fontsize=8)
-    ax2.set_title("size distribution", fontsize=10)
-    ax2.tick_params(labelsize=8)
-    return _png(fig)
+# =========================================================================== SVG charts
+def _e(s):
+    return html.escape(str(s), quote=True)
 
 
-def pca_2d(M):
-    """First two principal components of the rows of ``M`` (NumPy SVD): (n, 2) coordinates
-    and the share of variance each explains."""
+def _fnum(v):
+    """A short tick label."""
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1e5 or a < 1e-3:
+        m, ex = f"{v:.0e}".split("e")
+        return f"{m}e{int(ex)}"
+    if a >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.4g}"
+
+
+def _linear_ticks(lo, hi, n=5):
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return []
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / max(n, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    start = math.ceil(lo / step - 1e-9) * step
+    ticks = []
+    t = start
+    while t <= hi + 1e-9 * step and len(ticks) < 50:
+        ticks.append(0.0 if abs(t) < 1e-12 * step else t)
+        t += step
+    return ticks
+
+
+def _log_ticks(lo, hi):
+    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    ticks = [10.0 ** e for e in range(a, b + 1) if lo * (1 - 1e-9) <= 10.0 ** e <= hi * (1 + 1e-9)]
+    if len(ticks) < 2:                       # a narrow range: 1-2-5 steps
+        ticks = [m * 10.0 ** e for e in range(a - 1, b + 1) for m in (1, 2, 5)
+                 if lo * (1 - 1e-9) <= m * 10.0 ** e <= hi * (1 + 1e-9)]
+    return ticks
+
+
+class _Scale:
+    def __init__(self, lo, hi, p0, p1, log=False):
+        self.log = log and lo > 0 and hi > 0
+        f = (lambda v: math.log10(v)) if self.log else (lambda v: v)
+        self.f = f
+        self.lo, self.hi = f(lo), f(hi)
+        if self.hi == self.lo:
+            pad = abs(self.lo) * 0.05 or 1.0
+            self.lo, self.hi = self.lo - pad, self.hi + pad
+        self.p0, self.p1 = p0, p1
+
+    def __call__(self, v):
+        return self.p0 + (self.f(v) - self.lo) / (self.hi - self.lo) * (self.p1 - self.p0)
+
+
+def _finite(x, y, logx, logy):
+    x = np.asarray(x, dtype=float).ravel()
+    y = np.asarray(y, dtype=float).ravel()
+    ok = np.isfinite(x) & np.isfinite(y)
+    if logx:
+        ok &= x > 0
+    if logy:
+        ok &= y > 0
+    return x[ok], y[ok]
+
+
+def svg_chart(series, title, xlabel="", ylabel="", width=400, height=240, logx=False,
+              logy=False, reverse_x=False, bands=(), vlines=(), hlines=(), ymin=None):
+    """A line chart as an inline ``<svg>`` string.
+
+    ``series``: dicts with ``x``, ``y``, and optionally ``label``, ``color``, ``dash``
+    (bool), ``marker`` (bool, default True), ``step`` (draw as a step function), ``fill``
+    (fill the area under the line; for bar-like rank plots). ``bands``: ``(x0, x1, color,
+    label)`` shaded spans; ``vlines`` / ``hlines``: ``(value, color, label)``. Non-finite
+    points (and non-positive ones on a log axis) are left out; a chart with no point says so.
+    """
+    ml, mr, mt, mb = 58, 12, 26, 40
+    pts = [(s, *_finite(s["x"], s["y"], logx, logy)) for s in series]
+    xs = np.concatenate([p[1] for p in pts] + [np.zeros(0)])
+    ys = np.concatenate([p[2] for p in pts] + [np.zeros(0)])
+    for v, _, _ in hlines:
+        if math.isfinite(v) and (v > 0 or not logy):
+            ys = np.append(ys, v)
+    for x0, x1, _, _ in bands:
+        for v in (x0, x1):
+            if math.isfinite(v) and (v > 0 or not logx):
+                xs = np.append(xs, v)
+    if ymin is not None and ys.size:
+        ys = np.append(ys, ymin)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{_e(title)}">',
+           f"<title>{_e(title)}</title>",
+           f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
+           f'<text x="{width / 2:.1f}" y="15" text-anchor="middle" font-size="12" '
+           f'font-weight="600">{_e(title)}</text>']
+    x0p, x1p, y0p, y1p = ml, width - mr, height - mb, mt
+    if xs.size == 0 or ys.size == 0:
+        out.append(f'<text x="{width / 2:.1f}" y="{height / 2:.1f}" text-anchor="middle" '
+                   f'font-size="11" fill="#57606a">no data</text></svg>')
+        return "".join(out)
+    sx = _Scale(xs.min(), xs.max(), x1p if reverse_x else x0p, x0p if reverse_x else x1p, logx)
+    sy = _Scale(ys.min(), ys.max(), y0p, y1p, logy)
+    # grid and ticks
+    yt = _log_ticks(ys.min(), ys.max()) if sy.log else _linear_ticks(ys.min(), ys.max())
+    xt = _log_ticks(xs.min(), xs.max()) if sx.log else _linear_ticks(xs.min(), xs.max())
+    for t in yt:
+        y = sy(t)
+        out.append(f'<line x1="{x0p}" x2="{x1p}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eaeef2"/>'
+                   f'<text x="{x0p - 4}" y="{y + 3.5:.1f}" text-anchor="end" font-size="10" '
+                   f'fill="#57606a">{_e(_fnum(t))}</text>')
+    for t in xt:
+        x = sx(t)
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0p}" y2="{y1p}" stroke="#eaeef2"/>'
+                   f'<text x="{x:.1f}" y="{y0p + 13}" text-anchor="middle" font-size="10" '
+                   f'fill="#57606a">{_e(_fnum(t))}</text>')
+    out.append(f'<rect x="{x0p}" y="{y1p}" width="{x1p - x0p}" height="{y0p - y1p}" '
+               f'fill="none" stroke="#afb8c1"/>')
+    out.append(f'<text x="{(x0p + x1p) / 2:.1f}" y="{height - 6}" text-anchor="middle" '
+               f'font-size="10.5">{_e(xlabel)}</text>')
+    out.append(f'<text transform="translate(12,{(y0p + y1p) / 2:.1f}) rotate(-90)" '
+               f'text-anchor="middle" font-size="10.5">{_e(ylabel)}</text>')
+    legend = []
+    for a, b, color, label in bands:
+        if not (math.isfinite(a) and math.isfinite(b)) or (sx.log and min(a, b) <= 0):
+            continue
+        pa_, pb = sorted((sx(a), sx(b)))
+        out.append(f'<rect x="{pa_:.1f}" y="{y1p}" width="{max(pb - pa_, 1):.1f}" '
+                   f'height="{y0p - y1p}" fill="{color}" fill-opacity="0.22"/>')
+        if label:
+            legend.append((label, color, "band"))
+    for v, color, label in vlines:
+        if math.isfinite(v) and (v > 0 or not sx.log):
+            x = sx(v)
+            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0p}" y2="{y1p}" '
+                       f'stroke="{color}" stroke-dasharray="5,3"/>')
+            if label:
+                legend.append((label, color, "dash"))
+    for v, color, label in hlines:
+        if math.isfinite(v) and (v > 0 or not sy.log):
+            y = sy(v)
+            out.append(f'<line x1="{x0p}" x2="{x1p}" y1="{y:.1f}" y2="{y:.1f}" '
+                       f'stroke="{color}" stroke-dasharray="5,3"/>')
+            if label:
+                legend.append((label, color, "dash"))
+    for j, (s, x, y) in enumerate(pts):
+        color = s.get("color", _COLORS[j % len(_COLORS)])
+        if x.size == 0:
+            continue
+        px = [sx(v) for v in x]
+        py = [sy(v) for v in y]
+        if s.get("step"):
+            qx, qy = [px[0]], [py[0]]
+            for i in range(1, len(px)):
+                qx += [px[i], px[i]]
+                qy += [py[i - 1], py[i]]
+            px, py = qx, qy
+        d = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px, py))
+        if s.get("fill"):
+            base = sy(max(ys.min(), 1e-300) if sy.log else min(ys.min(), 0.0))
+            out.append(f'<polygon points="{px[0]:.1f},{base:.1f} {d} {px[-1]:.1f},{base:.1f}" '
+                       f'fill="{color}" fill-opacity="0.55" stroke="none"/>')
+        dash = ' stroke-dasharray="5,3"' if s.get("dash") else ""
+        out.append(f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="1.6"'
+                   f'{dash}/>')
+        if s.get("marker", True) and x.size <= 80 and not s.get("step"):
+            out.extend(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.4" fill="{color}"/>'
+                       for a, b in zip(px, py))
+        if s.get("label"):
+            legend.append((s["label"], color, "dash" if s.get("dash") else "line"))
+    for i, (label, color, kind) in enumerate(legend):
+        y = y1p + 12 + 13 * i
+        x = x0p + 8
+        if kind == "band":
+            out.append(f'<rect x="{x}" y="{y - 7}" width="14" height="9" fill="{color}" '
+                       f'fill-opacity="0.35"/>')
+        else:
+            dash = ' stroke-dasharray="4,2"' if kind == "dash" else ""
+            out.append(f'<line x1="{x}" x2="{x + 14}" y1="{y - 3}" y2="{y - 3}" '
+                       f'stroke="{color}" stroke-width="2"{dash}/>')
+        out.append(f'<text x="{x + 18}" y="{y}" font-size="10" fill="#1d232a">{_e(label)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+# =========================================================================== cluster views
+def _unit(M):
     M = np.asarray(M, dtype=np.float64)
-    Mc = M - M.mean(axis=0, keepdims=True)
-    if M.shape[0] < 2:
-        return np.zeros((M.shape[0], 2)), np.zeros(2)
-    U, S, _ = np.linalg.svd(Mc, full_matrices=False)
-    r = min(2, S.shape[0])
-    Y = np.zeros((M.shape[0], 2))
-    Y[:, :r] = U[:, :r] * S[:r]
-    var = S ** 2
-    share = np.zeros(2)
-    share[:r] = var[:r] / var.sum() if var.sum() > 0 else 0.0
-    return Y, share
+    n = np.linalg.norm(M, axis=1, keepdims=True)
+    return M / np.where(n > 0, n, 1.0)
 
 
-def centers_figure(centers, sizes, labels=None, cohesion=None, metric="cosine", annotate=20):
-    """2-D PCA of the centers (unit vectors for cosine), marker area ~ cluster size; PNG."""
+def nearest_clusters(centers, metric="cosine", n=3, block=256):
+    """``(index, score)``, each (K, min(n, K-1)): the nearest other clusters of every
+    cluster, nearest first. ``score``: cosine similarity of the centers (``"cosine"``) or
+    squared Euclidean distance (``"euclidean"``). Computed in row blocks (never K x K)."""
     C = np.asarray(centers, dtype=np.float64)
-    if metric == "cosine":
-        C = C / np.maximum(np.linalg.norm(C, axis=1, keepdims=True), 1e-300)
-    Y, share = pca_2d(C)
-    sizes = np.asarray(sizes, dtype=float)
-    fig = _figure(8.5, 6.5)
-    ax = fig.subplots()
-    area = 20 + 600 * sizes / max(sizes.max(), 1)
-    c = cohesion if cohesion is not None else "#0969da"
-    sc = ax.scatter(Y[:, 0], Y[:, 1], s=area, c=c, cmap="viridis", alpha=.75,
-                    edgecolors="k", linewidths=.4)
-    if cohesion is not None:
-        cb = fig.colorbar(sc, ax=ax, shrink=.8)
-        cb.set_label("cohesion (mean cosine to center)", fontsize=8)
-        cb.ax.tick_params(labelsize=8)
-    for i in range(min(annotate, C.shape[0])):
-        text = str(i)
-        if labels is not None and labels[i]:
-            lab = labels[i]
-            text += ": " + (lab if len(lab) <= 28 else lab[:26] + "..")
-        ax.annotate(text, (Y[i, 0], Y[i, 1]), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")
-    ax.set_xlabel(f"PC 1 ({100 * share[0]:.0f}% of center variance)", fontsize=8)
-    ax.set_ylabel(f"PC 2 ({100 * share[1]:.0f}%)", fontsize=8)
-    ax.set_title("cluster centers, 2-D PCA (area ~ size; the largest are labelled)",
-                 fontsize=10)
-    ax.tick_params(labelsize=8)
-    ax.grid(alpha=.3)
-    return _png(fig)
+    K = C.shape[0]
+    m = max(0, min(int(n), K - 1))
+    idx = np.zeros((K, m), dtype=np.int64)
+    score = np.zeros((K, m))
+    if m == 0:
+        return idx, score
+    U = _unit(C) if metric == "cosine" else C
+    sq = (U * U).sum(axis=1)
+    for s in range(0, K, block):
+        Ub = U[s:s + block]
+        D = np.maximum(sq[s:s + block, None] + sq[None, :] - 2.0 * (Ub @ U.T), 0.0)
+        D[np.arange(Ub.shape[0]), np.arange(s, s + Ub.shape[0])] = np.inf
+        part = np.argpartition(D, m - 1, axis=1)[:, :m] if m < K else np.argsort(D, axis=1)
+        dpart = np.take_along_axis(D, part, axis=1)
+        o = np.lexsort((part, dpart), axis=1)        # nearest first; ties: lower index
+        part = np.take_along_axis(part, o, axis=1)
+        dpart = np.take_along_axis(dpart, o, axis=1)
+        idx[s:s + block] = part
+        score[s:s + block] = 1.0 - dpart / 2.0 if metric == "cosine" else dpart
+    return idx, score
 
 
-def _img(png, alt):
-    b64 = base64.b64encode(png).decode("ascii")
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+def closest_pairs(idx, score, metric="cosine", n=20):
+    """The ``n`` closest distinct cluster pairs ``(a, b, score)`` (a < b) from
+    :func:`nearest_clusters` (most similar first): the candidates for a merge."""
+    seen = {}
+    for a in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            b = int(idx[a, j])
+            key = (min(a, b), max(a, b))
+            seen.setdefault(key, float(score[a, j]))
+    items = sorted(seen.items(), key=lambda kv: (-kv[1], kv[0]) if metric == "cosine"
+                   else (kv[1], kv[0]))
+    return [(a, b, s) for (a, b), s in items[:n]]
 
 
+def ambiguous_rows(probability, labels, runner_up, margin=None, texts=None, n=50):
+    """The ``n`` rows with the lowest probability (ties: first row), as a list of dicts
+    ``row, query, cluster, runner_up, probability, margin`` (the report's "ambiguous
+    queries"). Rows without a runner-up (K = 1) are left out."""
+    p = np.asarray(probability, dtype=float)
+    ok = np.asarray(runner_up) >= 0
+    cand = np.nonzero(ok & np.isfinite(p))[0]
+    if cand.size == 0 or n <= 0:
+        return []
+    order = cand[np.lexsort((cand, p[cand]))][:n]
+    out = []
+    for i in order:
+        out.append({"row": int(i), "query": None if texts is None else texts[i],
+                    "cluster": int(labels[i]), "runner_up": int(runner_up[i]),
+                    "probability": float(p[i]),
+                    "margin": None if margin is None else float(margin[i])})
+    return out
+
+
+# =========================================================================== HTML pieces
 def _fmt(v):
     if v is None:
         return ""
-    if isinstance(v, float):
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
         if not math.isfinite(v):
             return ""
         if v.is_integer() and abs(v) < 1e15:
             return f"{int(v):,}"
         return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
     if isinstance(v, (int, np.integer)):
-        return f"{v:,}"
+        return f"{int(v):,}"
     return str(v)
 
 
-def _table_html(rows, columns, numeric):
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+def _num_td(v, text=None):
+    dv = "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else repr(float(v))
+    return f'<td class="num" data-v="{dv}">{_e(_fmt(v) if text is None else text)}</td>'
+
+
+def _short(s, n=60):
+    s = "" if s is None else str(s)
+    return s if len(s) <= n else s[:n - 1] + "\u2026"
+
+
+def _cluster_ref(k, labels):
+    lab = labels[k] if 0 <= k < len(labels) else ""
+    return f'<a href="#c{k}">#{k}</a> {_e(_short(lab, 40))}'
+
+
+def _clusters_table(rows, labels, near_idx, near_score, metric):
+    sim = "cos" if metric == "cosine" else "d\u00b2"
+    has_reps = any(r.get("representative_queries") for r in rows)
+    has_central = any(r.get("central_query") for r in rows)
+    heads = [("cluster", "#", True), ("size", "size", True), ("share", "share", True),
+             ("label", "label", False)]
+    if has_reps or has_central:
+        heads.append(("queries", "representative queries" if has_reps else "central query",
+                      False))
+    heads += [("cohesion", "cohesion", True), ("nearest", f"nearest clusters ({sim})", False)]
+    th = "".join(f'<th data-key="{k}" scope="col">{_e(t)}</th>' for k, t, _ in heads)
     body = []
-    for r in rows:
-        cells = []
-        for c in columns:
-            v = r.get(c)
-            cls = ' class="num"' if c in numeric else ""
-            cells.append(f"<td{cls}>{html.escape(_fmt(v))}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return (f'<table class="clusters"><thead><tr>{head}</tr></thead><tbody>'
+    for i, r in enumerate(rows):
+        k = int(r.get("cluster", i))
+        cells = [_num_td(k), _num_td(r.get("size")),
+                 _num_td(r.get("share"), None if r.get("share") is None
+                         else f"{100 * float(r['share']):.1f}%")]
+        terms = r.get("terms") or ""
+        lab = r.get("label") or ""
+        cells.append(f'<td><span class="label">{_e(lab)}</span>'
+                     + (f'<br><span class="terms">{_e(_short(terms, 120))}</span>'
+                        if terms and terms != lab else "") + "</td>")
+        if has_reps or has_central:
+            qs = list(r.get("representative_queries") or []) or (
+                [r["central_query"]] if r.get("central_query") else [])
+            cells.append("<td><ul>" + "".join(f"<li>{_e(_short(q, 90))}</li>" for q in qs)
+                         + "</ul></td>")
+        cells.append(_num_td(r.get("cohesion")))
+        if near_idx is not None and k < near_idx.shape[0]:
+            items = [f'{_cluster_ref(int(j), labels)} ({s:.2f})'
+                     for j, s in zip(near_idx[k], near_score[k])]
+            cells.append('<td class="near">' + "<br>".join(items) + "</td>")
+        else:
+            cells.append("<td></td>")
+        body.append(f'<tr id="c{k}">' + "".join(cells) + "</tr>")
+    return (f'<table id="clusters" class="clusters sortable"><thead><tr>{th}</tr></thead><tbody>'
             + "\n".join(body) + "</tbody></table>")
 
 
-def choose_k_figure(suggestion):
-    """The K-choosing evidence (:meth:`fastanneal.KSuggestion.plot`) as PNG bytes."""
-    import matplotlib
-    matplotlib.use("Agg")
-    return _png(suggestion.plot())
+def _ambiguous_table(amb, labels):
+    th = "".join(f"<th>{t}</th>" for t in ("row", "query", "cluster", "runner-up",
+                                            "probability", "margin"))
+    body = []
+    for a in amb:
+        q = a.get("query")
+        body.append("<tr>" + _num_td(a["row"]) + f"<td>{_e(_short(q, 90))}</td>"
+                    + f"<td>{_cluster_ref(a['cluster'], labels)}</td>"
+                    + f"<td>{_cluster_ref(a['runner_up'], labels)}</td>"
+                    + _num_td(a["probability"]) + _num_td(a.get("margin")) + "</tr>")
+    return (f'<table id="ambiguous" class="ambiguous sortable"><thead><tr>{th}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>")
 
 
+def _pairs_table(pairs, labels, sizes, metric):
+    sim = "cosine of the centers" if metric == "cosine" else "squared distance"
+    th = "".join(f"<th>{t}</th>" for t in ("cluster", "size", "cluster", "size", sim))
+    body = []
+    for a, b, s in pairs:
+        body.append("<tr>" + f"<td>{_cluster_ref(a, labels)}</td>" + _num_td(int(sizes[a]))
+                    + f"<td>{_cluster_ref(b, labels)}</td>" + _num_td(int(sizes[b]))
+                    + _num_td(s, f"{s:.3f}") + "</tr>")
+    return (f'<table id="pairs" class="pairs sortable"><thead><tr>{th}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def sizes_svg(sizes):
+    """Rows per cluster, largest first (a rank plot; log scale when sizes spread > 30x)."""
+    s = np.sort(np.asarray(sizes, dtype=float))[::-1]
+    x = np.arange(1, s.shape[0] + 1, dtype=float)
+    logy = bool(s.size and s.min() > 0 and s.max() / s.min() > 30)
+    return svg_chart([{"x": x, "y": s, "color": "#0969da", "step": True, "fill": True,
+                       "marker": False}],
+                     "rows per cluster, largest first", "cluster rank", "rows", width=620,
+                     height=240, logy=logy, ymin=None if logy else 0.0)
+
+
+def trace_svgs(trace):
+    """Six small charts of the annealing trace (one per diagnostic), as SVG strings."""
+    step = np.asarray(trace.get("step", []))
+    sel = step >= 0
+    g = {k: np.asarray(v)[sel] for k, v in trace.items()}
+    x = step[sel].astype(float)
+    J_polish = np.asarray(trace.get("hard_distortion", []))[~sel]
+    T = g.get("temperature", np.zeros(0))
+    w, h = 400, 230
+    figs = [svg_chart([{"x": x, "y": T, "color": "#0969da"}], "temperature T",
+                      "temperature step", "T", w, h, logy=bool(T.size and (T > 0).all())),
+            svg_chart([{"x": x, "y": g.get("entropy", np.zeros(0)), "color": "#8250df"}],
+                      "assignment entropy (nats per unit weight)", "temperature step",
+                      "entropy", w, h, ymin=0.0)]
+    hl = [(float(J_polish[-1]), "#1a7f37", "J after polish")] if J_polish.size else []
+    figs.append(svg_chart([{"x": x, "y": g.get("free_energy", np.zeros(0)), "color": "#cf222e",
+                            "label": "free energy F"},
+                           {"x": x, "y": g.get("hard_distortion", np.zeros(0)),
+                            "color": "#1a7f37", "label": "hard objective J"}],
+                          "F and J", "temperature step", "", w, h, hlines=hl))
+    figs.append(svg_chart([{"x": x, "y": g.get("hardening_gap", np.zeros(0)),
+                            "color": "#bc4c00"}],
+                          "hardening gap (soft - hard distortion)", "temperature step", "", w, h))
+    gap = np.maximum(np.asarray(g.get("certificate_gap", np.zeros(0)), dtype=float), 0)
+    bound = np.asarray(g.get("certificate_bound", np.zeros(0)), dtype=float)
+    pos = np.concatenate([gap[gap > 0], bound[bound > 0]])
+    figs.append(svg_chart([{"x": x, "y": gap, "color": "#cf222e", "label": "J - F"},
+                           {"x": x, "y": bound, "color": "#57606a", "dash": True,
+                            "label": "bound T W log K"}],
+                          "certificate 0 \u2264 J - F \u2264 T W log K", "temperature step", "",
+                          w, h, logy=bool(pos.size)))
+    nd = np.asarray(g.get("n_distinct", np.zeros_like(x)), dtype=float)
+    figs.append(svg_chart([{"x": x, "y": nd, "color": "#0550ae"}], "distinct centers",
+                          "temperature step", "centers", w, h, ymin=0.0))
+    return figs
+
+
+def choose_k_svgs(suggestion, top=3):
+    """The K-choosing evidence: effective clusters against T with the widest plateaus
+    shaded, and J against K (two SVG strings)."""
+    T = np.asarray(suggestion.path_temperature, dtype=float)
+    nd = np.asarray(suggestion.path_clusters, dtype=float)
+    colors = ["#2da44e", "#bf8700", "#8250df", "#cf222e"]
+    bands = []
+    for j, k in enumerate(suggestion.ranking[:top]):
+        i = int(np.nonzero(suggestion.ks == k)[0][0])
+        lo, hi = float(suggestion.t_out[i]), float(suggestion.t_in[i])
+        if np.isfinite(lo) and np.isfinite(hi) and hi > lo > 0:
+            bands.append((lo, hi, colors[j % len(colors)],
+                          f"K={k} (width {suggestion.width[i]:.2f})"))
+    a = svg_chart([{"x": T, "y": nd, "color": "#0550ae", "step": True, "marker": False}],
+                  "phase transitions", "temperature T (log, cooling \u2192)",
+                  "effective clusters", 520, 260, logx=True, reverse_x=True, bands=bands)
+    J = np.asarray(suggestion.hard_distortion, dtype=float)
+    b = svg_chart([{"x": np.asarray(suggestion.ks, dtype=float), "y": J, "color": "#0550ae"}],
+                  "objective along the path", "K", "J (hard distortion)", 420, 260,
+                  vlines=[(float(suggestion.best), "#2da44e",
+                           f"suggested K={suggestion.best}")])
+    return a, b
+
+
+# =========================================================================== the report
 def build_report(title, summary, trace, clusters, centers, metric="cosine",
-                 k_suggestion=None):
+                 k_suggestion=None, ambiguous=None, n_neighbours=3, n_pairs=20):
     """The report as one HTML string.
 
-    ``summary``: list of (name, value) pairs; ``trace``: dict of arrays (``Trace.as_dict()``);
-    ``clusters``: the cluster table (``pyarrow.Table`` or list of dicts with ``cluster, size,
-    weight, label, central_query, cohesion``...), in the order of ``centers`` (K, D).
+    Parameters
+    ----------
+    title : str
+    summary : list of (name, value) pairs
+    trace : dict of arrays (``Trace.as_dict()``)
+    clusters : ``pyarrow.Table`` or list of dicts
+        The cluster table (``cluster, size, weight, share, label, central_query,
+        representative_queries, cohesion, terms`` ...), in the order of ``centers``.
+    centers : (K, D) array
+    metric : {"cosine", "euclidean"}
+    k_suggestion : :class:`fastanneal.KSuggestion`, optional
+        Adds the "Choosing K" section.
+    ambiguous : list of dicts, optional
+        :func:`ambiguous_rows`: adds the "Ambiguous queries" section.
+    n_neighbours, n_pairs : int
+        Nearest clusters listed per cluster; closest pairs listed.
     """
     rows = clusters.to_pylist() if hasattr(clusters, "to_pylist") else list(clusters)
-    sizes = np.array([r["size"] for r in rows], dtype=float)
-    weights = np.array([r.get("weight", r["size"]) for r in rows], dtype=float)
+    K = len(rows)
     labels = [r.get("label") or "" for r in rows]
-    cohesion = np.array([np.nan if r.get("cohesion") is None else r["cohesion"] for r in rows],
-                        dtype=float)
-    figs = [
-        ("trace", "The annealing trace",
-         trace_figure(trace),
-         "Per temperature step: T falls along the schedule; the entropy of the soft "
-         "assignments falls as clusters harden; F rises towards J; the certificate keeps "
-         "0 &le; J &minus; F &le; T W log K. The dashed line is J after the final Lloyd polish."),
-        ("sizes", "Cluster sizes", sizes_figure(sizes, weights), "Rows per cluster."),
-        ("centers", "Cluster centers", centers_figure(
-            centers, sizes, labels, None if np.isnan(cohesion).all() else cohesion, metric),
-         "Projection of the centers on their first two principal components (numpy SVD)."),
-    ]
+    sizes = np.array([r.get("size", 0) for r in rows], dtype=float)
+    C = np.asarray(centers)
+    near_idx = near_score = None
+    pairs = []
+    if C.ndim == 2 and C.shape[0] == K and K > 1:
+        near_idx, near_score = nearest_clusters(C, metric, n_neighbours)
+        pairs = closest_pairs(near_idx, near_score, metric, n_pairs)
+    nav = [("summary", "Summary"), ("clusters-h", "Clusters")]
+    if ambiguous:
+        nav.append(("ambiguous-h", "Ambiguous queries"))
+    nav += [("pairs-h", "Closest pairs"), ("sizes", "Sizes")]
     if k_suggestion is not None:
-        top = ", ".join(f"K={r['k']} ({r['width']:.2f})" for r in k_suggestion.table()[:5])
-        figs.insert(0, ("choose-k", "Choosing K", choose_k_figure(k_suggestion),
-                        "Left: effective clusters on the annealing path against the temperature "
-                        "(log scale, cooling to the right); the shaded bands are the widest "
-                        "plateaus. Right: the hard objective J of the coldest state of each K "
-                        f"on the path. Ranked by plateau width in log T: {html.escape(top)}."))
-    cols = [c for c in ("cluster", "size", "weight", "share", "label", "central_query",
-                        "cohesion", "terms") if rows and c in rows[0]]
-    numeric = {"cluster", "size", "weight", "share", "cohesion"}
+        nav.append(("choose-k", "Choosing K"))
+    nav.append(("trace", "Annealing diagnostics"))
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             f"<title>{html.escape(title)}</title>",
+             f"<title>{_e(title)}</title>",
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<style>{_CSS}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1>",
-             '<p class="muted">Annealed soft k-means (fastanneal). Self-contained report: '
-             "all figures are embedded.</p>",
+             f"<h1>{_e(title)}</h1>",
+             '<p class="muted">Annealed soft k-means (fastanneal). One self-contained file: '
+             "no network, no plugins.</p>",
+             "<nav>" + "".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in nav) + "</nav>",
              '<h2 id="summary">Summary</h2><table class="summary">']
     for k, v in summary:
-        parts.append(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>")
+        parts.append(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>")
     parts.append("</table>")
-    for fid, heading, png, caption in figs:
-        parts.append(f'<h2 id="{fid}">{html.escape(heading)}</h2>')
-        parts.append(f"<figure>{_img(png, heading)}<figcaption>{caption}</figcaption></figure>")
-    parts.append('<h2 id="clusters">Clusters</h2>')
-    parts.append('<p class="muted">label: distinctive terms by class-based TF-IDF; '
-                 "central_query: the member closest to the center; cohesion: mean cosine of "
-                 "the members to the center.</p>")
-    parts.append(_table_html(rows, cols, numeric))
+    # ------------------------------------------------------------------ clusters
+    parts.append(f'<h2 id="clusters-h">Clusters ({K:,})</h2>')
+    parts.append('<p class="muted">Largest first. <b>label</b>: the most distinctive terms '
+                 "of the cluster (class-based TF-IDF); <b>representative queries</b>: distinct "
+                 "members closest to the center; <b>cohesion</b>: mean cosine of the members to "
+                 "the center (1 = identical); <b>nearest clusters</b>: the most similar other "
+                 "clusters. Click a heading to sort; the search box filters on every cell "
+                 "(link to a search with <code>#q=word</code>).</p>")
+    parts.append('<input type="search" id="cluster-search" class="search" '
+                 'placeholder="search clusters: label, query, number" data-table="clusters" '
+                 'data-count="cluster-count" aria-label="search clusters"> '
+                 f'<span id="cluster-count" class="muted">{K:,} rows</span>')
+    parts.append(_clusters_table(rows, labels, near_idx, near_score, metric))
+    # ------------------------------------------------------------------ ambiguous
+    if ambiguous:
+        parts.append('<h2 id="ambiguous-h">Ambiguous queries</h2>')
+        parts.append(f'<p class="muted">The {len(ambiguous)} rows the clustering is least sure '
+                     "of: lowest probability of their cluster, with the runner-up cluster. "
+                     "Probability and margin are defined in the documentation (the "
+                     "probability is the soft assignment at a temperature chosen from the "
+                     "data).</p>")
+        parts.append(_ambiguous_table(ambiguous, labels))
+    # ------------------------------------------------------------------ similarity + sizes
+    parts.append('<h2 id="pairs-h">Closest cluster pairs</h2>')
+    if pairs:
+        parts.append('<p class="muted">The most similar pairs of clusters: candidates to '
+                     "merge, or topics that border each other.</p>")
+        parts.append(_pairs_table(pairs, labels, sizes, metric))
+    else:
+        parts.append('<p class="muted">One cluster: no pairs.</p>')
+    parts.append('<h2 id="sizes">Cluster sizes</h2>')
+    parts.append(f"<figure>{sizes_svg(sizes)}<figcaption>Rows per cluster against the "
+                 "cluster's rank (largest first).</figcaption></figure>")
+    # ------------------------------------------------------------------ diagnostics
+    if k_suggestion is not None:
+        top = ", ".join(f"K={r['k']} ({r['width']:.2f})" for r in k_suggestion.table()[:5])
+        a, b = choose_k_svgs(k_suggestion)
+        parts.append('<h2 id="choose-k">Choosing K</h2>')
+        parts.append(f'<figure><div class="figs">{a}{b}</div><figcaption>Left: effective '
+                     "clusters on the annealing path against the temperature (log scale, "
+                     "cooling to the right); the shaded bands are the widest plateaus. Right: "
+                     "the hard objective J of the coldest state of each K on the path. Ranked "
+                     f"by plateau width in log T: {_e(top)}.</figcaption></figure>")
+    parts.append('<h2 id="trace">Annealing diagnostics</h2>')
+    parts.append('<figure><div class="figs">' + "".join(trace_svgs(trace))
+                 + "</div><figcaption>Per temperature step: T falls along the schedule; the "
+                 "entropy of the soft assignments falls as clusters harden; F rises towards "
+                 "J; the certificate keeps 0 &le; J &minus; F &le; T W log K. The dashed line "
+                 "is J after the final Lloyd polish.</figcaption></figure>")
+    parts.append(f"<script>{_JS}</script>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -88,9 +88,14 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
     p, side = qc.to_parquet(tmp_path / "b.parquet")
     assert pq.read_table(side).num_rows == 4
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]
-    pytest.importorskip("matplotlib")
     html = qc.report(tmp_path / "rep.html").read_text()
-    assert "Clusters" in html and "<img" in html
+    assert "Clusters (4)" in html and "<svg" in html and html.count('<tr id="c') == 4
+    # the least sure rows are listed with their runner-up cluster
+    amb = html[html.index('id="ambiguous"'):]
+    amb = amb[:amb.index("</table>")]
+    worst = int(np.argmin(qc.probability_))
+    assert f'data-v="{float(worst)!r}"' in amb.split("</tr>")[1]          # first data row
+    assert f'href="#c{qc.runner_up_[worst]}"' in amb.split("</tr>")[1]
     with pytest.raises(ValueError, match="texts, embeddings"):
         fastanneal.QueryClusters(2).fit()
     with pytest.raises(ValueError, match="texts for"):

@@ -1,9 +1,10 @@
-"""The HTML report: structure (always) and rendering in a headless Chromium (when present)."""
-import base64
+"""The HTML report: structure, escaping, the cluster views against NumPy references, the
+SVG charts, and rendering (search, sort, screenshot) in a headless Chromium."""
 import html.parser
 import shutil
 import subprocess
 import tempfile
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
@@ -11,32 +12,34 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-pytest.importorskip("matplotlib", reason="the report needs fastanneal[report] (matplotlib)")
-
-from fastanneal import AnnealedKMeans  # noqa: E402
-from fastanneal.cli import main  # noqa: E402
-from fastanneal.report import build_report, pca_2d  # noqa: E402
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+from fastanneal import AnnealedKMeans
+from fastanneal.cli import main
+from fastanneal.report import (ambiguous_rows, build_report, closest_pairs, nearest_clusters,
+                               svg_chart)
 
 
 class _Parse(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
-        self.imgs, self.tables, self.h2, self.external = [], [], [], []
+        self.svgs, self.tables, self.h2, self.external, self.scripts = 0, [], [], [], 0
         self.rows = {}
         self._table = None
         self._in_h2 = False
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
-        if tag == "img":
-            self.imgs.append(a.get("src", ""))
-        if tag in ("script", "link", "iframe") or (tag == "img" and not
-                                                     a.get("src", "").startswith("data:")):
+        if tag == "svg":
+            self.svgs += 1
+        if tag == "script":
+            self.scripts += 1
+            if "src" in a:
+                self.external.append((tag, a))
+        if tag in ("link", "iframe", "img", "object", "embed") or any(
+                str(v).startswith(("http:", "https:", "//")) for k, v in a.items()
+                if k in ("src", "href")):
             self.external.append((tag, a))
         if tag == "table":
-            self._table = a.get("class", "")
+            self._table = a.get("id") or a.get("class", "")
             self.tables.append(self._table)
         if tag == "tr" and self._table is not None:
             self.rows[self._table] = self.rows.get(self._table, 0) + 1
@@ -58,16 +61,18 @@ def check_structure(text, n_clusters):
     assert text.startswith("<!DOCTYPE html>")
     p = _Parse()
     p.feed(text)
-    assert p.external == [], p.external                 # self-contained
-    assert len(p.imgs) == 3
-    for src in p.imgs:
-        assert src.startswith("data:image/png;base64,")
-        png = base64.b64decode(src.split(",", 1)[1])
-        assert png.startswith(PNG_MAGIC) and len(png) > 5000
+    assert p.external == [], p.external                 # self-contained, no network
+    assert p.scripts == 1                                # the inline sort/search script
+    assert p.svgs >= 7                                   # sizes + six diagnostics
     assert {"summary", "clusters"} <= set(p.tables)
     assert p.rows["clusters"] == n_clusters + 1          # header + one row per cluster
-    for h in ("Summary", "The annealing trace", "Cluster sizes", "Cluster centers", "Clusters"):
-        assert h in p.h2
+    heads = [h for h in p.h2 if h]
+    assert heads[0] == "Summary" and heads[1].startswith("Clusters")   # clusters first
+    assert heads[-1] == "Annealing diagnostics"
+    for h in ("Cluster sizes", "Closest cluster pairs"):
+        assert h in heads
+    for start in [i for i in range(len(text)) if text.startswith("<svg", i)]:
+        ET.fromstring(text[start:text.index("</svg>", start) + 6])   # well-formed SVG
     return p
 
 
@@ -108,15 +113,71 @@ def test_report_with_one_cluster_and_no_trace_rows(fitted):
     check_structure(text, 1)
 
 
-def test_pca_2d_matches_covariance_eigenvectors():
-    rng = np.random.default_rng(0)
-    M = rng.normal(size=(50, 6)) * np.array([5, 2, 1, .5, .1, .1])
-    Y, share = pca_2d(M)
-    ev = np.linalg.eigvalsh(np.cov(M.T, bias=True))[::-1]
-    np.testing.assert_allclose(share, ev[:2] / ev.sum(), rtol=1e-10)
-    np.testing.assert_allclose(Y.var(axis=0), ev[:2], rtol=1e-10)
-    Y1, s1 = pca_2d(M[:1])
-    assert Y1.shape == (1, 2) and (s1 == 0).all()
+def test_nearest_clusters_and_pairs_match_numpy():
+    rng = np.random.default_rng(11)
+    C = rng.normal(size=(300, 7))             # > one block of 256 rows
+    for metric in ("cosine", "euclidean"):
+        idx, score = nearest_clusters(C, metric, n=4)
+        U = C / np.linalg.norm(C, axis=1, keepdims=True) if metric == "cosine" else C
+        D = ((U[:, None, :] - U[None, :, :]) ** 2).sum(-1)
+        np.fill_diagonal(D, np.inf)
+        ref = np.argsort(D, axis=1, kind="stable")[:, :4]
+        np.testing.assert_array_equal(idx, ref)
+        want = (U @ U.T)[np.arange(300)[:, None], ref] if metric == "cosine" else \
+            np.take_along_axis(D, ref, axis=1)
+        np.testing.assert_allclose(score, want, atol=1e-9)
+        pairs = closest_pairs(idx, score, metric, n=10)
+        iu = np.triu_indices(300, 1)
+        best = np.argsort(D[iu], kind="stable")[:10]
+        assert [(a, b) for a, b, _ in pairs] == [(int(iu[0][j]), int(iu[1][j])) for j in best]
+    idx, score = nearest_clusters(C[:1], "cosine")
+    assert idx.shape == (1, 0)
+
+
+def test_ambiguous_rows_are_the_least_probable():
+    rng = np.random.default_rng(3)
+    p = rng.uniform(size=200)
+    lab = rng.integers(0, 5, 200)
+    ru = (lab + 1) % 5
+    ru[7] = -1                                  # no runner-up (K = 1): never listed
+    p[7] = -1.0
+    amb = ambiguous_rows(p, lab, ru, margin=p * 2, texts=[f"q{i}" for i in range(200)], n=12)
+    want = [i for i in np.argsort(p, kind="stable") if i != 7][:12]
+    assert [a["row"] for a in amb] == want
+    assert amb[0]["query"] == f"q{want[0]}" and amb[0]["runner_up"] == ru[want[0]]
+    assert ambiguous_rows(p, lab, np.full(200, -1)) == []
+
+
+def test_svg_chart_is_well_formed_and_says_when_empty():
+    x = np.arange(1, 30, dtype=float)
+    svg = svg_chart([{"x": x, "y": np.exp(-x), "label": "a <b>"},
+                     {"x": x, "y": np.r_[np.nan, x[1:]], "dash": True}],
+                    "t & t", "x", "y", logy=True, bands=[(3, 8, "#0f0", "band")],
+                    vlines=[(5, "#f00", "v")], hlines=[(1e-3, "#00f", "h")])
+    root = ET.fromstring(svg)
+    assert root.tag.endswith("svg")
+    assert "a &lt;b&gt;" in svg and "t &amp; t" in svg
+    assert svg.count("<polyline") == 2
+    empty = svg_chart([{"x": [1.0], "y": [np.nan]}], "nothing")
+    ET.fromstring(empty)
+    assert "no data" in empty
+    neg = svg_chart([{"x": [1.0, 2.0], "y": [-1.0, 0.0]}], "log of non-positive", logy=True)
+    assert "no data" in neg
+
+
+def test_report_lists_ambiguous_queries_and_neighbours(fitted):
+    X, est = fitted
+    amb = [{"row": 4, "query": "<b>tie</b>", "cluster": 1, "runner_up": 3,
+            "probability": 0.51, "margin": 0.01}]
+    text = build_report("r", [], est.trace_.as_dict(), _table(est, ["q"] * 5),
+                        est.cluster_centers_, ambiguous=amb)
+    p = check_structure(text, 5)
+    assert p.rows["ambiguous"] == 2 and "Ambiguous queries" in p.h2
+    assert "&lt;b&gt;tie&lt;/b&gt;" in text
+    idx, _ = nearest_clusters(est.cluster_centers_, "cosine", 3)
+    row0 = text[text.index('<tr id="c0">'):text.index("</tr>", text.index('<tr id="c0">'))]
+    for j in idx[0]:
+        assert f'href="#c{j}"' in row0
 
 
 @pytest.fixture(scope="module")
@@ -143,25 +204,82 @@ def test_cli_report_structure(cli_report):
         assert word in text
 
 
-def test_report_renders_in_headless_chromium(cli_report, tmp_path):
+def _chromium(args, timeout=120):
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
         pytest.skip("chromium is not installed (apt-get install chromium)")
-    shot = tmp_path / "shot.png"
     with tempfile.TemporaryDirectory() as profile:
-        r = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu",
-                            "--disable-background-networking", "--disable-component-update",
-                            "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-                            "--window-size=1200,2200", f"--screenshot={shot}",
-                            Path(cli_report).resolve().as_uri()],
-                           capture_output=True, text=True, timeout=120)
+        return subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu",
+                               "--disable-background-networking", "--disable-component-update",
+                               "--disable-sync", "--no-first-run",
+                               f"--user-data-dir={profile}", *args],
+                              capture_output=True, text=True, timeout=timeout)
+
+
+def test_report_renders_in_headless_chromium(cli_report, tmp_path):
+    shot = tmp_path / "shot.png"
+    r = _chromium(["--window-size=1200,7000", f"--screenshot={shot}",
+                   Path(cli_report).resolve().as_uri()])
     assert shot.exists(), r.stderr[-2000:]
     import matplotlib.image as mpimg
     img = mpimg.imread(shot)
-    assert img.shape[0] >= 2000 and img.shape[1] >= 1100
+    assert img.shape[0] >= 6000 and img.shape[1] >= 1100
     rgb = img[..., :3]
-    # not blank: plenty of non-white pixels, and colour (the figures) not just black text
+    # not blank: plenty of non-white pixels, and colour (links, figures) not just black text
     nonwhite = (rgb < 0.95).any(axis=2).mean()
     colourful = (rgb.max(axis=2) - rgb.min(axis=2) > 0.25).mean()
     assert nonwhite > 0.05, nonwhite
-    assert colourful > 0.01, colourful
+    assert colourful > 0.005, colourful
+
+
+class _Rows(html.parser.HTMLParser):
+    """The rows of table#clusters in DOM order: (visible, text, cohesion data-v)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self._in, self._row, self._td = [], False, None, 0
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table" and a.get("id") == "clusters":
+            self._in = True
+        if self._in and tag == "tr" and "id" in a:
+            self._row = ["display: none" not in (a.get("style") or ""), "", []]
+        if self._row is not None and tag == "td":
+            self._row[2].append(a.get("data-v"))
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._in = False
+        if tag == "tr" and self._row is not None:
+            self.rows.append(self._row)
+            self._row = None
+
+    def handle_data(self, data):
+        if self._row is not None:
+            self._row[1] += data
+
+
+def test_report_search_and_sort_run_in_chromium(cli_report):
+    """The inline script runs in a real browser: a search given in the address hides the
+    rows without the word, a sort orders the rows by the column."""
+    uri = Path(cli_report).resolve().as_uri()
+    static = _Rows()
+    static.feed(Path(cli_report).read_text(encoding="utf-8"))
+    assert len(static.rows) == 6 and all(v for v, _, _ in static.rows)
+    word = "set an alarm"                        # a query phrase, not in any label
+    want = sum(word in t.lower() for _, t, _ in static.rows)
+    assert 1 <= want < 6
+    r = _chromium(["--dump-dom", uri + "#q=set%20an%20alarm"])
+    dom = _Rows()
+    dom.feed(r.stdout)
+    assert len(dom.rows) == 6, r.stderr[-2000:]
+    shown = [t for v, t, _ in dom.rows if v]
+    assert len(shown) == want and all(word in t.lower() for t in shown)
+    assert f"showing {want} of 6" in r.stdout
+    r = _chromium(["--dump-dom", uri + "#sort=-cohesion"])
+    dom = _Rows()
+    dom.feed(r.stdout)
+    coh = [float(cells[5]) for _, _, cells in dom.rows]
+    assert coh == sorted(coh, reverse=True)
+    assert 'data-key="cohesion" scope="col" aria-sort="descending"' in r.stdout
