@@ -57,20 +57,42 @@ class Update(NamedTuple):
 class Moments:
     """Additive statistics of a block of rows at one temperature.
 
-    Attributes (all sums over the rows of the block, weighted by ``w``):
+    All sums run over the rows of the block, weighted by ``w``. Records of disjoint blocks
+    combine with :meth:`merge` (or ``+``); :meth:`finalize` turns a record into new centers
+    and objectives.
 
-    ``N`` (K,)             soft counts ``sum w r_ik``
-    ``S`` (K, D)           soft sums ``sum w r_ik x_i`` (float64)
-    ``soft_distortion``    ``sum w sum_k r_ik d_ik``
-    ``entropy``            ``sum w H_i`` (Shannon for softmax, Tsallis-1.5 for entmax15)
-    ``free_energy``        ``sum w F_i``; softmax ``F_i = -T LSE_k(log p_k - d_ik / T)``
-    ``hard_distortion``    ``J = sum w min_k d_ik``
-    ``hard_counts`` (K,)   weight of the rows nearest to each center
-    ``hard_sums`` (K, D)   ``sum w x_i`` over those rows (None when not requested)
-    ``weight``, ``rows``   ``W = sum w`` and the number of rows
-    ``margin_sum``         ``sum w exp(-Delta_i / T)``, ``Delta_i`` the second-best margin
-    ``min_margin``         ``min_i Delta_i`` (inf for an empty block or K = 1)
-    ``nnz``                non-zero responsibilities kept
+    Attributes
+    ----------
+    N : (K,) float64 array
+        Soft counts ``sum w r_ik``.
+    S : (K, D) float64 array
+        Soft sums ``sum w r_ik x_i``.
+    soft_distortion : float
+        ``sum w sum_k r_ik d_ik``.
+    entropy : float
+        ``sum w H_i`` (Shannon for softmax, Tsallis-1.5 for entmax15).
+    free_energy : float
+        ``sum w F_i``; softmax ``F_i = -T LSE_k(log p_k - d_ik / T)``.
+    hard_distortion : float
+        ``J = sum w min_k d_ik``.
+    hard_counts : (K,) float64 array
+        Weight of the rows nearest to each center.
+    hard_sums : (K, D) float64 array or None
+        ``sum w x_i`` over those rows (None when not requested).
+    weight : float
+        ``W = sum w``.
+    rows : int
+        The number of rows.
+    margin_sum : float
+        ``sum w exp(-Delta_i / T)``, ``Delta_i`` the second-best margin.
+    min_margin : float
+        ``min_i Delta_i`` (inf for an empty block or K = 1).
+    nnz : int
+        Non-zero responsibilities kept.
+    temperature : float
+        The temperature ``T`` of the record.
+    responsibilities : {"softmax", "entmax15", "hard"}
+    metric : {"euclidean", "cosine"}
     """
     N: np.ndarray
     S: np.ndarray
@@ -246,15 +268,23 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
 
     Parameters
     ----------
-    X_block : array (n, D), float32 or float64 (float32 stays float32; other dtypes -> float64).
-    centers : array (K, D).
-    T : float > 0, the temperature in ``softmax(-d / T)``; ``d`` the squared Euclidean distance
-        (cosine: rows and centers unit-normalized, ``d = 2 - 2 cos``).
-    weights : optional (n,) non-negative sample weights (weights equal repetition).
-    responsibilities : ``"softmax"``, ``"entmax15"`` or ``"hard"`` (nearest center).
-    log_prior : optional (K,) log cluster masses ``log p_k`` for mass-constrained (deterministic
-        annealing) responsibilities ``r_ik ~ p_k exp(-d_ik / T)``.
-    hard_sums : also accumulate ``sum w x_i`` per nearest center (one extra ``N x D`` pass).
+    X_block : array (n, D)
+        float32 or float64 (float32 stays float32; other dtypes become float64).
+    centers : array (K, D)
+    T : float > 0
+        The temperature in ``softmax(-d / T)``; ``d`` the squared Euclidean distance
+        (cosine: rows and centers unit-normalized, ``d = 2 - 2 cos``). 0 is allowed with
+        ``responsibilities="hard"``.
+    weights : (n,) array or None, default=None
+        Non-negative sample weights (weights equal repetition).
+    metric : {"euclidean", "cosine"}, default="euclidean"
+    responsibilities : {"softmax", "entmax15", "hard"}, default="softmax"
+        ``"hard"``: the nearest center.
+    log_prior : (K,) array or None, default=None
+        Log cluster masses ``log p_k`` for mass-constrained (deterministic annealing)
+        responsibilities ``r_ik ~ p_k exp(-d_ik / T)``.
+    hard_sums : bool, default=True
+        Also accumulate ``sum w x_i`` per nearest center (one extra ``N x D`` pass).
 
     Returns
     -------

@@ -79,19 +79,29 @@ class KSuggestion:
 
     Attributes
     ----------
-    best : int, the top-ranked K.
-    ranking : list of int, every K in ``[k_min, k_max]`` that appeared, widest plateau first.
-    ks : (m,) int array, K = k_min .. k_max.
-    width : (m,) plateau widths: the ``log T`` span the path spent with K effective clusters
-        (0 for a K the path skipped).
-    t_in, t_out : (m,) critical temperatures entering / leaving each K (NaN if skipped).
-    hard_distortion, free_energy : (m,) J and F of the coldest equilibrium with K clusters
-        on the path (NaN if skipped).
-    critical_temperature : ``T_c = 2 lambda_max(C)`` of the data (first transition).
-    trace : the path's :class:`~fastanneal._trace.Trace` (temperature, F, J, ...; its
+    best : int
+        The top-ranked K.
+    ranking : list of int
+        Every K in ``[k_min, k_max]`` that appeared, widest plateau first.
+    ks : (m,) int array
+        K = k_min .. k_max.
+    width : (m,) float array
+        Plateau widths: the ``log T`` span the path spent with K effective clusters (0 for a
+        K the path skipped).
+    t_in, t_out : (m,) float arrays
+        Critical temperatures entering / leaving each K (NaN if skipped).
+    hard_distortion, free_energy : (m,) float arrays
+        J and F of the coldest equilibrium with K clusters on the path (NaN if skipped).
+    critical_temperature : float
+        ``T_c = 2 lambda_max(C)`` of the data (first transition).
+    k_max : int
+        The ``k_max`` the path was run to.
+    trace : Trace
+        The path's :class:`~fastanneal._trace.Trace` (temperature, F, J, ...; its
         ``n_distinct`` counts codevectors, twins included).
-    path_temperature, path_clusters : the path's temperatures and its number of effective
-        clusters at each (what the plateaus are measured on).
+    path_temperature, path_clusters : (s,) arrays
+        The path's temperatures and its number of effective clusters at each (what the
+        plateaus are measured on).
     """
     best: int
     ranking: list
@@ -276,11 +286,25 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
 
     Parameters
     ----------
-    X : array (n, D), or a Dask array / Parquet path (``backend="dask"``), like
-        :meth:`AnnealedKMeans.fit`.
-    k_max : int, the most clusters the path splits into (the cost grows with it).
-    k_min : int >= 2, the fewest clusters to rank.
-    cooling : factor between temperatures where nothing splits.
+    X : array (n, D), Dask array or Parquet path
+        The rows, as for :meth:`AnnealedKMeans.fit`: a Dask array / DataFrame runs on the
+        Dask backend; a Parquet path needs ``backend="dask"``.
+    k_max : int
+        The most clusters the path splits into (the cost grows with it).
+    k_min : int >= 2, default=2
+        The fewest clusters to rank.
+    sample_weight : (n,) array or None, default=None
+        Row weights (>= 0).
+    metric : {"euclidean", "cosine"}, default="euclidean"
+    random_state : int, RandomState, Generator or None, default=None
+    backend : {"cpu", "cuda", "dask"} or None, default=None
+        As ``AnnealedKMeans(backend=...)``.
+    scheduler : str, distributed.Client or None, default=None
+        Dask backend only, as ``AnnealedKMeans(scheduler=...)``.
+    cooling : float, default=0.85
+        Factor between temperatures where nothing splits.
+    max_steps : int, default=400
+        The most temperature steps of the path.
 
     Returns
     -------

@@ -30,10 +30,13 @@ class Schedule:
     n_steps = 30
 
     def start(self, T_start, T_end):
+        """Called once before the first step with the start and end temperatures."""
         self.T_start = float(T_start)
         self.T_end = float(T_end)
 
     def next_temperature(self, state):  # pragma: no cover - interface
+        """The temperature of the next step after ``state`` (a :class:`ScheduleState`), or
+        None to stop annealing."""
         raise NotImplementedError
 
     def __repr__(self):

@@ -90,10 +90,13 @@ class CudaSource:
 
     Parameters
     ----------
-    X : ndarray (n, D), C-contiguous float32 or float64 (unit rows for cosine). Copied to
-        the device once; every call after that moves only centers and results.
-    w : ndarray (n,), float64 non-negative weights.
-    metric : int, 0 euclidean, 1 cosine.
+    X : ndarray (n, D)
+        C-contiguous float32 or float64 (unit rows for cosine). Copied to the device once;
+        every call after that moves only centers and results.
+    w : ndarray (n,)
+        float64 non-negative weights.
+    metric : int
+        0 euclidean, 1 cosine.
 
     Raises
     ------

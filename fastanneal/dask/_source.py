@@ -69,9 +69,14 @@ class DaskSource(_Submitter):
 
     Parameters
     ----------
-    X : dask array (n, D); w : dask array (n,) with the same row chunks, or None
-    metric : int, 0 euclidean, 1 cosine
+    X : dask array (n, D)
+        The rows.
+    w : dask array (n,) or None
+        Row weights with the same row chunks as ``X``.
+    metric : int
+        0 euclidean, 1 cosine.
     handle : :class:`~fastanneal.dask._cluster.ClientHandle`
+        The client, and what this library started for it.
     """
 
     def __init__(self, X, w, metric, handle):
