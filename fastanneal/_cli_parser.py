@@ -78,7 +78,7 @@ def _add_cluster_options(p, demo=False):
     p.add_argument("--scheduler", metavar="ADDRESS",
                    help="dask: address of a running scheduler (tcp://host:8786)")
     p.add_argument("--report", metavar="PATH",
-                   help="write a self-contained HTML report (needs fastanneal[report])"
+                   help="write a self-contained HTML report (clusters first; no extra needed)"
                         + ("; the demo writes OUTPUT/report.html by default" if demo else ""))
     if demo:
         p.add_argument("--no-report", action="store_true", help="do not write the HTML report")

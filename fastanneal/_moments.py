@@ -324,7 +324,23 @@ def _check_log_prior(log_prior, K):
 
 
 def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prior=None):
-    """Responsibilities ``r_ik`` of every row (n x K, the input dtype); rows sum to 1."""
+    """Responsibilities ``r_ik`` of every row (n x K, the input dtype); rows sum to 1.
+
+    Parameters
+    ----------
+    X : array (n, D)
+    centers : array (K, D)
+    T : float > 0
+        The temperature in ``softmax(-d / T)`` (0 is allowed with ``kind="hard"``).
+    metric : {"euclidean", "cosine"}, default="euclidean"
+    kind : {"softmax", "entmax15", "hard"}, default="softmax"
+    log_prior : (K,) array or None, default=None
+        Log cluster masses ``log p_k`` (mass-constrained responsibilities).
+
+    Returns
+    -------
+    (n, K) array
+    """
     X, C, mc = _prepare(X, centers, metric)
     rc = resp_code(kind)
     T = check_temperature(T, allow_zero=(rc == 2))
@@ -341,7 +357,18 @@ def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prio
 
 
 def pairwise_distances(X, centers, metric="euclidean"):
-    """Squared distances (n x K) in GEMM form, clamped at 0 (cosine: ``2 - 2 cos``)."""
+    """Squared distances (n x K) in GEMM form, clamped at 0 (cosine: ``2 - 2 cos``).
+
+    Parameters
+    ----------
+    X : array (n, D)
+    centers : array (K, D)
+    metric : {"euclidean", "cosine"}, default="euclidean"
+
+    Returns
+    -------
+    (n, K) array of the input dtype
+    """
     X, C, mc = _prepare(X, centers, metric)
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
     out = np.empty((X.shape[0], C.shape[0]), dtype=X.dtype)
@@ -352,7 +379,26 @@ def pairwise_distances(X, centers, metric="euclidean"):
 
 def assign(X, centers, metric="euclidean", _prepared=False, return_second=False):
     """Hard assignment: ``(labels, d_min, margin)`` with ``margin = d_(2) - d_(1)``; with
-    ``return_second`` also the second-nearest center of every row (-1 for K = 1)."""
+    ``return_second`` also the second-nearest center of every row (-1 for K = 1).
+
+    Parameters
+    ----------
+    X : array (n, D)
+    centers : array (K, D)
+    metric : {"euclidean", "cosine"}, default="euclidean"
+    return_second : bool, default=False
+
+    Returns
+    -------
+    labels : (n,) int64 array
+        The nearest center of every row.
+    d_min : (n,) float64 array
+        The squared distance to it.
+    margin : (n,) float64 array
+        ``d_(2) - d_(1)``, the gap to the second-nearest center.
+    second : (n,) int64 array
+        Only with ``return_second=True``.
+    """
     if _prepared:
         C = np.ascontiguousarray(centers, dtype=X.dtype)
         mc = metric if isinstance(metric, int) else metric_code(metric)
@@ -377,6 +423,17 @@ def entmax15(Z, method="sort"):
 
     ``method="sort"`` finds the exact threshold by sorting the candidates, ``"bisect"`` by
     bisection on tau with a closed-form finish (no sort); both are exact.
+
+    Parameters
+    ----------
+    Z : array (K,) or (n, K)
+        Finite logits.
+    method : {"sort", "bisect"}, default="sort"
+
+    Returns
+    -------
+    float64 array of the shape of ``Z``
+        Each row is a probability vector (sparse: exact zeros).
     """
     Z = np.asarray(Z, dtype=np.float64)
     one_d = Z.ndim == 1

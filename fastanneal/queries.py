@@ -18,14 +18,18 @@ class QueryClusters:
     n_representatives : int, default=5
         Distinct queries per cluster in :meth:`cluster_info`, most central first.
     random_state : int, default=0
-    **params : further :class:`fastanneal.AnnealedKMeans` parameters (``schedule``,
-        ``n_steps``, ``backend``, ``checkpoint``, ...).
+    **params
+        Further :class:`fastanneal.AnnealedKMeans` parameters (``schedule``, ``n_steps``,
+        ``backend``, ``checkpoint``, ``progress``, ``verbose``, ...).
 
-    Attributes (after :meth:`fit`)
-    ------------------------------
-    estimator_ : the fitted :class:`fastanneal.AnnealedKMeans`.
-    labels_, probability_, margin_, runner_up_ : per-row arrays; clusters are numbered
-        largest (by weight) first, like the command's outputs.
+    Attributes
+    ----------
+    estimator_ : AnnealedKMeans
+        The fitted estimator (after :meth:`fit`).
+    labels_, probability_, margin_, runner_up_ : ndarray
+        Per-row arrays; clusters are numbered largest (by weight) first, like the
+        command's outputs. ``probability_`` is :meth:`AnnealedKMeans.predict_proba` of the
+        row's cluster (the temperature chosen from the data).
     n_clusters_ : int
 
     Examples
@@ -115,7 +119,9 @@ class QueryClusters:
     def cluster_info(self):
         """The cluster table (``pyarrow.Table``), largest cluster first: cluster, size,
         weight, share, label (c-TF-IDF terms), central_query, representative_queries,
-        cohesion (mean cosine to the center), terms, central_row (and central_id)."""
+        cohesion (mean cosine to the center), terms, central_row (the central query's row,
+        counted from 1 like a line of the input; ``assignments()["row"]`` counts from 0)
+        and central_id (with ``ids``)."""
         self._check()
         return self._clusters
 
