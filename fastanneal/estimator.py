@@ -192,6 +192,7 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         return _assign(X, self.cluster_centers_, metric_code(self.metric), _prepared=True)[0]
 
     def fit_predict(self, X, y=None, sample_weight=None):
+        """Fit on ``X`` (with ``sample_weight``) and return ``labels_``."""
         return self.fit(X, sample_weight=sample_weight).labels_
 
     def predict_proba(self, X, temperature=None):
@@ -288,7 +289,13 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
 
     Parameters
     ----------
-    n_clusters : int, default=8
+    n_clusters : int or "auto", default=8
+        ``"auto"``: K chosen in ``k_min..k_max`` from the phase transitions (the widest
+        plateau of the number of effective clusters in log T; see
+        :func:`fastanneal.suggest_k`), then the fit continues from that state;
+        ``n_clusters_`` and ``k_suggestion_`` say what was chosen and why.
+    k_max, k_min : int, default=50, 2
+        The range of K for ``n_clusters="auto"``.
     metric : {"euclidean", "cosine"}, default="euclidean"
     responsibilities : {"softmax", "entmax15"}, default="softmax"
         ``entmax15`` gives sparse responsibilities that are exactly hard once
@@ -397,6 +404,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
     critical_temperature_ : float, ``T_c = 2 lambda_max(C)``
     cluster_weights_ : (K,) array, mass of each cluster (sums to 1)
     n_iter_ : int, moment passes in total (annealing + polish)
+    n_clusters_ : int, the K of the result (the chosen one with ``n_clusters="auto"``)
+    k_suggestion_ : KSuggestion, only with ``n_clusters="auto"``
+    n_reallocations_ : int, re-allocation moves kept after the polish
+    checkpoint_info_ : dict, only with ``checkpoint``: path, finished, resumed_from,
+        temperature
     trace_ : Trace (``.as_dict()``, ``.to_arrow()``)
     n_features_in_ : int
     """
@@ -851,8 +863,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
 
     Parameters
     ----------
-    n_clusters, metric, responsibilities, n_steps, init, temperature_start,
-    temperature_end_ratio, auto_start_fraction, random_state, tol, verbose, checkpoint :
+    n_clusters, metric, responsibilities, n_steps, init, temperature_start, temperature_end_ratio, auto_start_fraction, random_state, tol, verbose, checkpoint
         As :class:`AnnealedKMeans` (``schedule`` one of "geometric", "linear", "constant",
         "adaptive"; ``mass_constrained`` a bool). Seeding (k-means++, ``T_start="auto"``,
         ``T_c``) uses an in-memory sample of ``init_size`` rows (from random chunks).
@@ -880,12 +891,25 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
 
     Attributes
     ----------
-    cluster_centers_, cluster_weights_, inertia_ (J on all rows), free_energy_ and
-    soft_distortion_ (all rows, final centers, final temperature), labels_ (NumPy input;
-    None otherwise), temperature_, temperature_start_, critical_temperature_ (of the seeding
-    sample), n_batches_, n_steps_, n_passes_ (full passes), rows_seen_ (rows read by the
-    updates), n_rows_, n_relocations_, batch_chunks_, labels_path_, trace_ (annealing
-    records are batch sums scaled to the total weight), n_features_in_, n_iter_.
+    cluster_centers_, cluster_weights_ : ndarray
+    inertia_ : float
+        J on all rows.
+    free_energy_, soft_distortion_ : float
+        All rows, final centers, final temperature.
+    labels_ : ndarray or None
+        NumPy input; None otherwise (see ``labels_path_``).
+    temperature_, temperature_start_, critical_temperature_ : float
+        The critical temperature is that of the seeding sample.
+    probability_temperature_ : float
+        The temperature of :meth:`predict_proba` (0.25 x the median margin of a sample).
+    n_batches_, n_steps_, n_passes_, n_iter_ : int
+        Batches, temperature steps, full passes, updates + passes.
+    rows_seen_, n_rows_, n_relocations_, batch_chunks_ : int
+        Rows read by the updates, rows, empty-cluster relocations, chunks per batch.
+    labels_path_ : str or None
+    trace_ : Trace
+        Annealing records are batch sums scaled to the total weight.
+    n_features_in_ : int
     """
 
     def __init__(self, n_clusters=8, *, metric="euclidean", responsibilities="softmax",
