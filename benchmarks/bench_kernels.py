@@ -5,7 +5,9 @@
 
 Prints a table and writes JSON (default ``benchmarks/results/bench_kernels.json``).
 Rows: fastanneal softmax at high T (dense), softmax at low T (sparse), entmax15 at low T,
-a hard (Lloyd) pass, the GEMM alone, a straightforward NumPy soft iteration, and
+a hard (Lloyd) pass, the same two passes pruned by per-row bounds (``_config.PRUNE``: the
+bounds of the previous pass, centers moved a little since), the GEMM alone, a
+straightforward NumPy soft iteration, and
 scikit-learn's Lloyd iteration (``KMeans(init=C, n_init=1, algorithm="lloyd")``, time per
 iteration as the difference of max_iter=6 and max_iter=1 fits, divided by 5). Also the
 first-call compile time (cold Numba cache), import + first call with a warm cache, and the
@@ -178,6 +180,21 @@ def main(argv=None):
                                                               responsibilities="hard"),
             "numpy soft iteration": lambda: numpy_soft_iteration(X, C, T_high),
         }
+        # Pruned passes as a fit sees them: per-row bounds from the previous pass, centers
+        # that moved a little since (alternating between C and C + a small step).
+        from fastanneal._sources import InMemorySource
+        src = InMemorySource(X, np.ones(n), 0)
+        step = 0.01 * float(np.sqrt(margin)) / np.sqrt(d)
+        C2 = np.ascontiguousarray(C + step * rng.standard_normal(C.shape), np.float32)
+        flip = {"i": 0}
+
+        def pruned(T, resp):
+            flip["i"] ^= 1
+            src.moments(C2 if flip["i"] else C, T, resp)
+        pruned(T_low, 0)
+        pruned(T_low, 0)
+        cases["fastanneal softmax low T, pruned"] = lambda: pruned(T_low, 0)
+        cases["fastanneal hard, pruned"] = lambda: pruned(0.0, 2)
         res = {name: [] for name in cases}
         res["sklearn Lloyd iteration"] = []
         nnz = {"high": fa.moments(X[:5000], C, T_high).nnz / (5000 * k),
@@ -187,6 +204,7 @@ def main(argv=None):
                 res[name] += timed(fn, 1)
             if not args.no_sklearn:
                 res["sklearn Lloyd iteration"].append(sklearn_lloyd_per_iter(X, C_lloyd))
+        pruned_share = src._bounds.pruned / n
         gemm = float(np.median(res["gemm X@C.T"]))
         for name, ts in res.items():
             if not ts:
@@ -196,7 +214,8 @@ def main(argv=None):
                          "all_seconds": ts})
         rows.append({"K": k, "case": "density (nnz / (N K)) high/low T",
                      "seconds": float("nan"), "ratio_to_gemm": float("nan"),
-                     "density_high": nnz["high"], "density_low": nnz["low"]})
+                     "density_high": nnz["high"], "density_low": nnz["low"],
+                     "pruned_share": pruned_share})
         del X
     memory = subprocess_memory(1_000_000, 1024) if args.memory else None
     print(f"\nfastanneal kernel benchmark: N={n}, D={d}, float32, "
@@ -206,6 +225,8 @@ def main(argv=None):
         if r["case"].startswith("density"):
             print(f"{r['K']:>5}  {'  density high T / low T':<40} "
                   f"{r['density_high']:>9.3f} {r['density_low']:>8.4f}")
+            print(f"{r['K']:>5}  {'  rows pruned (last pruned pass)':<40} "
+                  f"{r['pruned_share']:>9.3f}")
         else:
             print(f"{r['K']:>5}  {r['case']:<40} {r['seconds']:>9.4f} {r['ratio_to_gemm']:>8.2f}")
     print("\ncompile / import (s):", json.dumps(compile_info))

@@ -24,3 +24,9 @@ CUDA_ROWS_PER_BLOCK = 64
 #: allocation), and the non-zero fraction below which a chunk is accumulated sparsely.
 CUDA_CHUNK_ROWS = 65536
 CUDA_SPARSE_FRACTION = 0.08
+
+#: In-memory CPU passes keep per-row distance bounds (Hamerly) between passes and skip the
+#: distances of rows whose every other center is provably beyond the responsibility drop
+#: threshold (``docs/theory.md``, "Pruning"). ``FASTANNEAL_PRUNE=0`` turns it off.
+PRUNE = __import__("os").environ.get("FASTANNEAL_PRUNE", "1") != "0"
+PRUNE_RESET_EACH_STEP = __import__("os").environ.get("FASTANNEAL_PRUNE_RESET", "1") != "0"

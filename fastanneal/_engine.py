@@ -449,6 +449,18 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
     D = st.centers.shape[1]
     ctx = Context(source, cfg, rng, st.scale, trace, t0, D)
     delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+    reset = getattr(source, "reset_bounds", None)
+    from . import _config
+    if reset is not None and (hook is not None or _config.PRUNE_RESET_EACH_STEP):
+        # A resumed fit starts without the source's per-row bounds: forget them at every
+        # step boundary (where states are saved), so that a fit with or without a
+        # checkpoint, resumed or not, takes exactly the same passes (bit-identical).
+        save = hook
+
+        def hook(st):
+            if save is not None:
+                save(st)
+            reset()
     st.centers = _project(np.array(st.centers, dtype=np.float64), source.metric)
     if st.phase == "critical":
         crit_rule = EMRule(critical=True)

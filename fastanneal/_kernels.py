@@ -593,3 +593,256 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
         for j in range(m):
             pots[j] += acc[u, j]
     return pots
+
+
+# ----------------------------------------------------------------------------- pruning
+#: At most this many far-moved centers get exact distances in a pruned pass.
+MAX_MOVERS = 8
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _own_distance(X, i, C, a, metric):
+    """The kernel's squared distance of row ``i`` to center ``a`` (cosine: ``2 - 2 x.c``),
+    in float64; re-association lets the sum vectorise."""
+    s = 0.0
+    if metric == METRIC_COSINE:
+        for j in range(X.shape[1]):
+            s += np.float64(X[i, j]) * np.float64(C[a, j])
+        d = 2.0 - 2.0 * s
+        return d if d > 0.0 else 0.0
+    for j in range(X.shape[1]):
+        t = np.float64(X[i, j]) - np.float64(C[a, j])
+        s += t * t
+    return s
+
+
+@njit(cache=True, nogil=True)
+def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
+                  block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, r0, r1,
+                  lab, ub, lb, movers, dnm, dnm2, top_nm, accN, accS, accHN, accHS, accSc):
+    """Moments of rows ``r0:r1`` with per-row distance bounds (Hamerly): a row whose every
+    other center is provably beyond the drop threshold contributes one-hot, at the cost of
+    one distance to its own center; the other rows are gathered into blocks and take the
+    full path (GEMM distances, log-domain responsibilities), which also refreshes their
+    bounds. Returns ``(min_margin bound, rows pruned)``.
+
+    Bounds are Euclidean distances: ``ub[i] >= ||x_i - c_lab||``, ``lb[i] <= ||x_i - c_k||``
+    for every ``k != lab``. After the centers moved, the own distance is recomputed (D
+    flops) and the lower bound stays valid as ``lb`` minus the largest move of the other
+    centers -- except the few ``movers`` that moved much further than the rest (a
+    re-allocation jump), whose distances are computed exactly instead (``dnm``: the largest
+    move of the others, ``dnm2`` the second largest, ``top_nm`` whose move ``dnm`` is).
+    ``coff[k]`` is what the kernel's
+    distance misses of the Euclidean one (cosine: ``||c_k||^2 - 1``), ``maxoff`` its
+    maximum; ``slack`` a bound on the GEMM-form rounding of a squared distance.
+    """
+    n, D = X.shape
+    K = Ct.shape[1]
+    G = np.empty((block, K), X.dtype)
+    Xg = np.empty((block, D), X.dtype)
+    Sb = np.empty((K, D), X.dtype)
+    idx = np.empty(block, np.int64)
+    cand = np.empty(K)
+    cidx = np.empty(K, np.int64)
+    scratch = np.empty((2, K))
+    ibits = np.empty(K, np.int64)
+    mn = np.inf
+    pruned = 0
+    for b0 in range(r0, r1, block):
+        b1 = min(b0 + block, r1)
+        m = 0
+        for i in range(b0, b1):
+            a = lab[i]
+            wi = w[i]
+            if a >= 0:
+                need = gap + maxoff - coff[a] + slack
+                if use_prior and resp != RESP_HARD:
+                    need += T * (maxlogp - logp[a])
+                # lower bound of the distance to every other center that is not a mover
+                lo = lb[i] - (dnm2 if a == top_nm else dnm)
+                d1 = 0.0
+                ue = 0.0
+                if lo > 0.0:
+                    # the own distance, exactly (the kernel's formula: cosine 2 - 2 x.c)
+                    d1 = _own_distance(X, i, C, a, metric)
+                    ue = d1 + coff[a]
+                    ue = math.sqrt(ue) if ue > 0.0 else 0.0
+                if lo > 0.0 and lo * lo - ue * ue > need:
+                    # the few centers that moved far: their distances, exactly
+                    for q in range(movers.shape[0]):
+                        k = movers[q]
+                        if k != a:
+                            dk = _own_distance(X, i, C, k, metric) + coff[k] - slack
+                            dk = math.sqrt(dk) if dk > 0.0 else 0.0
+                            if dk < lo:
+                                lo = dk
+                    if lo * lo - ue * ue > need:
+                        pruned += 1
+                        ub[i] = ue
+                        lb[i] = lo
+                        mlb = lo * lo - maxoff - d1
+                        if K > 1 and wi > 0.0:
+                            if mlb < mn:
+                                mn = mlb
+                            if T > 0.0:
+                                accSc[S_MARGIN] += wi * math.exp(-mlb / T)
+                        accN[a] += wi
+                        accHN[a] += wi
+                        for j in range(D):
+                            v = wi * np.float64(X[i, j])
+                            accS[a, j] += v
+                            if hard_sums:
+                                accHS[a, j] += v
+                        free = d1
+                        if use_prior and resp == RESP_SOFTMAX:
+                            free = d1 - T * logp[a]        # -T * zmax, zmax = logp_a - d1/T
+                        accSc[S_SOFT_DIST] += wi * d1
+                        accSc[S_FREE] += wi * free
+                        accSc[S_HARD] += wi * d1
+                        accSc[S_WEIGHT] += wi
+                        accSc[S_ROWS] += 1.0
+                        accSc[S_NNZ] += 1.0
+                        continue
+            idx[m] = i
+            m += 1
+        if m == 0:
+            continue
+        for r in range(m):
+            for j in range(D):
+                Xg[r, j] = X[idx[r], j]
+        Gb = G[:m]
+        Xb = Xg[:m]
+        _block_distances(Xb, Ct, csq, metric, Gb)
+        blk_nnz = 0
+        for r in range(m):
+            i = idx[r]
+            wi = w[i]
+            soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
+                Gb, r, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max,
+                accN, scratch, ibits)
+            blk_nnz += nnz
+            accSc[S_SOFT_DIST] += wi * soft
+            accSc[S_ENTROPY] += wi * ent
+            accSc[S_FREE] += wi * free
+            accSc[S_HARD] += wi * d1
+            accSc[S_WEIGHT] += wi
+            accSc[S_ROWS] += 1.0
+            if K > 1 and wi > 0.0:
+                marg = d2 - d1
+                if marg < mn:
+                    mn = marg
+                if T > 0.0:
+                    accSc[S_MARGIN] += wi * math.exp(-marg / T)
+            accHN[kmin] += wi
+            if hard_sums:
+                for j in range(D):
+                    accHS[kmin, j] += wi * np.float64(Xb[r, j])
+            if resp == RESP_HARD and not hard_sums:
+                for j in range(D):
+                    accS[kmin, j] += wi * np.float64(Xb[r, j])
+            # fresh bounds: Euclidean distances, widened by the rounding slack
+            lab[i] = kmin
+            ue = d1 + coff[kmin] + slack
+            ub[i] = math.sqrt(ue) if ue > 0.0 else 0.0
+            le = d2 - maxoff - slack
+            if le == np.inf:
+                lb[i] = np.inf
+            else:
+                lb[i] = math.sqrt(le) if le > 0.0 else 0.0
+        accSc[S_NNZ] += blk_nnz
+        if resp == RESP_HARD:
+            continue
+        if blk_nnz <= sparse_fraction * m * K:
+            for r in range(m):
+                for k in range(K):
+                    v = np.float64(Gb[r, k])
+                    if v != 0.0:
+                        for j in range(D):
+                            accS[k, j] += v * np.float64(Xb[r, j])
+        else:
+            np.dot(Gb.T, Xb, Sb)
+            for k in range(K):
+                for j in range(D):
+                    accS[k, j] += Sb[k, j]
+    return mn, pruned
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
+                   block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
+                   lb, movers, dnm, dnm2, top_nm, accN, accS, accHN, accHS, accSc, accMin,
+                   accP):
+    n = X.shape[0]
+    nch = accMin.shape[0]
+    for t in prange(nch):
+        mn, p = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
+                              metric, resp, block, hard_sums, log_eps, sparse_fraction,
+                              sort_max, gap, slack, t * n // nch, (t + 1) * n // nch, lab, ub,
+                              lb, movers, dnm, dnm2, top_nm, accN[t], accS[t], accHN[t],
+                              accHS[t], accSc[t])
+        accMin[t] = mn
+        accP[t] = p
+
+
+@njit(cache=True, nogil=True)
+def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block,
+                          hard_sums, log_eps, sparse_fraction, sort_max, nth, gap, slack, lab,
+                          ub, lb, drift):
+    """:func:`moments_kernel` with per-row bounds (``lab``, ``ub``, ``lb``, updated in
+    place; ``drift[k]``: how far center ``k`` moved since the bounds were made). Same
+    return values plus the number of rows pruned."""
+    n, D = X.shape
+    K = C.shape[0]
+    nch = n_row_ranges(n, block, nth)
+    Ct = C.T
+    HK = K if hard_sums else 0
+    # movers: the leading centers by drift, up to the last big gap (4x) among the 8 largest
+    order = np.argsort(-drift)
+    m = 0
+    for j in range(1, min(MAX_MOVERS, K - 1) + 1):
+        if drift[order[j - 1]] > 4.0 * drift[order[j]] + 1e-300:
+            m = j
+    movers = order[:m].copy()
+    dnm = drift[order[m]] if m < K else 0.0
+    dnm2 = drift[order[m + 1]] if m + 1 < K else 0.0
+    top_nm = order[m] if m < K else -1
+    maxoff = -np.inf
+    for k in range(K):
+        if coff[k] > maxoff:
+            maxoff = coff[k]
+    maxlogp = -np.inf
+    for k in range(K):
+        if logp[k] > maxlogp:
+            maxlogp = logp[k]
+    accN = np.zeros((nch, K))
+    accS = np.zeros((nch, K, D))
+    accHN = np.zeros((nch, K))
+    accHS = np.zeros((nch, HK, D))
+    accSc = np.zeros((nch, N_SCALARS))
+    accMin = np.full(nch, np.inf)
+    accP = np.zeros(nch, np.int64)
+    _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
+                   block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
+                   lb, movers, dnm, dnm2, top_nm, accN, accS, accHN, accHS, accSc, accMin,
+                   accP)
+    N = np.zeros(K)
+    S = np.zeros((K, D))
+    HN = np.zeros(K)
+    HS = np.zeros((HK, D))
+    sc = np.zeros(N_SCALARS)
+    mn = np.inf
+    pruned = 0
+    for u in range(nch):
+        N += accN[u]
+        S += accS[u]
+        HN += accHN[u]
+        HS += accHS[u]
+        sc += accSc[u]
+        pruned += accP[u]
+        if accMin[u] < mn:
+            mn = accMin[u]
+    if resp == RESP_HARD and hard_sums:
+        for k in range(K):
+            for j in range(D):
+                S[k, j] = HS[k, j]
+    return N, S, sc, HN, HS, mn, pruned

@@ -92,8 +92,83 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
     return lam, V
 
 
+class RowBounds:
+    """Per-row distance bounds between passes (Hamerly): the nearest center ``lab``, an
+    upper bound ``ub`` of the distance to it and a lower bound ``lb`` of the distance to
+    every other center (Euclidean, not squared), valid for the centers ``C`` of the pass
+    that made them. 24 bytes per row, never N x K."""
+
+    def __init__(self, n):
+        self.lab = np.full(n, -1, dtype=np.int64)
+        self.ub = np.zeros(n)
+        self.lb = np.zeros(n)
+        self.C = None
+        self.pruned = 0            # rows pruned by the last pass
+
+    def reset(self):
+        self.lab[:] = -1
+        self.C = None
+
+
+def pruned_moments(X, w, C, T, metric, resp, log_prior, hard_sums, bounds, block=None):
+    """:func:`~fastanneal._moments.compute_moments` with ``bounds`` (:class:`RowBounds`,
+    updated in place): rows provably one-hot at ``T`` cost one distance instead of K.
+    Equal to the unpruned pass up to rounding: a pruned row contributes exactly what the
+    full path gives a one-hot row (its other responsibilities are below the drop threshold
+    ``exp(log_eps)`` there too), with its own distance computed directly instead of by the
+    GEMM form; its margin terms are bounds (``min_margin`` a lower bound, ``margin_sum`` an
+    upper bound, each pruned term below ``eps`` for a soft pass)."""
+    from . import _config
+    from ._moments import _METRIC_NAMES, _RESP_NAMES, Moments, blas_single_thread, log_eps_for
+    C = np.ascontiguousarray(C, dtype=X.dtype)
+    K, D = C.shape
+    csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
+    if bounds.C is None or bounds.C.shape != C.shape:
+        bounds.reset()
+        drift = np.zeros(K)
+    else:
+        drift = np.sqrt(((C.astype(np.float64) - bounds.C) ** 2).sum(axis=1))
+    coff = (csq - 1.0) if metric == 1 else np.zeros(K)
+    use_prior = log_prior is not None
+    logp = (np.ascontiguousarray(log_prior, dtype=np.float64) if use_prior
+            else np.zeros(K))
+    log_eps = log_eps_for(X.dtype)
+    T = float(T)
+    if resp == 0:
+        gap = (1e-9 - log_eps) * T * (1.0 + 1e-9)
+    elif resp == 1:
+        gap = 2.0 * T * (1.0 + 1e-9)
+    else:
+        gap = 0.0
+    # rounding of a GEMM-form squared distance: (D + 4) units in the last place of the
+    # largest squared norm involved, widened 4x
+    eps = float(np.finfo(X.dtype).eps)
+    xmax = 2.0 if metric == 1 else float(getattr(bounds, "xsq_max", 0.0))
+    slack = 4.0 * (D + 4) * eps * (xmax + float(csq.max(initial=0.0)) + 1e-300)
+    block = int(block or _config.CPU_BLOCK_ROWS)
+    with blas_single_thread():
+        N, S, sc, HN, HS, mn, pruned = K_.pruned_moments_kernel(
+            X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, bool(hard_sums),
+            log_eps, float(_config.SPARSE_FRACTION), int(_config.ENTMAX_SORT_MAX),
+            int(numba.get_num_threads()), gap, slack, bounds.lab, bounds.ub, bounds.lb,
+            drift)
+    bounds.C = C.astype(np.float64)
+    bounds.pruned = int(pruned)
+    return Moments(
+        N=N, S=S, soft_distortion=sc[K_.S_SOFT_DIST], entropy=sc[K_.S_ENTROPY],
+        free_energy=sc[K_.S_FREE], hard_distortion=sc[K_.S_HARD], hard_counts=HN,
+        hard_sums=HS if hard_sums else None, weight=sc[K_.S_WEIGHT], rows=int(sc[K_.S_ROWS]),
+        margin_sum=sc[K_.S_MARGIN], min_margin=float(mn), nnz=int(sc[K_.S_NNZ]),
+        temperature=T, responsibilities=_RESP_NAMES[resp], metric=_METRIC_NAMES[metric])
+
+
 class InMemorySource:
-    """Rows held in one NumPy array (validated, C-contiguous, unit rows for cosine)."""
+    """Rows held in one NumPy array (validated, C-contiguous, unit rows for cosine).
+
+    Passes keep per-row distance bounds (:class:`RowBounds`) and skip the distances of rows
+    that are provably one-hot (``_config.PRUNE``); :meth:`reset_bounds` forgets them (the
+    engine calls it when it saves a checkpoint, so that a resumed fit takes exactly the
+    same passes as an uninterrupted one)."""
 
     def __init__(self, X, w, metric):
         self.X = X
@@ -102,10 +177,24 @@ class InMemorySource:
         self.n_rows, self.n_features = X.shape
         self.dtype = X.dtype
         self.total_weight = float(w.sum())
+        self._bounds = None
 
     def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
+        from . import _config
+        if _config.PRUNE and self.n_rows:
+            if self._bounds is None:
+                self._bounds = RowBounds(self.n_rows)
+                if self.metric != 1:
+                    self._bounds.xsq_max = float(np.einsum(
+                        "ij,ij->i", self.X, self.X, dtype=np.float64).max())
+            return pruned_moments(self.X, self.w, centers, T, self.metric, resp, log_prior,
+                                  hard_sums, self._bounds)
         return compute_moments(self.X, self.w, centers, T, self.metric, resp, log_prior,
                                hard_sums)
+
+    def reset_bounds(self):
+        if self._bounds is not None:
+            self._bounds.reset()
 
     def grad_moments(self, centers, T, resp, globals_):
         from .gradient import backward_moments

@@ -579,6 +579,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             result, trace, T0 = best
             self.n_clusters_ = K
         C = result.centers
+        reset = getattr(source, "reset_bounds", None)
+        if reset is not None:
+            reset()         # the final statistics by the full path: the same numbers whether
+            #                 the polish ran here or a finished checkpoint was reused
         if in_memory:
             # final hard E-step so that labels_ == predict(X)
             labels = source.labels(C)

@@ -29,13 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference as ref  # noqa: E402
 
 FIELDS = ref.FIELDS + ("nnz",)
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=False)
+SETTINGS = settings(max_examples=25, deadline=None)   # the conftest profile: reproducible in CI, --fresh-seeds explores
 
 
-def rel_err(a, b):
+def rel_err(a, b, floor=0.0):
+    """``|a - b| / max(|b|, floor)``: ``floor`` keeps a sum that is zero up to entries the
+    kernel drops (below eps of a row's leading term) from turning into a relative error of
+    1 (a row sitting on its center at low T: d1 = 0, the others' terms ~1e-43)."""
     a = np.asarray(a, dtype=np.float64).ravel()
     b = np.asarray(b, dtype=np.float64).ravel()
-    nb = np.linalg.norm(b)
+    nb = max(np.linalg.norm(b), floor)
     d = np.linalg.norm(a - b)
     return d / nb if nb > 0 else d
 
@@ -54,7 +57,9 @@ def assert_close(a, b, T, tol=1e-12, exact_extremes=True, dmax=None):
     b = b if isinstance(b, dict) else as_dict(b)
     errs = {f: rel_err(a[f], b[f]) for f in ("N", "S", "hard_counts", "hard_sums", "weight",
                                              "margin_sum")}
-    errs["energies"] = rel_err(energies(a, T), energies(b, T))
+    W = float(np.sum(b["weight"]))
+    errs["energies"] = rel_err(energies(a, T), energies(b, T),
+                               floor=W * ((dmax or 0.0) + T) * 1e-9)
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, bad
     assert a["rows"] == b["rows"]

@@ -1,0 +1,133 @@
+"""Pruned passes (per-row Hamerly bounds, ``_config.PRUNE``) against the unpruned kernel.
+
+A pruned row contributes one-hot with its own distance computed directly; everything else
+takes the full path. Tolerances: float64 1e-12 relative (summation order only); float32
+5e-5 relative to the largest entry (the full path keeps one-hot weights in the float32
+distance buffer and may sum a block with a float32 GEMM; the pruned path sums in float64).
+Hard labels (``hard_counts``) must be identical.
+"""
+import numpy as np
+import pytest
+
+import fastanneal
+from fastanneal import _config
+from fastanneal._moments import compute_moments
+from fastanneal._sources import InMemorySource
+
+
+def _data(rng, dtype, metric, n=6000, K=24, D=12):
+    M = rng.standard_normal((K, D)) * 4.0
+    X = M[rng.integers(0, K, n)] + rng.standard_normal((n, D))
+    if metric == 1:
+        X /= np.linalg.norm(X, axis=1, keepdims=True)
+    return np.ascontiguousarray(X.astype(dtype)), rng.uniform(0.5, 2.0, n), K
+
+
+def _close(a, b, dtype, what):
+    tol = 1e-12 if dtype == np.float64 else 5e-5
+    scale = max(float(np.max(np.abs(b))), 1e-300)
+    assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= tol * scale, what
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("metric", [0, 1])
+def test_pruned_pass_equals_unpruned(dtype, metric):
+    rng = np.random.default_rng(7 + metric + (dtype == np.float32))
+    X, w, K = _data(rng, dtype, metric)
+    src = InMemorySource(X, w, metric)
+    C = X[rng.choice(X.shape[0], K, replace=False)].astype(np.float64)
+    scale = 1.0 if metric == 0 else 0.05
+    eps = np.finfo(dtype).eps
+    pruned_low_T = []
+    schedule = [(0.5, 0), (0.05, 1), (0.005, 0), (0.0, 2)] * 3
+    for it, (t, resp) in enumerate(schedule):
+        T = t * scale
+        prior = np.log(rng.dirichlet(np.ones(K)) + 0.01) if it % 3 == 1 and resp != 2 else None
+        a = src.moments(C, T, resp, prior, hard_sums=True)
+        b = compute_moments(X, w, C, T, metric, resp, prior, True)
+        # the same nearest center for every row (the bounds keep it), the same hard counts
+        np.testing.assert_array_equal(
+            src._bounds.lab, fastanneal.assign(X, C.astype(dtype), ("euclidean", "cosine")[
+                metric])[0])
+        np.testing.assert_allclose(a.hard_counts, b.hard_counts, rtol=1e-12)
+        for name in ("N", "S", "hard_sums"):
+            _close(getattr(a, name), getattr(b, name), dtype, name)
+        for name in ("hard_distortion", "soft_distortion", "free_energy", "weight"):
+            _close(getattr(a, name), getattr(b, name), dtype, name)
+        # the entropy of the few soft rows is sensitive to the GEMM's rounding of their
+        # distances (a gathered block is another GEMM shape; float32 rounding of d ~ 200 is
+        # ~1e-5, i.e. 2e-3 of a logit at T = 0.005): loose for float32
+        tol_h = 1e-9 if dtype == np.float64 else 1e-2
+        assert abs(a.entropy - b.entropy) <= tol_h * max(abs(b.entropy), 1.0)
+        assert a.nnz == b.nnz and a.rows == b.rows
+        # pruned rows report bounds: min_margin from below; margin_sum from above, by at
+        # most eps per pruned row on a soft pass (their true terms are below eps too)
+        # (up to the GEMM-form rounding of a squared distance, what the bounds allow for)
+        rnd = 4 * (X.shape[1] + 4) * eps * (float((X.astype(float) ** 2).sum(1).max())
+                                            + float((C ** 2).sum(1).max()))
+        assert a.min_margin <= b.min_margin + rnd
+        if resp != 2:
+            # (entmax-1.5 prunes a row once its margin is >= 2T: its term is <= e^-2)
+            per_row = 2 * eps if resp == 0 else np.exp(-2.0)
+            assert b.margin_sum * (1 - tol_h) - 1e-9 * w.sum() <= a.margin_sum
+            assert a.margin_sum <= b.margin_sum * (1 + tol_h) + per_row * w.sum() + 1e-9
+        if t <= 0.005:
+            pruned_low_T.append(src._bounds.pruned / X.shape[0])
+        # a Lloyd step, and every fourth pass one center jumps far (a re-allocation move)
+        C = np.where(b.N[:, None] > 0, b.S / np.maximum(b.N, 1e-300)[:, None], C)
+        if it % 4 == 3:
+            C[it % K] = X[rng.integers(X.shape[0])] + 0.01
+        if metric == 1:
+            C /= np.linalg.norm(C, axis=1, keepdims=True)
+    assert np.mean(pruned_low_T) > 0.5, pruned_low_T     # the bounds do prune
+
+
+def test_bounds_hold_after_each_pass():
+    rng = np.random.default_rng(3)
+    X, w, K = _data(rng, np.float32, 0, n=3000)
+    src = InMemorySource(X, w, 0)
+    C = X[:K].astype(np.float64)
+    for it in range(6):
+        m = src.moments(C, 0.01, 0)
+        b = src._bounds
+        Cb = np.asarray(b.C, dtype=np.float64)
+        d = np.sqrt(((X.astype(np.float64)[:, None, :] - Cb[None]) ** 2).sum(-1))
+        own = d[np.arange(len(X)), b.lab]
+        d[np.arange(len(X)), b.lab] = np.inf
+        assert (b.lab >= 0).all()
+        assert (b.ub >= own - 1e-9).all() and (b.lb <= d.min(axis=1) + 1e-9).all()
+        C = m.S / np.maximum(m.N, 1e-300)[:, None]
+        C[it] += 3.0                                    # one far move (exact path)
+
+
+def test_k_change_resets_bounds_and_off_switch(monkeypatch):
+    rng = np.random.default_rng(5)
+    X, w, K = _data(rng, np.float64, 0, n=2000)
+    src = InMemorySource(X, w, 0)
+    C = X[:K].astype(np.float64)
+    src.moments(C, 0.0, 2)
+    src.moments(C, 0.0, 2)
+    assert src._bounds.pruned > 0
+    a = src.moments(C[:-1], 0.0, 2)                     # K changed: no stale bounds used
+    assert src._bounds.pruned == 0
+    np.testing.assert_allclose(
+        a.hard_counts, compute_moments(X, w, C[:-1], 0.0, 0, 2, None, False).hard_counts,
+        rtol=1e-12)
+    monkeypatch.setattr(_config, "PRUNE", False)
+    src2 = InMemorySource(X, w, 0)
+    src2.moments(C, 0.0, 2)
+    assert src2._bounds is None
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine"])
+def test_fit_with_and_without_pruning(monkeypatch, metric):
+    """A whole default fit: identical labels, centers equal to float32 rounding."""
+    rng = np.random.default_rng(11)
+    X, _, K = _data(rng, np.float32, 1 if metric == "cosine" else 0, n=4000, K=16)
+    monkeypatch.setattr(_config, "PRUNE", False)
+    a = fastanneal.AnnealedKMeans(K, metric=metric, random_state=0).fit(X)
+    monkeypatch.setattr(_config, "PRUNE", True)
+    b = fastanneal.AnnealedKMeans(K, metric=metric, random_state=0).fit(X)
+    np.testing.assert_array_equal(a.labels_, b.labels_)
+    np.testing.assert_allclose(a.cluster_centers_, b.cluster_centers_, rtol=0, atol=2e-6)
+    assert b.inertia_ == pytest.approx(a.inertia_, rel=1e-6)
