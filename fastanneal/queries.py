@@ -77,7 +77,8 @@ class QueryClusters:
             except InputError as e:
                 raise ImportError(str(e)) from None
             distinct, inverse = distinct_texts(texts)     # each distinct text embedded once
-            embeddings = np.asarray(encode(distinct))[inverse]
+            embeddings = _embed_chunks(encode, distinct, bool(self.params.get("progress")))
+            embeddings = embeddings[inverse]
         X = np.asarray(embeddings)
         if X.ndim != 2:
             raise ValueError(f"embeddings must be 2-D (n, D); got shape {X.shape}")
@@ -185,3 +186,21 @@ class QueryClusters:
                                                      self._texts))
         atomic_write_bytes(path, html.encode("utf-8"))
         return path
+
+
+def _embed_chunks(encode, texts, progress=False, chunk=2048):
+    """``encode`` over ``texts`` in chunks, with a tqdm bar (queries/s, ETA) if asked."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(texts), desc="embedding", unit="query")
+    out = []
+    try:
+        for s in range(0, len(texts), chunk):
+            out.append(np.asarray(encode(texts[s:s + chunk]), dtype=np.float32))
+            if bar is not None:
+                bar.update(len(texts[s:s + chunk]))
+    finally:
+        if bar is not None:
+            bar.close()
+    return np.concatenate(out) if out else np.zeros((0, 384), np.float32)

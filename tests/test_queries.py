@@ -131,3 +131,15 @@ def test_texts_only_embeds_each_distinct_text_once(monkeypatch):
     # repeated texts get the same vector, hence the same cluster
     np.testing.assert_array_equal(qc.labels_[:30], qc.labels_[30:60])
     assert sorted(qc.cluster_info().column("size").to_pylist()) == [30, 30, 30]
+
+
+def test_progress_bars_from_python(monkeypatch, capsys):
+    """``progress=True``: a bar over the embedding (queries) and one over the annealing."""
+    from fastanneal import cli
+    from test_cli import FakeEmbedder
+    texts = [f"{w} {v}" for w in ("pin code", "flight paris", "alarm") for v in range(20)]
+    monkeypatch.setattr(cli, "_load_embedder", FakeEmbedder())
+    qc = fastanneal.QueryClusters(3, random_state=0, progress=True, n_steps=5).fit(texts=texts)
+    err = capsys.readouterr().err
+    assert "embedding" in err and "60/60" in err and "annealing" in err and "5/5" in err
+    assert qc.labels_.shape == (60,)
