@@ -797,15 +797,25 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     Ct = C.T
     HK = K if hard_sums else 0
     # movers: the leading centers by drift, up to the last big gap (4x) among the 8 largest
-    order = np.argsort(-drift)
+    # (a partial selection of the top MAX_MOVERS + 2: no sort to compile)
+    top = min(K, MAX_MOVERS + 2)
+    order = np.empty(top, np.int64)
+    taken = np.zeros(K, np.bool_)
+    for j in range(top):
+        best = -1
+        for k in range(K):
+            if not taken[k] and (best < 0 or drift[k] > drift[best]):
+                best = k
+        order[j] = best
+        taken[best] = True
     m = 0
     for j in range(1, min(MAX_MOVERS, K - 1) + 1):
         if drift[order[j - 1]] > 4.0 * drift[order[j]] + 1e-300:
             m = j
     movers = order[:m].copy()
-    dnm = drift[order[m]] if m < K else 0.0
-    dnm2 = drift[order[m + 1]] if m + 1 < K else 0.0
-    top_nm = order[m] if m < K else -1
+    dnm = drift[order[m]] if m < top else 0.0
+    dnm2 = drift[order[m + 1]] if m + 1 < top else 0.0
+    top_nm = order[m] if m < top else -1
     maxoff = -np.inf
     for k in range(K):
         if coff[k] > maxoff:
