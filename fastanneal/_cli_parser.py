@@ -140,7 +140,8 @@ def build_parser():
     ps.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     ps.add_argument("--top", type=int, default=10, metavar="N",
                     help="rows of the ranking to print (default 10)")
-    ps.add_argument("--plot", metavar="PNG", help="save the evidence figure (needs matplotlib)")
+    ps.add_argument("--plot", metavar="FILE",
+                    help="save the evidence figure: .svg (no extra needed) or .png (matplotlib)")
     ps.add_argument("--quiet", "-q", action="store_true", help="only the suggested K")
     ps.add_argument("--debug", action="store_true",
                     help="on an unexpected error, print the full traceback")

@@ -622,12 +622,15 @@ def run_suggest(args, console):
     if args.k_max < args.k_min:
         raise CLIError(f"--k-max {args.k_max} must be >= --k-min {args.k_min}")
     if args.plot:
-        if not str(args.plot).lower().endswith(".png"):
-            raise CLIError(f"--plot {args.plot}: the figure is a .png file")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise CLIError('--plot needs matplotlib: pip install "fastanneal[report]"') from None
+        kind = str(args.plot).lower().rsplit(".", 1)[-1]
+        if kind not in ("svg", "png"):
+            raise CLIError(f"--plot {args.plot}: the figure is a .svg or .png file")
+        if kind == "png":
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise CLIError('--plot PNG needs matplotlib: pip install "fastanneal[report]" '
+                               "(or write the figure as .svg, which needs nothing)") from None
         check_paths([("INPUT", Path(args.input))], [("--plot", Path(args.plot))])
         check_writable(Path(args.plot))
     src = args.input
@@ -657,11 +660,20 @@ def run_suggest(args, console):
             print("no clear plateau: the clusters split in a burst below the critical "
                   "temperature; no K in the range is clearly supported by the data")
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        fig = s.plot()
         with OutputSet() as outs:
-            fig.savefig(outs.temp_for(args.plot), format="png", dpi=100, bbox_inches="tight")
+            if str(args.plot).lower().endswith(".svg"):
+                from .report import choose_k_svgs
+                a, b = choose_k_svgs(s)           # side by side in one SVG (no dependency)
+                svg = ('<svg xmlns="http://www.w3.org/2000/svg" width="950" height="260" '
+                       'viewBox="0 0 950 260">' + a.replace("<svg ", '<svg x="0" ', 1)
+                       + b.replace("<svg ", '<svg x="530" ', 1) + "</svg>")
+                with open(outs.temp_for(args.plot), "w", encoding="utf-8") as f:
+                    f.write(svg)
+            else:
+                import matplotlib
+                matplotlib.use("Agg")
+                s.plot().savefig(outs.temp_for(args.plot), format="png", dpi=100,
+                                 bbox_inches="tight")
             outs.commit()
         console.note(f"figure: {args.plot}")
     return 0

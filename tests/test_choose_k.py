@@ -192,6 +192,14 @@ def test_cli_suggest_k(capsys, tmp_path):
     rc, out, _ = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--metric",
                      "euclidean", "--k-max", 8, "-q")
     assert rc == 0 and out.strip() == "4"
+    rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--k-max", 8,
+                     "--plot", tmp_path / "k.svg")
+    assert rc == 0, err
+    import xml.etree.ElementTree as ET
+    svg = (tmp_path / "k.svg").read_text(encoding="utf-8")
+    ET.fromstring(svg)                                  # well-formed, both panels inside
+    assert "phase transitions" in svg and "objective along the path" in svg
+    assert "suggested K=4" in svg
     try:
         import matplotlib  # noqa: F401
         rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--k-max", 8,

@@ -283,3 +283,15 @@ def test_report_search_and_sort_run_in_chromium(cli_report):
     coh = [float(cells[5]) for _, _, cells in dom.rows]
     assert coh == sorted(coh, reverse=True)
     assert 'data-key="cohesion" scope="col" aria-sort="descending"' in r.stdout
+
+
+def test_report_with_the_choose_k_evidence(fitted):
+    X, est = fitted
+    import fastanneal
+    s = fastanneal.suggest_k(X, k_max=8, metric="cosine", random_state=0)
+    text = build_report("auto", [], est.trace_.as_dict(), _table(est, ["q"] * 5),
+                        est.cluster_centers_, k_suggestion=s)
+    p = check_structure(text, 5)
+    assert "Choosing K" in p.h2
+    assert p.svgs >= 9                                   # + the two K-choosing charts
+    assert f"suggested K={s.best}" in text
