@@ -327,6 +327,31 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
 
 
 # ----------------------------------------------------------------------------- kernels
+@njit(cache=True, nogil=True)
+def _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums):
+    """Sum the per-thread accumulators serially, in a fixed order (bit-identical run to
+    run): ``(N, S, scalars, hard_counts, hard_S, min_margin)``. A plain function, so the
+    array sums do not become parfors of the parallel kernels that call it."""
+    nch, K, D = accS.shape
+    N = np.zeros(K)
+    S = np.zeros((K, D))
+    HN = np.zeros(K)
+    HS = np.zeros((accHS.shape[1], D))
+    sc = np.zeros(accSc.shape[1])
+    mn = np.inf
+    for u in range(nch):
+        N += accN[u]
+        S += accS[u]
+        HN += accHN[u]
+        HS += accHS[u]
+        sc += accSc[u]
+        if accMin[u] < mn:
+            mn = accMin[u]
+    if resp == RESP_HARD and hard_sums:
+        S[:, :] = HS            # (with hard sums the soft sums are these numbers)
+    return N, S, sc, HN, HS, mn
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
                    log_eps, sparse_fraction, sort_max, nth):
@@ -404,25 +429,7 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                 for k in range(K):
                     for j in range(D):
                         accS[t, k, j] += Sb[k, j]
-    N = np.zeros(K)
-    S = np.zeros((K, D))
-    HN = np.zeros(K)
-    HS = np.zeros((HK, D))
-    sc = np.zeros(N_SCALARS)
-    mn = np.inf
-    for u in range(nch):
-        N += accN[u]
-        S += accS[u]
-        HN += accHN[u]
-        HS += accHS[u]
-        sc += accSc[u]
-        if accMin[u] < mn:
-            mn = accMin[u]
-    if resp == RESP_HARD and hard_sums:
-        for k in range(K):          # explicit loop: a slice assignment would become a parfor
-            for j in range(D):
-                S[k, j] = HS[k, j]
-    return N, S, sc, HN, HS, mn
+    return _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -835,24 +842,6 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
                    lb, movers, dnm, dnm2, top_nm, accN, accS, accHN, accHS, accSc, accMin,
                    accP)
-    N = np.zeros(K)
-    S = np.zeros((K, D))
-    HN = np.zeros(K)
-    HS = np.zeros((HK, D))
-    sc = np.zeros(N_SCALARS)
-    mn = np.inf
-    pruned = 0
-    for u in range(nch):
-        N += accN[u]
-        S += accS[u]
-        HN += accHN[u]
-        HS += accHS[u]
-        sc += accSc[u]
-        pruned += accP[u]
-        if accMin[u] < mn:
-            mn = accMin[u]
-    if resp == RESP_HARD and hard_sums:
-        for k in range(K):
-            for j in range(D):
-                S[k, j] = HS[k, j]
-    return N, S, sc, HN, HS, mn, pruned
+    N, S, sc, HN, HS, mn = _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp,
+                                          hard_sums)
+    return N, S, sc, HN, HS, mn, accP.sum()

@@ -223,20 +223,18 @@ def svg_chart(series, title, xlabel="", ylabel="", width=400, height=240, logx=F
                    f'height="{y0p - y1p}" fill="{color}" fill-opacity="0.22"/>')
         if label:
             legend.append((label, color, "band"))
-    for v, color, label in vlines:
-        if math.isfinite(v) and (v > 0 or not sx.log):
-            x = sx(v)
-            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0p}" y2="{y1p}" '
-                       f'stroke="{color}" stroke-dasharray="5,3"/>')
-            if label:
-                legend.append((label, color, "dash"))
-    for v, color, label in hlines:
-        if math.isfinite(v) and (v > 0 or not sy.log):
-            y = sy(v)
-            out.append(f'<line x1="{x0p}" x2="{x1p}" y1="{y:.1f}" y2="{y:.1f}" '
-                       f'stroke="{color}" stroke-dasharray="5,3"/>')
-            if label:
-                legend.append((label, color, "dash"))
+    rules = [(v, c, lab, True) for v, c, lab in vlines] + \
+        [(v, c, lab, False) for v, c, lab in hlines]
+    for v, color, label, vertical in rules:          # dashed reference lines
+        scale = sx if vertical else sy
+        if not (math.isfinite(v) and (v > 0 or not scale.log)):
+            continue
+        p = scale(v)
+        x1, x2, y1, y2 = (p, p, y0p, y1p) if vertical else (x0p, x1p, p, p)
+        out.append(f'<line x1="{x1:.1f}" x2="{x2:.1f}" y1="{y1:.1f}" y2="{y2:.1f}" '
+                   f'stroke="{color}" stroke-dasharray="5,3"/>')
+        if label:
+            legend.append((label, color, "dash"))
     for j, (s, x, y) in enumerate(pts):
         color = s.get("color", _COLORS[j % len(_COLORS)])
         if x.size == 0:

@@ -138,8 +138,12 @@ def test_encode_in_buckets_matches_unbatched_embedding_and_checks_shape():
         encode_in_buckets(seqs, lambda b: np.zeros((len(b) + 1, DIM)), DIM, 64)
 
 
-def test_available_cpus():
-    assert 1 <= _embed.available_cpus() <= (__import__("os").cpu_count() or 1)
+def test_available_cpus(monkeypatch):
+    import os
+    want = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert _embed.available_cpus() == want              # the affinity mask, not all CPUs
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(), raising=False)
+    assert _embed.available_cpus() == 1                 # never 0 workers
 
 
 def test_missing_extra_is_an_import_error(monkeypatch):

@@ -618,3 +618,24 @@ def test_kmeans_plusplus_matches_numpy_reference(rng, dtype):
     got = kmeans_plusplus(X, w, 12, np.random.default_rng(seed), n_local_trials=4)
     want = _reference_kmeans_plusplus(X, w, 12, np.random.default_rng(seed), 4)
     np.testing.assert_allclose(got, want, rtol=0, atol=0)      # the same rows of X, in order
+
+
+def test_minibatch_and_partial_fit_set_the_probability_temperature(rng):
+    """Every fit route sets predict_proba's data temperature (not the final one)."""
+    from fastanneal import MiniBatchAnnealedKMeans
+    X = np.concatenate([rng.standard_normal((200, 5)) + 6.0 * np.eye(5)[k] for k in range(5)])
+    fits = [MiniBatchAnnealedKMeans(5, random_state=0, batch_size=256).fit(X),
+            AnnealedKMeans(5, random_state=0, batch_size=256).fit(X)]
+    pf = AnnealedKMeans(5, random_state=0, **FAST)
+    for _ in range(3):
+        pf.partial_fit(X)
+    for km in fits + [pf]:
+        d = ((X[:, None, :] - km.cluster_centers_[None]) ** 2).sum(-1)
+        s = np.sort(d, axis=1)
+        assert km.probability_temperature_ > 20 * km.temperature_
+        want = softmax_rows(np.log(km.cluster_weights_)[None, :] - d / km.probability_temperature_)
+        assert_allclose(km.predict_proba(X), want, rtol=0, atol=1e-10)
+        if km is pf:                                    # from the last batch, exactly
+            o = np.argsort(s[:, 1] - s[:, 0], kind="stable")
+            med = (s[:, 1] - s[:, 0])[o][(len(X) - 1) // 2]
+            assert km.probability_temperature_ == pytest.approx(0.25 * med, rel=1e-9)

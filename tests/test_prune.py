@@ -131,3 +131,24 @@ def test_fit_with_and_without_pruning(monkeypatch, metric):
     np.testing.assert_array_equal(a.labels_, b.labels_)
     np.testing.assert_allclose(a.cluster_centers_, b.cluster_centers_, rtol=0, atol=2e-6)
     assert b.inertia_ == pytest.approx(a.inertia_, rel=1e-6)
+
+
+def test_a_far_jump_of_one_center_does_not_void_the_bounds():
+    """A re-allocation moves one center far: with the exact distances of the movers most
+    rows stay pruned; with Hamerly's plain rule (every bound lowered by the largest move)
+    none would."""
+    rng = np.random.default_rng(9)
+    X, w, K = _data(rng, np.float64, 0, n=4000)
+    src = InMemorySource(X, w, 0)
+    C = compute_moments(X, w, X[:K], 0.0, 0, 2, None, False)
+    C = C.S / np.maximum(C.N, 1e-300)[:, None]
+    for _ in range(3):                                  # settle: bounds for these centers
+        m = src.moments(C, 0.0, 2)
+        C = m.S / np.maximum(m.N, 1e-300)[:, None]
+    C2 = C.copy()
+    C2[0] = X[rng.integers(len(X))] + 50.0              # one center jumps far away
+    a = src.moments(C2, 0.0, 2)
+    assert src._bounds.pruned > 0.5 * len(X)
+    np.testing.assert_allclose(
+        a.hard_counts, compute_moments(X, w, C2, 0.0, 0, 2, None, False).hard_counts,
+        rtol=1e-12)
