@@ -36,6 +36,7 @@ _LAZY = {
     "suggest_k": ("choose_k", "suggest_k"),
     "KSuggestion": ("choose_k", "KSuggestion"),
     "QueryClusters": ("queries", "QueryClusters"),
+    "open_parquet": ("_parquet", "open_parquet"),
 }
 
 __all__ = ["Moments", "assign", "entmax15", "moments", "pairwise_distances",

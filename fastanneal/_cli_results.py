@@ -2,8 +2,8 @@
 probability, margin), the labelled cluster table, the adjusted Rand index and the summary."""
 import numpy as np
 
-__all__ = ["adjusted_rand_index", "assignments", "cluster_table", "summary_items",
-           "print_summary", "label_clusters", "Labelled"]
+__all__ = ["adjusted_rand_index", "assignments", "summary_items", "print_summary",
+           "label_clusters", "Labelled", "ClusterSummary"]
 
 
 def adjusted_rand_index(a, b):
@@ -67,24 +67,6 @@ def assignments(est, X, block_entries=1 << 22, runner_up=False):
     return labels, prob, margin, cos
 
 
-def representatives(labels, cos, texts, K, n):
-    """Up to ``n`` distinct texts per cluster, most central first (highest cosine to the
-    center; ties: first row)."""
-    out = [[] for _ in range(K)]
-    if texts is None or n <= 0:
-        return out
-    idx = np.lexsort((np.arange(labels.shape[0]), -cos, labels))
-    for i in idx:
-        k = labels[i]
-        lst = out[k]
-        if len(lst) >= n:
-            continue
-        t = texts[i]
-        if t is not None and t not in lst:
-            lst.append(t)
-    return out
-
-
 class Labelled:
     """What a fit says about the rows and the clusters, clusters renumbered largest first:
     ``labels``, ``probability``, ``margin``, ``runner_up`` (per row) and ``clusters`` (the
@@ -99,60 +81,185 @@ class Labelled:
         self.order = order
 
 
-def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5):
+def _sample_mask(rows, n_total, cap):
+    """Rows kept for the c-TF-IDF counts: all when ``n_total <= cap``, else a fixed
+    pseudo-random ``cap / n_total`` share (a hash of the row number: the same rows
+    whatever the blocks)."""
+    if n_total <= cap:
+        return None
+    h = (np.asarray(rows, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(11)
+    return h.astype(np.float64) * 2.0 ** -53 < cap / n_total
+
+
+class ClusterSummary:
+    """The labelled cluster table and the ambiguous rows, accumulated block by block in row
+    order (:meth:`add`), so that a log larger than memory is labelled in one streaming
+    pass; the result is the same whatever the blocks.
+
+    Per cluster: size, weight, the sum of the rows' cosines to the center (cohesion), the
+    most central row (highest cosine; ties: first row), the ``n_representatives`` most
+    central distinct texts (exact: each block's best candidates merged), c-TF-IDF counts
+    (every row up to ``text_sample`` rows, a fixed pseudo-random sample of that many
+    beyond), and the ``n_ambiguous`` rows of lowest probability."""
+
+    def __init__(self, K, n_rows, n_representatives=5, with_ids=False, text_sample=1_000_000,
+                 n_ambiguous=50):
+        from .labels import TermCounts
+        self.K = int(K)
+        self.n_rows = int(n_rows)
+        self.n_rep = int(n_representatives)
+        self.text_sample = int(text_sample)
+        self.n_amb = int(n_ambiguous)
+        self.with_ids = bool(with_ids)
+        self.size = np.zeros(K, dtype=np.int64)
+        self.weight = np.zeros(K)
+        self.cos_sum = np.zeros(K)
+        self.central_cos = np.full(K, -np.inf)
+        self.central_row = np.full(K, -1, dtype=np.int64)
+        self.central_text = [None] * K
+        self.central_id = [None] * K
+        self.reps = [[] for _ in range(K)]          # (-cos, row, text), best first
+        self.terms = TermCounts(K)
+        self.has_texts = None
+        self.ambiguous = []                         # (p, row, label, runner_up, margin, text)
+
+    def add(self, row0, labels, probability, margin, runner_up, cos, w, texts=None,
+            ids=None):
+        """Rows ``row0 ..`` with their assignments (original cluster numbers), weights and
+        optional texts / ids (sequences of the block's length)."""
+        K = self.K
+        n = labels.shape[0]
+        if n == 0:
+            return
+        self.has_texts = texts is not None
+        self.size += np.bincount(labels, minlength=K)
+        self.weight += np.bincount(labels, weights=w, minlength=K)
+        self.cos_sum += np.bincount(labels, weights=cos, minlength=K)
+        rows = np.arange(row0, row0 + n, dtype=np.int64)
+        idx = np.lexsort((rows, -cos, labels))
+        lab_s = labels[idx]
+        starts = np.flatnonzero(np.r_[True, lab_s[1:] != lab_s[:-1]])
+        ends = np.r_[starts[1:], n]
+        for s0, e0 in zip(starts.tolist(), ends.tolist()):
+            k = int(lab_s[s0])
+            i = int(idx[s0])
+            c = float(cos[i])
+            if c > self.central_cos[k]:                 # earlier rows win ties
+                self.central_cos[k] = c
+                self.central_row[k] = row0 + i
+                self.central_text[k] = texts[i] if texts is not None else None
+                self.central_id[k] = ids[i] if ids is not None else None
+            if texts is not None and self.n_rep > 0:
+                cand = list(self.reps[k])
+                seen = {t for _, _, t in cand}
+                got = 0
+                for j in idx[s0:e0].tolist():
+                    if got >= self.n_rep:
+                        break
+                    t = texts[j]
+                    if t is None or t in seen:
+                        continue
+                    seen.add(t)
+                    got += 1
+                    cand.append((-float(cos[j]), row0 + j, t))
+                cand.sort(key=lambda r: (r[0], r[1]))
+                keep, kept = [], set()
+                for r in cand:
+                    if r[2] not in kept:
+                        kept.add(r[2])
+                        keep.append(r)
+                        if len(keep) == self.n_rep:
+                            break
+                self.reps[k] = keep
+        if texts is not None:
+            m = _sample_mask(rows, self.n_rows, self.text_sample)
+            if m is None:
+                self.terms.add(["" if t is None else t for t in texts], labels, w)
+            else:
+                sel = np.flatnonzero(m)
+                self.terms.add(["" if texts[j] is None else texts[j] for j in sel.tolist()],
+                               labels[sel], np.asarray(w)[sel])
+        if self.n_amb > 0 and K > 1:
+            p = np.asarray(probability, dtype=np.float64)
+            ok = np.flatnonzero((np.asarray(runner_up) >= 0) & np.isfinite(p))
+            if ok.size:
+                best = ok[np.lexsort((ok, p[ok]))][:self.n_amb]
+                self.ambiguous.extend(
+                    (float(p[j]), row0 + j, int(labels[j]), int(runner_up[j]),
+                     float(margin[j]), texts[j] if texts is not None else None)
+                    for j in best.tolist())
+                self.ambiguous.sort(key=lambda r: (r[0], r[1]))
+                del self.ambiguous[self.n_amb:]
+
+    def order(self):
+        """Clusters largest (weight) first; ties: lower number first."""
+        return np.lexsort((np.arange(self.K), -self.weight))
+
+    def table(self, order=None):
+        """The per-cluster table (clusters renumbered by ``order``: largest first)."""
+        import pyarrow as pa
+        order = self.order() if order is None else order
+        size = self.size
+        cohesion = np.where(size > 0, self.cos_sum / np.maximum(size, 1), np.nan)
+        texts = bool(self.has_texts)
+        short, terms = self.terms.labels() if texts else ([""] * self.K, [""] * self.K)
+        cols = {
+            "cluster": np.arange(self.K, dtype=np.int64),
+            "size": size[order],
+            "weight": self.weight[order],
+            "share": self.weight[order] / max(self.weight.sum(), 1e-300),
+            "label": [short[k] for k in order],
+            "central_query": [self.central_text[k] if texts else None for k in order],
+            **({"representative_queries": pa.array([[t for _, _, t in self.reps[k]]
+                                                    for k in order],
+                                                   type=pa.list_(pa.string()))}
+               if texts and self.n_rep > 0 else {}),
+            "cohesion": cohesion[order],
+            "terms": [terms[k] for k in order],
+        }
+        if self.with_ids:
+            cols["central_id"] = pa.array([self.central_id[k] for k in order])
+        cr = self.central_row[order]
+        cols["central_row"] = np.where(cr >= 0, cr + 1, -1)
+        return pa.table(cols)
+
+    def ambiguous_rows(self, rank):
+        """The report's ambiguous rows, clusters renumbered by ``rank``."""
+        return [{"row": r, "query": t, "cluster": int(rank[k]), "runner_up": int(rank[ru]),
+                 "probability": p, "margin": m}
+                for p, r, k, ru, m, t in self.ambiguous]
+
+
+def ranks(order):
+    rank = np.empty(order.shape[0], dtype=np.int64)
+    rank[order] = np.arange(order.shape[0])
+    return rank
+
+
+def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5, block=65536):
     """Per-row assignments and the labelled cluster table of a fitted estimator (what the
-    ``fastanneal`` command writes and :class:`fastanneal.QueryClusters` returns)."""
-    labels, prob, margin, cos, ru = assignments(est, X, runner_up=True)
+    ``fastanneal`` command writes and :class:`fastanneal.QueryClusters` returns), computed
+    by :class:`ClusterSummary` over row blocks."""
     K = np.asarray(est.cluster_centers_).shape[0]
-    weight = np.bincount(labels, weights=w, minlength=K)
-    order = np.lexsort((np.arange(K), -weight))          # largest cluster first
-    rank = np.empty(K, dtype=np.int64)
-    rank[order] = np.arange(K)
-    ctab = cluster_table(labels, w, cos, texts, ids, K, order, n_representatives)
+    n = X.shape[0]
+    summ = ClusterSummary(K, n, n_representatives, with_ids=ids is not None)
+    labels = np.empty(n, dtype=np.int64)
+    prob = np.empty(n)
+    margin = np.empty(n)
+    ru = np.empty(n, dtype=np.int64)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        lab, p, mar, cos, sec = assignments(est, X[s:e], runner_up=True)
+        labels[s:e], prob[s:e], margin[s:e], ru[s:e] = lab, p, mar, sec
+        summ.add(s, lab, p, mar, sec, cos, w[s:e], None if texts is None else texts[s:e],
+                 None if ids is None else ids[s:e])
+    order = summ.order()
+    rank = ranks(order)
     ru_new = np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)
-    return Labelled(rank[labels], prob, margin, ru_new, ctab, order)
-
-
-def cluster_table(labels, w, cos, texts, ids, K, order, n_representatives=0):
-    """The per-cluster table (clusters renumbered by ``order``: largest first)."""
-    import pyarrow as pa
-    from .labels import cluster_labels
-    size = np.bincount(labels, minlength=K)
-    weight = np.bincount(labels, weights=w, minlength=K)
-    cos_sum = np.bincount(labels, weights=cos, minlength=K)
-    cohesion = np.where(size > 0, cos_sum / np.maximum(size, 1), np.nan)
-    # most central member: highest cosine to the center (ties: first row)
-    idx = np.lexsort((np.arange(labels.shape[0]), -cos, labels))
-    first = np.ones(idx.shape[0], dtype=bool)
-    first[1:] = labels[idx][1:] != labels[idx][:-1]
-    central = np.full(K, -1, dtype=np.int64)
-    central[labels[idx][first]] = idx[first]
-    if texts is not None:
-        short, terms = cluster_labels(["" if t is None else t for t in texts], labels, K,
-                                      weights=w)
-    else:
-        short, terms = [""] * K, [""] * K
-    reps = (representatives(labels, cos, texts, K, n_representatives)
-            if texts is not None and n_representatives > 0 else None)
-    cols = {
-        "cluster": np.arange(K, dtype=np.int64),
-        "size": size[order],
-        "weight": weight[order],
-        "share": weight[order] / max(weight.sum(), 1e-300),
-        "label": [short[k] for k in order],
-        "central_query": [(texts[central[k]] if texts is not None and central[k] >= 0 else None)
-                          for k in order],
-        **({"representative_queries": pa.array([reps[k] for k in order],
-                                                type=pa.list_(pa.string()))}
-           if reps is not None else {}),
-        "cohesion": cohesion[order],
-        "terms": [terms[k] for k in order],
-    }
-    if ids is not None:
-        cols["central_id"] = pa.array([ids[central[k]] if central[k] >= 0 else None
-                                       for k in order])
-    cols["central_row"] = np.where(central[order] >= 0, central[order] + 1, -1)
-    return pa.table(cols)
+    lab = Labelled(rank[labels], prob, margin, ru_new, summ.table(order), order)
+    lab.summary = summ
+    lab.rank = rank
+    return lab
 
 
 def summary_items(args, n, D, K, fit, timings, ari, est):

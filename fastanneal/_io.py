@@ -216,29 +216,29 @@ def _float_dtype(arrow_type):
         else np.float64
 
 
-def _parse_vector_strings(vals, name, path):
+def _parse_vector_strings(vals, name, path, row0=0):
     rows = []
     dim = None
     for i, s in enumerate(vals):
         if s is None:
             raise InputError(f"{path}: embedding column {name!r} has a missing value at row "
-                             f"{i + 1}")
+                             f"{row0 + i + 1}")
         body = s.strip().strip("[]()").replace(",", " ").split()
         try:
             v = np.array(body, dtype=np.float64)
         except ValueError:
             raise InputError(f"{path}: embedding column {name!r} is not a list of numbers at "
-                             f"row {i + 1}") from None
+                             f"row {row0 + i + 1}") from None
         if dim is None:
             dim = v.shape[0]
         elif v.shape[0] != dim:
-            raise InputError(f"{path}: ragged embeddings in column {name!r}: row {i + 1} has "
-                             f"{v.shape[0]} values, row 1 has {dim}")
+            raise InputError(f"{path}: ragged embeddings in column {name!r}: row {row0 + i + 1} has "
+                             f"{v.shape[0]} values, row {row0 + 1} has {dim}")
         rows.append(v)
     return np.vstack(rows)
 
 
-def embedding_matrix(table, name, path):
+def embedding_matrix(table, name, path, row0=0):
     """The embedding column as a C-contiguous (n, D) float32/float64 matrix, checked: no
     missing rows, equal lengths (ragged rows are an error), finite values, D >= 1."""
     col = require_column(table, name, path, "embedding column")
@@ -248,7 +248,7 @@ def embedding_matrix(table, name, path):
     first = _first_null(col)
     if first is not None:
         raise InputError(f"{path}: embedding column {name!r} has a missing value at row "
-                         f"{first + 1}")
+                         f"{row0 + first + 1}")
     if pa.types.is_fixed_size_list(t):
         D = t.list_size
         vt = t.value_type
@@ -259,12 +259,12 @@ def embedding_matrix(table, name, path):
         bad = np.nonzero(lengths != D)[0]
         if bad.size:
             i = int(bad[0])
-            raise InputError(f"{path}: ragged embeddings in column {name!r}: row {i + 1} has "
-                             f"{int(lengths[i])} values, row 1 has {D}")
+            raise InputError(f"{path}: ragged embeddings in column {name!r}: row {row0 + i + 1} has "
+                             f"{int(lengths[i])} values, row {row0 + 1} has {D}")
         vt = t.value_type
         values = col.flatten()
     elif pa.types.is_string(t) or pa.types.is_large_string(t):
-        X = _parse_vector_strings(col.to_pylist(), name, path)
+        X = _parse_vector_strings(col.to_pylist(), name, path, row0)
         D, vt, values = X.shape[1], pa.float64(), None
     else:
         raise InputError(f"{path}: embedding column {name!r} has type {t}; expected a list of "
@@ -275,17 +275,19 @@ def embedding_matrix(table, name, path):
         if values.null_count:
             i = int(np.argmax(pc.is_null(values).to_numpy(zero_copy_only=False))) // max(D, 1)
             raise InputError(f"{path}: embedding column {name!r} has a missing number at row "
-                             f"{i + 1}")
+                             f"{row0 + i + 1}")
         X = values.to_numpy(zero_copy_only=False).astype(_float_dtype(vt), copy=False)
         X = X.reshape(n, D) if D else X.reshape(n, 0)
     if D == 0:
         raise InputError(f"{path}: embedding column {name!r} has empty vectors")
     X = np.ascontiguousarray(X)
-    finite = np.isfinite(X).all(axis=1)
-    if not finite.all():
-        i = int(np.argmin(finite))
-        kind = "NaN" if np.isnan(X[i]).any() else "infinity"
-        raise InputError(f"{path}: embedding column {name!r} contains {kind} at row {i + 1}")
+    for b in range(0, n, 65536):               # in row blocks: no N x D mask
+        finite = np.isfinite(X[b:b + 65536]).all(axis=1)
+        if not finite.all():
+            i = b + int(np.argmin(finite))
+            kind = "NaN" if np.isnan(X[i]).any() else "infinity"
+            raise InputError(f"{path}: embedding column {name!r} contains {kind} at row "
+                             f"{row0 + i + 1}")
     return X
 
 
@@ -609,19 +611,57 @@ def _write_jsonl(table, f):
             f.write(("\n".join(lines) + "\n").encode("utf-8"))
 
 
+class TableWriter:
+    """Write tables with one schema to ``path`` in ``fmt`` (default: from the extension) one
+    after another -- the row groups of a log larger than memory -- as one CSV / TSV, Parquet
+    (zstd) or JSON-lines file. Not atomic: callers write into a temporary path from
+    :class:`OutputSet`."""
+
+    def __init__(self, path, fmt=None):
+        self.path = str(path)
+        self.fmt = fmt or output_format(path)
+        if self.fmt not in ("csv", "tsv", "parquet", "jsonl"):  # pragma: no cover
+            raise InputError(f"unknown output format {self.fmt}")
+        self._w = None
+        self._f = None
+
+    def write(self, table):
+        if self.fmt in ("csv", "tsv"):
+            import pyarrow.csv as pacsv
+            t = _csv_ready(table)
+            if self._w is None:
+                self._schema = t.schema
+                self._w = pacsv.CSVWriter(self.path, t.schema, write_options=pacsv.WriteOptions(
+                    delimiter="\t" if self.fmt == "tsv" else ","))
+            self._w.write_table(t.cast(self._schema) if t.schema != self._schema else t)
+        elif self.fmt == "parquet":
+            import pyarrow.parquet as pq
+            if self._w is None:
+                self._w = pq.ParquetWriter(self.path, table.schema, compression="zstd")
+            self._w.write_table(table)
+        else:
+            if self._f is None:
+                self._f = open(self.path, "wb")
+            _write_jsonl(table, self._f)
+
+    def close(self):
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
 def write_table(table, path, fmt=None):
     """Write ``table`` to ``path`` in ``fmt`` (default: from the extension), not atomically:
     callers write into a temporary path from :class:`OutputSet`."""
-    fmt = fmt or output_format(path)
-    if fmt in ("csv", "tsv"):
-        import pyarrow.csv as pacsv
-        pacsv.write_csv(_csv_ready(table), str(path),
-                        write_options=pacsv.WriteOptions(delimiter="\t" if fmt == "tsv" else ","))
-    elif fmt == "parquet":
-        import pyarrow.parquet as pq
-        pq.write_table(table, str(path), compression="zstd")
-    elif fmt == "jsonl":
-        with open(path, "wb") as f:
-            _write_jsonl(table, f)
-    else:  # pragma: no cover
-        raise InputError(f"unknown output format {fmt}")
+    with TableWriter(path, fmt) as w:
+        w.write(table)

@@ -164,9 +164,18 @@ class StochasticEMRule:
         for pos in range(b * self.batch_chunks, (b + 1) * self.batch_chunks):
             e, j = divmod(pos, n)
             if self._perm[0] != e:
-                self._perm = (e, np.random.default_rng([self.perm_seed, e]).permutation(n))
+                rng = np.random.default_rng([self.perm_seed, e])
+                order = getattr(self.stream, "epoch_order", None)
+                # a stream may group its chunks (row groups of a Parquet file are
+                # decoded once per epoch); positions index into self.nonempty
+                self._perm = (e, self._positions(order(rng)) if order is not None
+                              else rng.permutation(n))
             out.append(int(self.nonempty[self._perm[1][j]]))
         return out
+
+    def _positions(self, chunk_ids):
+        where = {int(c): j for j, c in enumerate(self.nonempty)}
+        return np.array([where[int(c)] for c in chunk_ids], dtype=np.int64)
 
     def state_dict(self):
         return dict(self.running.state_dict(), n_batches=self.n_batches)
@@ -199,6 +208,35 @@ class StochasticEMRule:
         st.log_masses = self.running.log_prior(K)
         return E.StepResult(moments=rec, logp=logp_step, shift=self.running.last_shift,
                             relocated=rel, record_moments=rec)
+
+
+def sample_plan(chunk_rows, n_target, rng, min_chunks=8):
+    """Which rows of which chunks make a sample of about ``n_target`` rows: at least
+    ``min_chunks`` random chunks (data stored in cluster order would bias a sample of one
+    chunk), enough of them to hold ``n_target`` rows, rows per chunk proportional to the
+    chunk sizes (largest remainders). Returns ``{chunk: sorted local row indices}``."""
+    nonempty = [i for i in range(len(chunk_rows)) if chunk_rows[i] > 0]
+    order = [int(i) for i in rng.permutation(nonempty)]
+    mean_rows = float(np.mean([chunk_rows[i] for i in nonempty]))
+    m = min(len(order), max(min_chunks, math.ceil(n_target / mean_rows)))
+    while m < len(order) and sum(chunk_rows[i] for i in order[:m]) < n_target:
+        m += 1                        # enough rows in the picked chunks
+    picked = sorted(order[:m])
+    sizes = np.array([chunk_rows[i] for i in picked], dtype=np.float64)
+    want = min(int(n_target), int(sizes.sum()))
+    quota = want * sizes / sizes.sum()
+    cnt = np.minimum(np.floor(quota).astype(np.int64), sizes.astype(np.int64))
+    for j in np.argsort(-(quota - cnt)):
+        if cnt.sum() >= want:
+            break
+        if cnt[j] < sizes[j]:
+            cnt[j] += 1
+    take = {}
+    for i, c in zip(picked, cnt):
+        n_i = chunk_rows[i]
+        take[i] = np.arange(n_i) if c >= n_i else np.sort(
+            rng.choice(n_i, size=int(c), replace=False))
+    return take
 
 
 class ArrayStream:

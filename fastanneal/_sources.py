@@ -222,7 +222,7 @@ class InMemorySource:
         return self.X[idx], self.w[idx]
 
     def mean(self):
-        return (self.w @ self.X.astype(np.float64, copy=False)) / self.total_weight
+        return weighted_mean(self.X, self.w)
 
     def assign(self, centers):
         return assign(self.X, centers, self.metric, _prepared=True)
@@ -258,11 +258,22 @@ def exact_covariance(X, w, mean, block=16384):
     return Cov / w.sum()
 
 
-def row_hashes(X, v):
+def weighted_mean(X, w, block=16384):
+    """``sum w x / W`` accumulated in float64 over row blocks (no float64 copy of ``X``)."""
+    acc = np.zeros(X.shape[1])
+    for b in range(0, X.shape[0], block):
+        acc += w[b:b + block] @ X[b:b + block].astype(np.float64)
+    return acc / w.sum()
+
+
+def row_hashes(X, v, block=65536):
     """64-bit hashes of the rows of ``X`` that are equal exactly for equal rows (integer
     arithmetic on the bytes: no rounding, unlike a projection ``X @ v``, which BLAS may
     round differently for equal rows at different positions). ``v`` (float64, (D,), drawn
     at random) gives the odd multipliers; ``-0.0`` counts as ``0.0``."""
+    if X.shape[0] > block:          # in row blocks: no copy of the whole of X
+        return np.concatenate([row_hashes(X[b:b + block], v, block)
+                               for b in range(0, X.shape[0], block)])
     if X.shape[0] == 0:
         return np.zeros(0, dtype=np.uint64)
     X = np.ascontiguousarray(X) + X.dtype.type(0)         # -0.0 -> 0.0
@@ -283,7 +294,7 @@ def row_hashes(X, v):
 def n_distinct_rows(X, w, rng):
     """Number of distinct rows with non-zero weight (exact 64-bit row hashes)."""
     v = rng.standard_normal(X.shape[1])
-    return len(np.unique(row_hashes(X[w > 0], v)))
+    return len(np.unique(row_hashes(X, v)[np.asarray(w) > 0]))
 
 
 def data_fingerprint(X, w, metric):

@@ -161,9 +161,16 @@ def check_temperature(T, allow_zero=False):
     return T
 
 
+#: Rows whose norms are all within this many machine epsilons of 1 count as unit already.
+UNIT_TOLERANCE = 4
+
+
 def normalize_rows(X, name="X"):
-    """Unit-normalize rows for the cosine metric (a copy); zero rows are an error. Rows whose
-    squared norm overflows float64 are scaled first (no row becomes 0 or NaN)."""
+    """Unit-normalize rows for the cosine metric: a copy, unless every row's norm is already
+    within ``UNIT_TOLERANCE`` epsilons of 1 (embedding models emit unit vectors; dividing
+    them again would change a few last bits and double the memory). Zero rows are an
+    error. Rows whose squared norm overflows float64 are scaled first (no row becomes 0 or
+    NaN)."""
     with np.errstate(over="ignore"):
         norms = np.sqrt(np.einsum("ij,ij->i", X, X, dtype=np.float64))
     big = ~np.isfinite(norms)
@@ -173,4 +180,7 @@ def normalize_rows(X, name="X"):
         raise ValueError(f"{name} has all-zero rows (first at row "
                          f"{int(np.argwhere(norms == 0)[0, 0])}); the cosine metric needs "
                          "non-zero vectors")
+    if (X.dtype in (np.float32, np.float64) and X.flags.c_contiguous
+            and np.all(np.abs(norms - 1.0) <= UNIT_TOLERANCE * np.finfo(X.dtype).eps)):
+        return X        # unit already (to a few ulps): no copy of the whole input
     return np.ascontiguousarray(X / norms[:, None].astype(X.dtype, copy=False), dtype=X.dtype)

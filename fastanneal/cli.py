@@ -30,7 +30,7 @@ from ._io import (InputError, OutputSet, atomic_save_npy, atomic_write_bytes,
                   sidecar, text_list, weight_vector, write_table)
 
 from ._cli_parser import build_parser  # noqa: E402
-from ._cli_results import (adjusted_rand_index, assignments, cluster_table,  # noqa: E402,F401
+from ._cli_results import (adjusted_rand_index, assignments,  # noqa: E402,F401
                            label_clusters, print_summary, summary_items)
 
 __all__ = ["main", "build_parser", "adjusted_rand_index"]

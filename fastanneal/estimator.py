@@ -982,9 +982,21 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         if labels_path is not None and os.path.exists(labels_path) and not overwrite:
             raise FileExistsError(f"{labels_path} exists; pass overwrite=True to replace it")
         rng = self._rng()
-        if isinstance(X, np.ndarray) or (not hasattr(X, "__dask_graph__")
-                                         and not isinstance(X, (str, os.PathLike))
-                                         and type(X).__name__ != "EmbeddingArrays"):
+        from ._parquet import ParquetStream, open_parquet
+        if isinstance(X, (str, os.PathLike)) and self.scheduler is None:
+            X = open_parquet(X, metric=self.metric)        # out of core, in this process
+        if isinstance(X, ParquetStream):
+            if sample_weight is not None or ids is not None:
+                raise ValueError("with open_parquet(...) input, give the weight and id "
+                                 "columns to open_parquet (weight=..., id=...)")
+            if X.metric != metric:
+                raise ValueError(f"open_parquet(..., metric=...) must match the estimator's "
+                                 f"metric {self.metric!r}")
+            stream = full = X
+            n_threads = 1
+        elif isinstance(X, np.ndarray) or (not hasattr(X, "__dask_graph__")
+                                           and not isinstance(X, (str, os.PathLike))
+                                           and type(X).__name__ != "EmbeddingArrays"):
             if ids is not None or labels_path is not None:
                 raise ValueError("ids and labels_path are for Dask / Parquet input; with a "
                                  "NumPy array the labels are in labels_")

@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-__all__ = ["tokenize", "ctfidf_terms", "cluster_labels"]
+__all__ = ["tokenize", "ctfidf_terms", "cluster_labels", "TermCounts", "short_labels"]
 
 _TOKEN = re.compile(r"[^\W_](?:[^\W_]|['’-](?=[^\W_]))*", re.UNICODE)
 
@@ -41,6 +41,74 @@ def tokenize(text, stop_words=STOP_WORDS):
             if len(t) >= 2 and t not in stop_words]
 
 
+class TermCounts:
+    """Per-cluster (sample-weighted) counts of unigrams and bigrams, added block by block:
+    the streaming form of :func:`ctfidf_terms` (the same counts whatever the blocks)."""
+
+    #: tokenized texts remembered across blocks (query logs repeat a lot)
+    CACHE = 200_000
+
+    def __init__(self, n_clusters, ngram_range=(1, 2)):
+        self.n_clusters = int(n_clusters)
+        self.ngram_range = ngram_range
+        self.per_class = [Counter() for _ in range(self.n_clusters)]
+        self._cache = {}
+
+    def add(self, texts, labels, weights=None):
+        labels = np.asarray(labels, dtype=np.int64)
+        n = labels.shape[0]
+        if len(texts) != n:
+            raise ValueError(f"{len(texts)} texts but {n} labels")
+        w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+        lo, hi = self.ngram_range
+        cache = self._cache
+        if len(cache) > self.CACHE:
+            cache.clear()
+        per_class = self.per_class
+        for text, lab, wi in zip(texts, labels.tolist(), w.tolist()):
+            if wi <= 0:
+                continue
+            grams = cache.get(text)
+            if grams is None:
+                toks = tokenize(text)
+                grams = []
+                for size in range(lo, hi + 1):
+                    grams.extend(" ".join(toks[i:i + size])
+                                 for i in range(len(toks) - size + 1))
+                cache[text] = grams
+            cnt = per_class[lab]
+            for g in grams:
+                cnt[g] += wi
+
+    def terms(self, top_n=8):
+        """Top ``top_n`` ``(term, score)`` of each cluster (see :func:`ctfidf_terms`)."""
+        total = Counter()
+        for cnt in self.per_class:
+            total.update(cnt)
+        sizes = [sum(cnt.values()) for cnt in self.per_class]
+        nonempty = [s for s in sizes if s > 0]
+        A = (sum(nonempty) / len(nonempty)) if nonempty else 0.0
+        out = []
+        for cnt, size in zip(self.per_class, sizes):
+            if size <= 0:
+                out.append([])
+                continue
+            scored = []
+            for term, tf in cnt.items():
+                s = tf / size * math.log1p(A / total[term])
+                # a bigram must beat being two unigrams: only keep it when it recurs
+                if " " in term and tf < 2:
+                    continue
+                scored.append((s, term))
+            scored.sort(key=lambda st: (-st[0], st[1]))
+            out.append([(t, float(s)) for s, t in scored[:top_n]])
+        return out
+
+    def labels(self, n_terms=3, top_n=8):
+        """``(short_labels, term_lists)`` as :func:`cluster_labels`."""
+        return short_labels(self.terms(top_n=max(top_n, 3 * n_terms)), n_terms, top_n)
+
+
 def ctfidf_terms(texts, labels, n_clusters, weights=None, top_n=8, ngram_range=(1, 2)):
     """Top ``top_n`` c-TF-IDF terms of each cluster: a list of ``n_clusters`` lists of
     ``(term, score)``; empty clusters (and clusters without any token) get ``[]``.
@@ -49,49 +117,9 @@ def ctfidf_terms(texts, labels, n_clusters, weights=None, top_n=8, ngram_range=(
     ``weights`` optional per-text counts (query frequencies). Bigrams of consecutive kept
     tokens are candidates next to unigrams when ``ngram_range[1] >= 2``.
     """
-    labels = np.asarray(labels, dtype=np.int64)
-    n = labels.shape[0]
-    if len(texts) != n:
-        raise ValueError(f"{len(texts)} texts but {n} labels")
-    w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
-    lo, hi = ngram_range
-    per_class = [Counter() for _ in range(n_clusters)]
-    # identical texts are tokenized once (query logs repeat a lot)
-    cache = {}
-    for text, lab, wi in zip(texts, labels.tolist(), w.tolist()):
-        if wi <= 0:
-            continue
-        grams = cache.get(text)
-        if grams is None:
-            toks = tokenize(text)
-            grams = []
-            for size in range(lo, hi + 1):
-                grams.extend(" ".join(toks[i:i + size]) for i in range(len(toks) - size + 1))
-            cache[text] = grams
-        cnt = per_class[lab]
-        for g in grams:
-            cnt[g] += wi
-    total = Counter()
-    for cnt in per_class:
-        total.update(cnt)
-    sizes = [sum(cnt.values()) for cnt in per_class]
-    nonempty = [s for s in sizes if s > 0]
-    A = (sum(nonempty) / len(nonempty)) if nonempty else 0.0
-    out = []
-    for cnt, size in zip(per_class, sizes):
-        if size <= 0:
-            out.append([])
-            continue
-        scored = []
-        for term, tf in cnt.items():
-            s = tf / size * math.log1p(A / total[term])
-            # a bigram must beat being two unigrams: only keep it when it recurs
-            if " " in term and tf < 2:
-                continue
-            scored.append((s, term))
-        scored.sort(key=lambda st: (-st[0], st[1]))
-        out.append([(t, float(s)) for s, t in scored[:top_n]])
-    return out
+    tc = TermCounts(n_clusters, ngram_range)
+    tc.add(texts, labels, weights)
+    return tc.terms(top_n)
 
 
 def cluster_labels(texts, labels, n_clusters, weights=None, n_terms=3, top_n=8):
@@ -102,6 +130,11 @@ def cluster_labels(texts, labels, n_clusters, weights=None, n_terms=3, top_n=8):
     "change pin"), and a term whose words are already used is skipped.
     """
     terms = ctfidf_terms(texts, labels, n_clusters, weights=weights, top_n=max(top_n, 3 * n_terms))
+    return short_labels(terms, n_terms, top_n)
+
+
+def short_labels(terms, n_terms=3, top_n=8):
+    """Short labels and term strings from per-cluster ``(term, score)`` lists."""
     short, longer = [], []
     for tl in terms:
         chosen = []

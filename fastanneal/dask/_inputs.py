@@ -7,6 +7,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .._parquet import _embedding_info, _value_dtype, embedding_block  # noqa: F401
+
 #: Target bytes of one chunk when a NumPy array is split for the Dask backend.
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 
@@ -46,56 +48,6 @@ def _parquet_files(path):
     if not files:
         raise FileNotFoundError(f"no Parquet files found at {path!r}")
     return files
-
-
-def _embedding_info(field, where):
-    """(kind, D or None) of an embedding field; kind 'fixed' or 'list'."""
-    import pyarrow as pa
-    t = field.type
-    if pa.types.is_fixed_size_list(t):
-        kind, D = "fixed", t.list_size
-    elif pa.types.is_list(t) or pa.types.is_large_list(t):
-        kind, D = "list", None
-    else:
-        raise ValueError(f"column {field.name!r} of {where} has type {t}; an embedding column "
-                         "must be a fixed-size list or a list of numbers")
-    vt = t.value_type
-    if not (pa.types.is_floating(vt) or pa.types.is_integer(vt)):
-        raise ValueError(f"column {field.name!r} of {where} holds {vt} values; expected numbers")
-    return kind, D, vt
-
-
-def _value_dtype(vt):
-    import pyarrow as pa
-    return np.float32 if (pa.types.is_float32(vt) or pa.types.is_float16(vt)) else np.float64
-
-
-def embedding_block(arr, D, dtype, where, row0=0, column="embedding"):
-    """An Arrow (chunked) list / fixed-size-list array as an ``(n, D)`` NumPy array."""
-    import pyarrow as pa
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    n = len(arr)
-    if arr.null_count:
-        i = int(np.argwhere(arr.is_null().to_numpy(zero_copy_only=False))[0, 0])
-        raise ValueError(f"column {column!r} has a null embedding in {where}, row {row0 + i}")
-    if pa.types.is_fixed_size_list(arr.type):
-        if D is not None and arr.type.list_size != D:
-            raise ValueError(f"column {column!r} in {where} has {arr.type.list_size} dimensions; "
-                             f"expected {D}")
-        D = arr.type.list_size
-    else:
-        lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
-        if D is None:
-            D = int(lengths[0]) if n else 0
-        bad = np.argwhere(lengths != D)
-        if bad.size:
-            i = int(bad[0, 0])
-            raise ValueError(f"column {column!r} has an embedding of length {int(lengths[i])} in "
-                             f"{where}, row {row0 + i}; expected {D}")
-    values = arr.flatten()
-    vals = values.to_numpy(zero_copy_only=False)   # nulls inside become NaN (caught later)
-    return np.ascontiguousarray(vals, dtype=dtype).reshape(n, D)
 
 
 def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=8192):

@@ -172,28 +172,9 @@ class DaskBatchStream(_ChunkPlan):
         """About ``n_target`` random rows from at least ``min_chunks`` random chunks (data
         stored in cluster order would bias a sample of one chunk); each chunk is read and
         subsampled on a worker, so only the sample travels."""
-        nonempty = [i for i in range(self.n_chunks) if self.chunk_rows[i] > 0]
-        order = [int(i) for i in rng.permutation(nonempty)]
-        mean_rows = float(np.mean([self.chunk_rows[i] for i in nonempty]))
-        m = min(len(order), max(min_chunks, math.ceil(n_target / mean_rows)))
-        while m < len(order) and sum(self.chunk_rows[i] for i in order[:m]) < n_target:
-            m += 1                        # enough rows in the picked chunks
-        picked = sorted(order[:m])
-        # rows per chunk: proportional to the chunk sizes (largest remainders), capped
-        sizes = np.array([self.chunk_rows[i] for i in picked], dtype=np.float64)
-        want = min(int(n_target), int(sizes.sum()))
-        quota = want * sizes / sizes.sum()
-        cnt = np.minimum(np.floor(quota).astype(np.int64), sizes.astype(np.int64))
-        for j in np.argsort(-(quota - cnt)):
-            if cnt.sum() >= want:
-                break
-            if cnt[j] < sizes[j]:
-                cnt[j] += 1
-        take = {}
-        for i, c in zip(picked, cnt):
-            n_i = self.chunk_rows[i]
-            take[i] = np.arange(n_i) if c >= n_i else np.sort(
-                rng.choice(n_i, size=int(c), replace=False))
+        from .._minibatch import sample_plan
+        take = sample_plan(self.chunk_rows, n_target, rng, min_chunks)
+        picked = sorted(take)
         parts = self.map_chunks(ch.sample_chunk, picked, self.window,
                                 per_chunk=lambda i: {"idx": take[i]})
         Xs = np.concatenate([p[0] for p in parts])

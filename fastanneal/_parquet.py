@@ -1,0 +1,453 @@
+"""In-process reading of Parquet embeddings, row group by row group, for data larger than
+memory (no Dask): :class:`ParquetDataset` (a file or a folder, hive partitions as columns,
+as a list of row groups read on demand), :func:`prefetched` (the next row group decoded in
+a background thread while the current one is reduced) and :class:`ParquetStream`, the
+source that :class:`fastanneal.MiniBatchAnnealedKMeans` anneals over out of core
+(:func:`fastanneal.open_parquet`). The per-chunk work (validation, moments, labels) is the
+same code as on the Dask workers (:mod:`fastanneal.dask._chunks`)."""
+import math
+import os
+import queue
+import threading
+
+import numpy as np
+
+__all__ = ["ParquetDataset", "ParquetStream", "open_parquet", "prefetched"]
+
+
+def _embedding_info(field, where):
+    """(kind, D or None) of an embedding field; kind 'fixed' or 'list'."""
+    import pyarrow as pa
+    t = field.type
+    if pa.types.is_fixed_size_list(t):
+        kind, D = "fixed", t.list_size
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        kind, D = "list", None
+    else:
+        raise ValueError(f"column {field.name!r} of {where} has type {t}; an embedding column "
+                         "must be a fixed-size list or a list of numbers")
+    vt = t.value_type
+    if not (pa.types.is_floating(vt) or pa.types.is_integer(vt)):
+        raise ValueError(f"column {field.name!r} of {where} holds {vt} values; expected numbers")
+    return kind, D, vt
+
+
+def _value_dtype(vt):
+    import pyarrow as pa
+    return np.float32 if (pa.types.is_float32(vt) or pa.types.is_float16(vt)) else np.float64
+
+
+def embedding_block(arr, D, dtype, where, row0=0, column="embedding"):
+    """An Arrow (chunked) list / fixed-size-list array as an ``(n, D)`` NumPy array."""
+    import pyarrow as pa
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    n = len(arr)
+    if arr.null_count:
+        i = int(np.argwhere(arr.is_null().to_numpy(zero_copy_only=False))[0, 0])
+        raise ValueError(f"column {column!r} has a null embedding in {where}, row {row0 + i}")
+    if pa.types.is_fixed_size_list(arr.type):
+        if D is not None and arr.type.list_size != D:
+            raise ValueError(f"column {column!r} in {where} has {arr.type.list_size} dimensions; "
+                             f"expected {D}")
+        D = arr.type.list_size
+    else:
+        lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
+        if D is None:
+            D = int(lengths[0]) if n else 0
+        bad = np.argwhere(lengths != D)
+        if bad.size:
+            i = int(bad[0, 0])
+            raise ValueError(f"column {column!r} has an embedding of length {int(lengths[i])} in "
+                             f"{where}, row {row0 + i}; expected {D}")
+    values = arr.flatten()
+    vals = values.to_numpy(zero_copy_only=False)   # nulls inside become NaN (caught later)
+    return np.ascontiguousarray(vals, dtype=dtype).reshape(n, D)
+
+
+
+# ------------------------------------------------------------------------- reading ahead
+def prefetched(fn, items, depth=1):
+    """Yield ``(item, fn(item))`` in the order of ``items``, computing up to ``depth`` items
+    ahead in one background thread (Parquet decoding releases the GIL, so the next row
+    group is read while the caller reduces the current one). An exception of ``fn`` is
+    raised at its item; closing the generator early stops the thread."""
+    items = list(items)
+    if depth <= 0 or len(items) < 2:
+        for it in items:
+            yield it, fn(it)
+        return
+    q = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work():
+        for it in items:
+            if stop.is_set():
+                return
+            try:
+                r = (it, fn(it), None)
+            except BaseException as e:   # handed to the consumer
+                r = (it, None, e)
+            while not stop.is_set():
+                try:
+                    q.put(r, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if r[2] is not None:
+                return
+    t = threading.Thread(target=work, name="fastanneal-prefetch", daemon=True)
+    t.start()
+    try:
+        for _ in items:
+            it, res, err = q.get()
+            if err is not None:
+                raise err
+            yield it, res
+    finally:
+        stop.set()
+        t.join()
+
+
+# ------------------------------------------------------------------------- datasets
+def _scan_format():
+    import pyarrow.dataset as ds
+    return ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+        page_checksum_verification=True))
+
+
+class ParquetDataset:
+    """A Parquet file, or a folder of them (hive ``key=value`` folders become columns; names
+    starting with ``.`` or ``_`` are skipped), as its row groups in the order in which
+    ``pyarrow`` reads the whole dataset. Only metadata is read here."""
+
+    def __init__(self, path):
+        import pyarrow.dataset as ds
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"{self.path}: no such file or folder")
+        self.dataset = ds.dataset(self.path, format=_scan_format(), partitioning="hive")
+        self.schema = self.dataset.schema
+        self.pieces = []
+        rows = []
+        for frag in self.dataset.get_fragments():
+            for g in frag.split_by_row_group():
+                self.pieces.append(g)
+                rows.append(int(g.row_groups[0].num_rows))
+        self.piece_rows = np.array(rows, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.piece_rows)]).astype(np.int64)
+        self.n_rows = int(self.offsets[-1])
+
+    @property
+    def column_names(self):
+        return list(self.schema.names)
+
+    def where(self, i):
+        return f"{os.path.basename(self.pieces[i].path)} row group {self.pieces[i].row_groups[0].id}"
+
+    def read(self, i, columns):
+        """Row group ``i`` as a ``pyarrow.Table`` of ``columns`` (None: all)."""
+        import pyarrow as pa
+        try:
+            t = self.pieces[i].to_table(schema=self.schema, columns=columns, use_threads=False)
+        except (OSError, pa.ArrowException) as e:   # a failed page checksum included
+            raise OSError(f"{self.path} ({self.where(i)}): {e}") from e
+        if t.num_rows != self.piece_rows[i]:
+            raise ValueError(f"{self.where(i)} of {self.path} has {t.num_rows} rows; its "
+                             f"metadata says {int(self.piece_rows[i])}")
+        return t
+
+    def tables(self, columns, indices=None, depth=1):
+        """``(i, table)`` for the row groups ``indices`` (all, in order), read ahead."""
+        idx = range(len(self.pieces)) if indices is None else indices
+        return prefetched(lambda i: self.read(i, columns), idx, depth)
+
+
+# ------------------------------------------------------------------------- the stream
+def open_parquet(path, column="embedding", weight=None, id=None, *, metric="euclidean",
+                 dtype=None, chunk_rows=4096, prefetch=1):
+    """Open Parquet embeddings for out-of-core annealing in this process (no Dask).
+
+    ``MiniBatchAnnealedKMeans(K).fit(open_parquet("log.parquet", weight="count"))`` anneals
+    over ``chunk_rows``-row batches of the row groups (a random order of row groups per
+    epoch, a random order of the batches within each), decoding the next row group while
+    the current one is reduced. Memory: about two row groups plus the seeding sample,
+    whatever the size of the file (write logs with row groups of at most ~100,000 rows).
+
+    Parameters
+    ----------
+    path : str or path-like
+        A Parquet file or a folder of Parquet files (hive partitions become columns).
+    column : str
+        The embedding column (``fixed_size_list`` or ``list`` of numbers).
+    weight, id : str or None
+        Optional columns of sample weights (numbers >= 0) and row ids (written next to the
+        labels by ``fit(..., labels_path=...)``).
+    metric : "euclidean" or "cosine"
+        Must be the estimator's metric (cosine rows are unit-normalised as they are read).
+    dtype : numpy dtype or None
+        None: float32 for float16/float32 values, float64 otherwise.
+    chunk_rows : int
+        Rows per mini-batch update (``batch_size`` of the estimator rounds to whole chunks).
+    prefetch : int
+        Row groups decoded ahead in a background thread (0: none).
+    """
+    from ._validation import metric_code
+    return ParquetStream(ParquetDataset(path), column, weight, id, metric_code(metric),
+                         dtype, chunk_rows, prefetch)
+
+
+class ParquetStream:
+    """Chunks of ``chunk_rows`` rows within the row groups of a :class:`ParquetDataset`:
+    the batches of a mini-batch fit, and full streaming passes (``moments``, the polish and
+    the final pass) in row-group order. See :func:`open_parquet`."""
+
+    n_threads_total = 1
+
+    def __init__(self, data, column="embedding", weight=None, id=None, metric=0, dtype=None,
+                 chunk_rows=4096, prefetch=1):
+        import pyarrow as pa
+        self.data = data
+        names = data.column_names
+        for what, col in (("embedding", column), ("weight", weight), ("id", id)):
+            if col is not None and col not in names:
+                raise ValueError(f"{what} column {col!r} not found in {data.path}; available "
+                                 f"columns: {names}")
+        kind, D, vt = _embedding_info(data.schema.field(column), data.path)
+        if weight is not None:
+            wt = data.schema.field(weight).type
+            if not (pa.types.is_floating(wt) or pa.types.is_integer(wt)):
+                raise ValueError(f"weight column {weight!r} of {data.path} has type {wt}; "
+                                 "expected numbers")
+        self.column, self.weight, self.id = column, weight, id
+        self.metric = int(metric)
+        self.dtype = np.dtype(dtype) if dtype is not None else np.dtype(_value_dtype(vt))
+        if D is None:           # list<float>: the length of the first embedding
+            D = 0
+            for i, r in enumerate(data.piece_rows):
+                if r:
+                    first = data.read(i, [column]).column(0).slice(0, 1)
+                    D = int(embedding_block(first, None, self.dtype, data.where(i), 0,
+                                            column).shape[1])
+                    break
+        self.n_features = int(D)
+        self.n_rows = data.n_rows
+        self.has_ids = id is not None
+        self.prefetch_depth = 1 if prefetch else 0
+        self._depth = int(max(0, prefetch))
+        c = max(1, int(chunk_rows))
+        self.chunks = []                     # (piece, local start, local stop)
+        for p, r in enumerate(data.piece_rows):
+            for a in range(0, int(r), c):
+                self.chunks.append((p, a, min(int(r), a + c)))
+        self.chunk_rows = tuple(b - a for _, a, b in self.chunks) or (0,)
+        self._W = None
+        self._cache = {}                     # piece -> Chunk (the current and the next)
+        self._pending = {}                   # piece -> Future
+        self._pool = None
+
+    # ------------------------------------------------ reading
+    def _columns(self):
+        return [c for c in (self.column, self.weight, self.id) if c is not None]
+
+    def _prepare(self, i, table=None):
+        """Row group ``i`` read, validated (finite, weights >= 0, non-zero rows for cosine)
+        and, for cosine, unit-normalised: a :class:`fastanneal.dask._chunks.Chunk`."""
+        from .dask._chunks import prepare_chunk
+        if table is None:
+            table = self.data.read(i, self._columns())
+        row0 = int(self.data.offsets[i])
+        where = self.data.where(i)
+        x = embedding_block(table.column(self.column), self.n_features, self.dtype, where,
+                            row0, self.column)
+        w = None
+        if self.weight is not None:
+            w = table.column(self.weight).to_numpy().astype(np.float64)
+            if np.isnan(w).any():
+                j = int(np.argmax(np.isnan(w)))
+                raise ValueError(f"weight column {self.weight!r} has a missing value at row "
+                                 f"{row0 + j} ({where})")
+        ch = prepare_chunk(x, w, i, row0, self.metric, self.dtype)
+        if self.id is not None:
+            ch.ids = table.column(self.id).to_numpy()
+        return ch
+
+    def _piece(self, p):
+        if p in self._cache:
+            return self._cache[p]
+        fut = self._pending.pop(p, None)
+        ch = fut.result() if fut is not None else self._prepare(p)
+        self._cache = {p: ch}                # the previous row group is dropped
+        return ch
+
+    def prefetch(self, batches):
+        """Start decoding the row group of the next batch (one ahead, in a thread)."""
+        if not self._depth or not batches or not batches[0]:
+            return
+        p = self.chunks[batches[0][0]][0]
+        if p in self._cache or p in self._pending:
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastanneal-prefetch")
+        self._pending = {p: self._pool.submit(self._prepare, p)}
+
+    def passes(self, depth=None):
+        """Every row group once, in order, as prepared chunks (the next one read ahead)."""
+        depth = self._depth if depth is None else depth
+        cols = self._columns()
+        for i, table in self.data.tables(cols, depth=depth):
+            yield self._prepare(i, table)
+
+    # ------------------------------------------------ the mini-batch protocol
+    def epoch_order(self, rng):
+        """The chunks in a random order of row groups, each row group's chunks in a random
+        order (a row group is decoded once per epoch)."""
+        by_piece = {}
+        for j, (p, a, b) in enumerate(self.chunks):
+            if b > a:
+                by_piece.setdefault(p, []).append(j)
+        out = []
+        for p in rng.permutation(sorted(by_piece)):
+            js = by_piece[int(p)]
+            out.extend(js[k] for k in rng.permutation(len(js)))
+        return np.asarray(out, dtype=np.int64)
+
+    def batch_moments(self, ids, C, T, resp, log_prior):
+        from ._moments import compute_moments
+        m = None
+        for j in ids:
+            p, a, b = self.chunks[j]
+            ch = self._piece(p)
+            mi = compute_moments(ch.X[a:b], ch.w[a:b], C, T, self.metric, resp, log_prior,
+                                 hard_sums=False)
+            m = mi if m is None else m + mi
+        return m
+
+    @property
+    def total_weight(self):
+        if self._W is None:
+            if self.weight is None:
+                self._W = float(self.n_rows)
+            else:
+                tot = 0.0
+                for i, t in self.data.tables([self.weight], depth=self._depth):
+                    tot += float(np.asarray(t.column(0).to_numpy(), dtype=np.float64).sum())
+                self._W = tot
+        return self._W
+
+    def fingerprint(self):
+        files = sorted({f.path for f in self.data.pieces})
+        stamp = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+        return (f"parquet:{stamp}:{self.column}:{self.weight}:{self.metric}:{self.n_rows}:"
+                f"{self.dtype}")
+
+    def sample(self, n_target, rng, min_chunks=8):
+        """About ``n_target`` random rows from at least ``min_chunks`` random row groups."""
+        from ._minibatch import sample_plan
+        take = sample_plan(tuple(int(r) for r in self.data.piece_rows), n_target, rng,
+                           min_chunks)
+        xs, ws = [], []
+        for i, table in self.data.tables(self._columns(), sorted(take), self._depth):
+            ch = self._prepare(i, table)
+            xs.append(ch.X[take[i]])
+            ws.append(ch.w[take[i]])
+        Xs, W = np.concatenate(xs), np.concatenate(ws)
+        if Xs.shape[0] > n_target:
+            idx = np.sort(rng.choice(Xs.shape[0], size=n_target, replace=False))
+            Xs, W = Xs[idx], W[idx]
+        return np.ascontiguousarray(Xs), W
+
+    # ------------------------------------------------ full passes
+    def _reduce(self, work, combine=None, **kwargs):
+        total = None
+        for ch in self.passes():
+            r = work(ch, **kwargs)
+            total = r if total is None else (combine(total, r) if combine else total + r)
+        return total
+
+    def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
+        from ._moments import Moments, compute_moments
+        m = self._reduce(lambda ch: compute_moments(ch.X, ch.w, centers, T, self.metric, resp,
+                                                    log_prior, hard_sums=hard_sums))
+        if m is None:
+            return Moments.zeros(np.shape(centers)[0], self.n_features, T, hard_sums=hard_sums)
+        return m
+
+    def mean(self):
+        from .dask import _chunks as ch
+        return self._reduce(ch.chunk_weighted_sum)[:-1] / self.total_weight
+
+    def covariance(self, mean):
+        from ._sources import COVARIANCE_MAX_D
+        from .dask import _chunks as ch
+        if self.n_features > COVARIANCE_MAX_D:
+            return None
+        return self._reduce(ch.chunk_scatter, mean=np.asarray(mean, np.float64)) \
+            / self.total_weight
+
+    def grad_moments(self, centers, T, resp, globals_):
+        from .dask import _chunks as ch
+        return self._reduce(ch.chunk_grad_moments, combine=lambda a, b: a.merge(b),
+                            C=np.asarray(centers, np.float64), T=float(T), gmetric=self.metric,
+                            resp=int(resp), g=globals_, nthreads=0)
+
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+        """Lanczos with one streaming pass per matvec."""
+        from ._sources import power_iteration_eigs
+        from .dask import _chunks as ch
+        C = np.asarray(centers, dtype=np.float64)
+        wk = []
+
+        def matvec(mu, V):
+            mv, counts = self._reduce(
+                ch.chunk_cov_matvec_at, combine=lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                C=C, label_metric=self.metric, mu=mu, V=np.ascontiguousarray(V), nthreads=0)
+            wk[:] = [counts]
+            return mv
+        matvec(C, np.zeros_like(C))
+        return power_iteration_eigs(matvec, C, wk[0], n_iter, rng, return_vectors)
+
+    def n_distinct_rows(self, rng, cap):
+        from .dask import _chunks as ch
+        v = rng.standard_normal(self.n_features)
+        h = self._reduce(ch.chunk_row_hashes, combine=lambda a, b: ch.union_capped(
+            a, b, cap=int(cap)), v=v, cap=int(cap))
+        return 0 if h is None else int(h.shape[0])
+
+    def labels(self, centers):
+        return None            # out of core: labels are streamed by final_pass
+
+    def final_pass(self, C, T, resp, log_prior, labels_path=None, overwrite=False,
+                   with_ids=False):
+        """The moments of every row at ``(C, T)`` (hard counts for the cluster weights);
+        with ``labels_path``, the hard labels (and ids) written as Parquet, one file per
+        row group, into a folder published atomically."""
+        from .dask import _chunks as ch
+        from .dask._minibatch import _AtomicFolder
+        folder = _AtomicFolder(labels_path, overwrite) if labels_path is not None else None
+        C = np.ascontiguousarray(C, dtype=self.dtype)
+        m = None
+        try:
+            for c in self.passes():
+                mi = ch.chunk_moments(c, C, T, self.metric, resp, log_prior, False, 0)
+                mi.S = mi.S[:, :0].copy()
+                if folder is not None:
+                    lab = ch.chunk_labels(c, C, self.metric, 0)
+                    ch.write_label_part(folder.tmp, c.index, c.row0, lab,
+                                        getattr(c, "ids", None) if with_ids else None)
+                m = mi if m is None else m + mi
+        except BaseException:
+            if folder is not None:
+                folder.abort()
+            raise
+        return m, (folder.commit() if folder is not None else None)
+
+    def close(self):
+        for f in self._pending.values():
+            f.cancel()
+        self._pending.clear()
+        self._cache.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
