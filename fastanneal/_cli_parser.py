@@ -28,6 +28,17 @@ def _seed(text):
     return v
 
 
+def _size(text):
+    from ._cli_stream import parse_size
+    try:
+        v = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive; got {text!r}")
+    return v
+
+
 def _add_cluster_options(p, demo=False):
     req = p if demo else p.add_argument_group(
         "required (unless --demo)", "what to cluster, where to write it, how many clusters")
@@ -73,6 +84,10 @@ def _add_cluster_options(p, demo=False):
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     p.add_argument("--backend", choices=["cpu", "dask"], default="cpu",
                    help="where the fit runs (default: cpu)")
+    p.add_argument("--memory-limit", type=_size, metavar="SIZE",
+                   help="Parquet input with --embedding-column: when the embeddings need more "
+                        "than SIZE (e.g. 8G; default: half of this machine's memory), cluster "
+                        "out of core, row group by row group")
     p.add_argument("--workers", type=int, metavar="N",
                    help="dask: start a local cluster with N worker processes")
     p.add_argument("--scheduler", metavar="ADDRESS",

@@ -94,7 +94,8 @@ def _sample_mask(rows, n_total, cap):
 class ClusterSummary:
     """The labelled cluster table and the ambiguous rows, accumulated block by block in row
     order (:meth:`add`), so that a log larger than memory is labelled in one streaming
-    pass; the result is the same whatever the blocks.
+    pass; the result is the same whatever the blocks (sums of weights and cosines up to the
+    order of floating-point additions).
 
     Per cluster: size, weight, the sum of the rows' cosines to the center (cohesion), the
     most central row (highest cosine; ties: first row), the ``n_representatives`` most
@@ -150,8 +151,10 @@ class ClusterSummary:
                 self.central_text[k] = texts[i] if texts is not None else None
                 self.central_id[k] = ids[i] if ids is not None else None
             if texts is not None and self.n_rep > 0:
+                # the block's best n distinct texts (a text kept from an earlier block may
+                # come again with a higher cosine: its best occurrence ranks it)
                 cand = list(self.reps[k])
-                seen = {t for _, _, t in cand}
+                seen = set()
                 got = 0
                 for j in idx[s0:e0].tolist():
                     if got >= self.n_rep:

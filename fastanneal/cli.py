@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import (InputError, OutputSet, atomic_save_npy, atomic_write_bytes,
-                  check_ids, check_writable, embedding_matrix, output_format, read_table,
-                  sidecar, text_list, weight_vector, write_table)
+from ._io import (InputError, OutputSet, TableWriter, atomic_save_npy, atomic_write_bytes,
+                  check_ids, check_writable, embedding_matrix, input_format, output_format,
+                  read_table, sidecar, text_list, weight_vector, write_table)
 
 from ._cli_parser import build_parser  # noqa: E402
 from ._cli_results import (adjusted_rand_index, assignments,  # noqa: E402,F401
@@ -491,10 +491,38 @@ def run_cluster(args, console):
         # ------------------------------------------------------------- read + check
         t0 = time.perf_counter()
         src = args.input
-        with console.stage("reading") as st:
-            table = read_table(src, string_columns=[args.text_column, args.id_column])
-            st.update(table.num_rows)
-        n = table.num_rows
+        log, route = None, "memory"
+        if (demo or input_format(Path(src)) == "parquet") and args.embedding_column is not None:
+            from ._cli_stream import ParquetLog, default_memory_limit, fmt_bytes
+            log = ParquetLog(src, args)
+            limit = (args.memory_limit if args.memory_limit is not None
+                     else default_memory_limit())
+            route = log.route(limit)
+            if route == "stream":
+                if args.backend == "dask":
+                    raise CLIError(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
+                                   f"--memory-limit {fmt_bytes(limit)}; --backend dask reads "
+                                   "them in this process: raise --memory-limit, or run without "
+                                   "--backend dask (out of core in this process)")
+                if args.k == "auto":
+                    raise CLIError(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
+                                   f"--memory-limit {fmt_bytes(limit)}: out of core, give --k "
+                                   "(choosing K needs the rows in memory)")
+                console.note(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
+                             f"--memory-limit {fmt_bytes(limit)}: clustering out of core "
+                             "(mini-batch annealing over the row groups)")
+        X = None
+        with console.stage("reading", total=log.n_rows if log is not None else None) as st:
+            if log is None:
+                table = read_table(src, string_columns=[args.text_column, args.id_column])
+                st.update(table.num_rows)
+            else:
+                table = log.small_table(with_text=route == "memory")
+                if route == "memory":
+                    X = log.embeddings(st)
+                else:
+                    st.update(log.n_rows)
+        n = log.n_rows if log is not None else table.num_rows
         ids = None
         if args.id_column:
             check_ids(table, args.id_column, src)
@@ -503,7 +531,8 @@ def run_cluster(args, console):
              else np.ones(n))
         texts = None
         text_given = args.text_column != "query"
-        if args.embedding_column is None or args.text_column in table.column_names or text_given:
+        if route == "memory" and (args.embedding_column is None
+                                  or args.text_column in table.column_names or text_given):
             texts = text_list(table, args.text_column, src,
                               allow_null=args.embedding_column is not None)
         truth = None
@@ -525,34 +554,42 @@ def run_cluster(args, console):
         timings["read"] = time.perf_counter() - t0
         # ------------------------------------------------------------- vectors
         if args.embedding_column is not None:
-            X = embedding_matrix(table, args.embedding_column, src)
+            if X is None and route == "memory":
+                X = embedding_matrix(table, args.embedding_column, src)
             timings["embed"] = 0.0
         else:
             X, dt = embed_queries(texts, output, console, checkpoint=args.checkpoint)
             timings["embed"] = dt
-        if args.metric == "cosine":
-            zero = ~(np.abs(X).sum(axis=1) > 0)
-            if zero.any():
-                raise CLIError(f"{src}: row {int(np.argmax(zero)) + 1} has an all-zero embedding;"
-                               " the cosine metric needs non-zero vectors")
+        D = X.shape[1] if X is not None else log.dim
+        if args.metric == "cosine" and X is not None:
+            for b in range(0, n, 65536):            # in row blocks: no N x D temporary
+                zero = ~(np.abs(X[b:b + 65536]).sum(axis=1) > 0)
+                if zero.any():
+                    raise CLIError(f"{src}: row {b + int(np.argmax(zero)) + 1} has an all-zero "
+                                   "embedding; the cosine metric needs non-zero vectors")
         # K above the distinct embeddings (exact, on the rows as the fit sees them: unit
         # rows for cosine) and values out of range are the estimator's checks: its
         # ValueError becomes a one-line "cannot cluster: ..." (no second copy of X here)
         # ------------------------------------------------------------- fit
         t0 = time.perf_counter()
         if auto:
-            console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions); choosing K in "
+            console.note(f"clustering {n:,} rows ({D} dimensions); choosing K in "
                          f"2..{K} from the phase transitions")
         else:
-            console.note(f"clustering {n:,} rows ({X.shape[1]} dimensions) into {K} clusters")
+            console.note(f"clustering {n:,} rows ({D} dimensions) into {K} clusters")
         if args.backend != "dask":
             from .estimator import warm_up
             with console.stage("kernels", done=lambda dt: f"ready in {dt:.1f} s (compiled on "
                                 "the first run, cached after)"):
-                warm_up(X.dtype, args.metric, args.responsibilities)
+                warm_up(X.dtype if X is not None else log.dtype, args.metric,
+                        args.responsibilities)
         with console.stage("annealing", done=lambda dt: f"{fit.estimator.n_steps_} temperature "
                            f"steps, {fit.estimator.n_iter_} passes in {dt:.1f} s"):
-            fit = fit_model(X, w, args, console)
+            if route == "stream":
+                from ._cli_stream import fit_stream
+                fit = fit_stream(log, args, console)
+            else:
+                fit = fit_model(X, w, args, console)
         timings["fit"] = time.perf_counter() - t0
         est = fit.estimator
         if auto:
@@ -567,34 +604,48 @@ def run_cluster(args, console):
                              f"{K} is where the path stopped. Choose K for your use instead")
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
-        with console.stage("labelling") as st:
-            lab = label_clusters(est, X, w, texts, ids)
-            st.update(n)
-        ctab, order, new_labels = lab.clusters, lab.order, lab.labels
-        out = table
-        for name in args.drop_columns:
-            if name in out.column_names:
-                out = out.drop_columns([name])
-        import pyarrow as pa
-        for name, values in (("cluster", new_labels), ("probability", lab.probability),
-                             ("margin", lab.margin), ("runner_up", lab.runner_up)):
-            if name in out.column_names:
+        with console.stage("labelling", total=n) as st:
+            if route == "stream":
+                from ._cli_stream import label_stream
+                lab = label_stream(log, est, w, ids, args, st)
+                results = lab.columns()
+            else:
+                lab = label_clusters(est, X, w, texts, ids)
+                results = {"cluster": lab.labels, "probability": lab.probability,
+                           "margin": lab.margin, "runner_up": lab.runner_up}
+                st.update(n)
+        ctab, order, new_labels = lab.clusters, lab.order, results["cluster"]
+        in_cols = log.column_names if log is not None else table.column_names
+        for name in results:
+            if name in in_cols and name not in args.drop_columns:
                 console.note(f"replacing the input column {name!r}")
-                out = out.drop_columns([name])
-            out = out.append_column(name, pa.array(values))
+        if log is None:
+            out = table
+            for name in args.drop_columns:
+                if name in out.column_names:
+                    out = out.drop_columns([name])
+            import pyarrow as pa
+            for name, values in results.items():
+                if name in out.column_names:
+                    out = out.drop_columns([name])
+                out = out.append_column(name, pa.array(values))
         ari = adjusted_rand_index(truth, new_labels) if truth is not None else None
         timings["assign"] = time.perf_counter() - t0
         # ------------------------------------------------------------- write
         t0 = time.perf_counter()
         try:
-            with console.stage("writing") as st, OutputSet() as outs:
-                write_table(out, outs.temp_for(output), fmt)
+            with console.stage("writing", total=n) as st, OutputSet() as outs:
+                if log is None:
+                    write_table(out, outs.temp_for(output), fmt)
+                    st.update(n)
+                else:
+                    with TableWriter(outs.temp_for(output), fmt) as wr:
+                        log.write(wr, set(args.drop_columns), results, st)
                 write_table(ctab, outs.temp_for(clusters_path), "csv")
                 if report:
-                    from .report import ambiguous_rows, build_report
-                    summary = summary_items(args, n, X.shape[1], K, fit, timings, ari, est)
-                    amb = ambiguous_rows(lab.probability, new_labels, lab.runner_up,
-                                         lab.margin, texts)
+                    from .report import build_report
+                    summary = summary_items(args, n, D, K, fit, timings, ari, est)
+                    amb = lab.summary.ambiguous_rows(lab.rank)
                     html = build_report(title=f"fastanneal: {Path(src).name}", summary=summary,
                                         trace=fit.trace, clusters=ctab,
                                         centers=np.asarray(est.cluster_centers_)[order],
@@ -604,7 +655,6 @@ def run_cluster(args, console):
                     with open(outs.temp_for(report), "w", encoding="utf-8") as f:
                         f.write(html)
                 outs.commit()
-                st.update(n)
         except OSError as e:
             where = f" {e.filename}" if getattr(e, "filename", None) else ""
             raise CLIError(f"cannot write the outputs{where}: {e.strerror or e}") from None
@@ -679,6 +729,17 @@ def run_suggest(args, console):
     return 0
 
 
+def _system_allocator():
+    """Arrow buffers from the C library's allocator: the row groups a streaming pass has
+    decoded go back to the system at once (mimalloc / jemalloc keep them, and the command's
+    resident memory grew by a few row groups per pass)."""
+    try:
+        import pyarrow as pa
+        pa.set_memory_pool(pa.system_memory_pool())
+    except Exception:  # pragma: no cover - an old or unusual pyarrow
+        pass
+
+
 def main(argv=None):
     """Entry point of the ``fastanneal`` command; returns the exit code."""
     parser = build_parser()
@@ -693,6 +754,7 @@ def main(argv=None):
         args.no_report = False
     console = _Console(args.quiet, args.progress)
     args._created = []
+    _system_allocator()
     try:
         if args.command == "suggest-k":
             return run_suggest(args, console)
@@ -709,8 +771,9 @@ def main(argv=None):
         _remove_created(args._created)
         if getattr(args, "debug", False):
             raise
-        print("fastanneal: error: out of memory (try the Dask backend, a smaller --k, or a "
-              "machine with more memory; rerun with --debug for the traceback)", file=sys.stderr)
+        print("fastanneal: error: out of memory (for Parquet input with --embedding-column, "
+              "a lower --memory-limit clusters out of core; else a smaller --k or a machine "
+              "with more memory; rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
     except Exception as e:                  # noqa: BLE001 - the last-resort handler
         _remove_created(args._created)

@@ -1,0 +1,266 @@
+"""The ``fastanneal cluster`` route for Parquet logs with an embedding column: nothing of the
+log is held beyond what the chosen route needs.
+
+* **In memory** (the embeddings fit ``--memory-limit``): the embedding column is decoded row
+  group by row group straight into one float32/float64 matrix (no Arrow copy kept), the
+  small columns (weights, ids, texts, truth) are read alone, and the output is written row
+  group by row group from the input file (the input table is never held whole).
+* **Out of core** (they do not): mini-batch annealing over the row groups
+  (:class:`fastanneal._parquet.ParquetStream`), then one labelling pass (assignments and
+  :class:`fastanneal._cli_results.ClusterSummary`; only the per-row results are kept, 24
+  bytes a row) and one writing pass. Texts and ids are never Python lists of the whole log.
+"""
+import os
+import re
+import time
+
+import numpy as np
+
+from ._io import InputError, embedding_matrix
+
+__all__ = ["parse_size", "default_memory_limit", "ParquetLog"]
+
+#: The default ``--memory-limit``: this share of the machine's memory.
+MEMORY_FRACTION = 0.5
+#: Bytes the in-memory route needs per byte of embeddings (the matrix, the fit's working
+#: memory, the per-row results) -- measured by ``benchmarks/bench_scale.py``.
+IN_MEMORY_FACTOR = 1.5
+
+
+def parse_size(text):
+    """``"8G"``, ``"500M"``, ``"2.5GB"``, ``"1e9"`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.I)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 8G, 500M, 2.5GB)")
+    unit = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * unit)
+
+
+def total_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 8 * 2 ** 30
+
+
+def default_memory_limit():
+    return int(MEMORY_FRACTION * total_memory())
+
+
+def fmt_bytes(b):
+    for unit, f in (("GB", 2 ** 30), ("MB", 2 ** 20), ("kB", 2 ** 10)):
+        if b >= f:
+            return f"{b / f:.1f} {unit}"
+    return f"{b} B"
+
+
+class ParquetLog:
+    """A Parquet input of ``fastanneal cluster``: its row groups, the checked columns, the
+    embedding width and the route (``"memory"`` or ``"stream"``) under a memory limit."""
+
+    def __init__(self, path, args):
+        import pyarrow as pa
+
+        from ._parquet import ParquetDataset
+        self.path = str(path)
+        try:
+            self.data = ParquetDataset(path)
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such file or folder") from None
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"{path}: cannot read as PARQUET: {e}") from None
+        names = self.data.column_names
+        if not names:
+            raise InputError(f"{path}: no columns")
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise InputError(f"{path}: the column name {dup!r} appears more than once; column "
+                             "names must be unique")
+        if self.data.n_rows == 0:
+            raise InputError(f"{path}: no rows (only a header or an empty dataset)")
+        self.args = args
+        self.n_rows = self.data.n_rows
+        self.column_names = names
+        cols = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+        for what, c in (("embedding column", args.embedding_column),
+                        ("weight column", args.weight_column), ("id column", args.id_column)):
+            if c is not None and c not in names:
+                raise InputError(f"{path}: {what} {c!r} not found (columns: {cols})")
+        if args.truth_column and args.truth_column not in names:
+            raise InputError(f"{path}: truth column {args.truth_column!r} not found")
+        self.has_text = args.text_column in names
+        if args.text_column != "query" and not self.has_text:
+            raise InputError(f"{path}: text column {args.text_column!r} not found "
+                             f"(columns: {cols})")
+        # the width and value type of the embeddings, from the first row
+        first = next((i for i, r in enumerate(self.data.piece_rows) if r), 0)
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        piece = self.data.pieces[first]
+        try:            # one row (a dataset scan would read several row groups ahead)
+            with pq.ParquetFile(piece.path) as pf:
+                b = next(pf.iter_batches(batch_size=1, row_groups=[piece.row_groups[0].id],
+                                         columns=[args.embedding_column]))
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"{path}: cannot read as PARQUET: {e}") from None
+        t = pa.Table.from_batches([b]).slice(0, 1)
+        x0 = embedding_matrix(t, args.embedding_column, path, int(self.data.offsets[first]))
+        self.dim = int(x0.shape[1])
+        self.dtype = x0.dtype
+        self.embedding_bytes = self.n_rows * self.dim * self.dtype.itemsize
+
+    def route(self, limit):
+        """``"memory"`` when the embeddings (times ``IN_MEMORY_FACTOR``) fit ``limit`` bytes."""
+        need = IN_MEMORY_FACTOR * self.embedding_bytes + 48 * self.n_rows
+        return "memory" if need <= limit else "stream"
+
+    def small_table(self, with_text):
+        """The weight, id, truth (and text) columns of every row, as one Arrow table."""
+        a = self.args
+        cols = [c for c in (a.weight_column, a.id_column, a.truth_column) if c]
+        if with_text and self.has_text:
+            cols.append(a.text_column)
+        cols = list(dict.fromkeys(cols))
+        import pyarrow as pa
+        if not cols:
+            return pa.table({"_": pa.nulls(self.n_rows)}).drop_columns(["_"])
+        try:
+            return self.data.dataset.to_table(columns=cols)
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"{self.path}: cannot read as PARQUET: {e}") from None
+
+    def embeddings(self, st=None):
+        """The embedding column as one ``(n, D)`` matrix, decoded row group by row group
+        into it (checked: no missing rows, equal widths, finite values)."""
+        col = self.args.embedding_column
+        X = np.empty((self.n_rows, self.dim), dtype=self.dtype)
+        for i, t in self.data.tables([col]):
+            r0 = int(self.data.offsets[i])
+            x = self._block(t, r0)
+            X[r0:r0 + x.shape[0]] = x
+            if st is not None:
+                st.update(x.shape[0])
+        return X
+
+    def _block(self, table, row0):
+        x = embedding_matrix(table, self.args.embedding_column, self.path, row0)
+        if x.shape[1] != self.dim:
+            raise InputError(f"{self.path}: ragged embeddings in column "
+                             f"{self.args.embedding_column!r}: row {row0 + 1} has "
+                             f"{x.shape[1]} values, row 1 has {self.dim}")
+        if x.dtype != self.dtype:
+            x = x.astype(self.dtype)
+        return x
+
+    def blocks(self, columns):
+        """``(row0, embeddings, table)`` of every row group in order (read ahead)."""
+        col = self.args.embedding_column
+        cols = list(dict.fromkeys([col] + [c for c in columns if c]))
+        for i, t in self.data.tables(cols):
+            r0 = int(self.data.offsets[i])
+            yield r0, self._block(t, r0), t
+
+    def write(self, writer, drop, results, st=None):
+        """Copy every row group of the input (minus ``drop``) with the result columns
+        appended (``results``: name -> array of all rows) into ``writer``."""
+        import pyarrow as pa
+        keep = [c for c in self.column_names if c not in drop and c not in results]
+        for i, t in self.data.tables(keep):
+            r0 = int(self.data.offsets[i])
+            n = t.num_rows
+            for name, values in results.items():
+                t = t.append_column(name, pa.array(values[r0:r0 + n]))
+            writer.write(t)
+            if st is not None:
+                st.update(n)
+
+
+def fit_stream(log, args, console):
+    """Mini-batch annealing over the row groups of ``log`` (out of core)."""
+    import warnings
+
+    from ._parquet import ParquetStream
+    from .cli import CLIError, FitResult, _as_flags
+    from .estimator import MiniBatchAnnealedKMeans
+    from ._validation import metric_code
+    if args.schedule == "critical":
+        raise CLIError("--schedule critical needs the embeddings in memory; use the default "
+                       "schedule out of core, or raise --memory-limit")
+    stream = ParquetStream(log.data, args.embedding_column, args.weight_column, None,
+                           metric_code(args.metric), log.dtype)
+    kw = dict(n_clusters=int(args.k), metric=args.metric,
+              responsibilities=args.responsibilities, schedule=args.schedule,
+              n_steps=int(args.steps), random_state=int(args.seed))
+    if args.checkpoint:
+        kw["checkpoint"] = args.checkpoint
+    est = MiniBatchAnnealedKMeans(**kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            est.fit(stream)
+        except ValueError as e:
+            raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
+    for wm in caught:
+        if not issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
+            console.note(f"warning: {wm.message}")
+    info = getattr(est, "checkpoint_info_", None) or {}
+    meta = {k: getattr(est, k) for k in ("temperature_", "temperature_start_",
+                                         "critical_temperature_", "inertia_",
+                                         "hardening_gap_")}
+    meta["resumed_from"] = info.get("resumed_from")
+    return FitResult(est, est.trace_.as_dict(), meta)
+
+
+class StreamLabels:
+    """Per-row results of the labelling pass (original cluster numbers until
+    :meth:`renumber`) and the :class:`ClusterSummary`."""
+
+    def __init__(self, labels, probability, margin, runner_up, summary):
+        self.raw = labels
+        self.probability = probability
+        self.margin = margin
+        self.raw_runner_up = runner_up
+        self.summary = summary
+        self.order = summary.order()
+        from ._cli_results import ranks
+        self.rank = ranks(self.order)
+        self.clusters = summary.table(self.order)
+
+    def columns(self):
+        """The output columns (clusters renumbered largest first)."""
+        rank = self.rank
+        ru = self.raw_runner_up
+        return {"cluster": rank[self.raw],
+                "probability": self.probability, "margin": self.margin,
+                "runner_up": np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)}
+
+
+def label_stream(log, est, w, ids, args, st=None):
+    """One pass over the row groups: assignments of every row and the cluster summary
+    (texts read per row group, never held whole)."""
+    from ._cli_results import ClusterSummary, assignments
+    n = log.n_rows
+    K = int(np.asarray(est.cluster_centers_).shape[0])
+    summ = ClusterSummary(K, n, with_ids=ids is not None)
+    labels = np.empty(n, dtype=np.int32 if K < 2 ** 31 else np.int64)
+    prob = np.empty(n)
+    margin = np.empty(n)
+    ru = np.empty(n, dtype=labels.dtype)
+    text_col = args.text_column if log.has_text else None
+    for r0, x, t in log.blocks([text_col]):
+        m = x.shape[0]
+        lab, p, mar, cos, sec = assignments(est, x, runner_up=True)
+        labels[r0:r0 + m], prob[r0:r0 + m], margin[r0:r0 + m], ru[r0:r0 + m] = lab, p, mar, sec
+        texts = None
+        if text_col is not None:
+            from ._io import text_list
+            texts = text_list(t, text_col, log.path)
+        summ.add(r0, lab, p, mar, sec, cos, w[r0:r0 + m], texts,
+                 None if ids is None else ids[r0:r0 + m])
+        if st is not None:
+            st.update(m)
+    return StreamLabels(labels, prob, margin, ru, summ)
+
+
+def elapsed(t0):
+    return time.perf_counter() - t0

@@ -1,0 +1,307 @@
+"""Logs larger than memory: the in-process Parquet stream (``open_parquet``) that
+``MiniBatchAnnealedKMeans`` anneals over, the block-by-block cluster summary, and the
+``fastanneal cluster`` routes for Parquet input (in memory without holding the input table;
+out of core under ``--memory-limit``)."""
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import fastanneal
+from fastanneal import MiniBatchAnnealedKMeans
+from fastanneal._cli_results import ClusterSummary, adjusted_rand_index, label_clusters
+from fastanneal._io import TableWriter, write_table
+from fastanneal._parquet import ParquetDataset, open_parquet, prefetched
+from fastanneal.cli import main
+
+WORDS = [["pin", "change", "code"], ["flight", "book", "paris"], ["alarm", "wake", "set"],
+         ["weather", "rain", "sunny"], ["pizza", "order", "cheese"], ["song", "play", "loud"]]
+
+
+def make_log(path, n=3000, K=6, D=16, seed=0, row_group=500, dtype=np.float32, sep=6.0,
+             nan_row=None):
+    """Well-separated blobs with topic-worded (and repeated) queries, string ids, counts;
+    ``row_group`` rows per Parquet row group."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(K, D)) * sep
+    sizes = np.linspace(2, 1, K)
+    lab = rng.choice(K, size=n, p=sizes / sizes.sum())
+    X = (centers[lab] + rng.normal(size=(n, D))).astype(dtype)
+    if nan_row is not None:
+        X[nan_row, 3] = np.nan
+    q = [f"{WORDS[k][i % 3]} {WORDS[k][(i // 3) % 3]} {i % 7}" for i, k in enumerate(lab)]
+    t = pa.table({"id": [f"r{i:06d}" for i in range(n)], "query": q,
+                  "count": rng.integers(1, 9, n).astype(np.int64), "topic": lab,
+                  "emb": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), D)})
+    pq.write_table(t, path, row_group_size=row_group)
+    return X, lab, t
+
+
+# --------------------------------------------------------------------------- the stream
+def test_prefetched_order_errors_and_early_close():
+    assert [r for _, r in prefetched(lambda i: i * i, range(7), depth=2)] == \
+        [i * i for i in range(7)]
+
+    def boom(i):
+        if i == 3:
+            raise KeyError("row group 3")
+        return i
+    got = []
+    with pytest.raises(KeyError, match="row group 3"):
+        for i, r in prefetched(boom, range(6)):
+            got.append(r)
+    assert got == [0, 1, 2]
+    g = prefetched(lambda i: i, range(100), depth=1)
+    next(g)
+    g.close()                        # the reader thread stops; nothing hangs
+
+
+def test_stream_passes_equal_in_memory_moments(tmp_path):
+    """A full pass over the row groups gives the moments of the whole array (float64 data:
+    only the summation order differs)."""
+    p = tmp_path / "x.parquet"
+    X, _, t = make_log(p, n=2100, dtype=np.float64, row_group=300)
+    w = t.column("count").to_numpy().astype(np.float64)
+    s = open_parquet(p, column="emb", weight="count")
+    assert (s.n_rows, s.n_features, s.dtype) == (2100, 16, np.float64)
+    assert s.total_weight == pytest.approx(w.sum())
+    C = X[[0, 500, 1000, 1500, 2000]]
+    for T in (0.5, 50.0):
+        m = s.moments(C, T, hard_sums=True)
+        ref = fastanneal.moments(X, C, T, weights=w)
+        np.testing.assert_allclose(m.N, ref.N, rtol=1e-10)
+        np.testing.assert_allclose(m.S, ref.S, rtol=1e-10, atol=1e-9)
+        assert m.free_energy == pytest.approx(ref.free_energy, rel=1e-10)
+    np.testing.assert_allclose(s.mean(), w @ X / w.sum(), rtol=1e-10)
+
+
+def test_epoch_order_decodes_each_row_group_once(tmp_path):
+    p = tmp_path / "x.parquet"
+    make_log(p, n=2000, row_group=400)
+    s = open_parquet(p, column="emb", chunk_rows=100)
+    order = s.epoch_order(np.random.default_rng(1))
+    assert sorted(order.tolist()) == list(range(len(s.chunks)))
+    pieces = [s.chunks[j][0] for j in order]
+    runs = [pieces[0]] + [b for a, b in zip(pieces, pieces[1:]) if b != a]
+    assert sorted(runs) == list(range(5))         # each row group's chunks are contiguous
+    reads = []
+    orig = s.data.read
+    s.data.read = lambda i, cols: reads.append(i) or orig(i, cols)
+    C = np.zeros((3, 16), np.float32)
+    for j in order:
+        s.batch_moments([int(j)], C, 1.0, 0, None)
+    assert sorted(reads) == list(range(5))        # one decode per row group per epoch
+
+
+def test_minibatch_on_parquet_out_of_core(tmp_path):
+    """MiniBatchAnnealedKMeans over open_parquet: the clusters of the truth, labels and ids
+    written as Parquet; a path without a scheduler takes the same in-process route."""
+    p = tmp_path / "x.parquet"
+    X, lab, t = make_log(p, n=3000)
+    est = MiniBatchAnnealedKMeans(6, random_state=0).fit(
+        open_parquet(p, column="emb", id="id"), labels_path=tmp_path / "labels")
+    assert est.n_rows_ == 3000 and est.labels_ is None
+    out = pq.read_table(tmp_path / "labels").sort_by("row")
+    assert out.column("row").to_pylist() == list(range(3000))
+    assert out.column("id").to_pylist() == t.column("id").to_pylist()
+    got = out.column("label").to_numpy()
+    assert adjusted_rand_index(lab, got) == pytest.approx(1.0)
+    np.testing.assert_array_equal(got, est.predict(X))
+    # a plain path (column "embedding") without a scheduler: in process, no Dask
+    pq.write_table(t.rename_columns(["id", "query", "count", "topic", "embedding"]),
+                   tmp_path / "y.parquet", row_group_size=700)
+    est2 = MiniBatchAnnealedKMeans(6, random_state=0).fit(str(tmp_path / "y.parquet"))
+    assert adjusted_rand_index(lab, est2.predict(X)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="metric"):
+        MiniBatchAnnealedKMeans(6, metric="cosine").fit(open_parquet(p, column="emb"))
+    with pytest.raises(ValueError, match="not found"):
+        open_parquet(p, column="nope")
+
+
+def test_stream_names_the_bad_row(tmp_path):
+    p = tmp_path / "x.parquet"
+    make_log(p, n=1000, row_group=200, nan_row=777)
+    with pytest.raises(ValueError, match="NaN.*row 777"):
+        MiniBatchAnnealedKMeans(3, random_state=0).fit(open_parquet(p, column="emb"))
+
+
+# --------------------------------------------------------------------------- the summary
+def _reference_table(labels, cos, w, texts, K, n_rep):
+    """Brute force over all rows at once (the definition)."""
+    size = np.bincount(labels, minlength=K)
+    central, reps = [], []
+    for k in range(K):
+        rows = [i for i in np.lexsort((np.arange(len(labels)), -cos)) if labels[i] == k]
+        central.append(rows[0] if rows else -1)
+        r = []
+        for i in rows:
+            if texts[i] is not None and texts[i] not in r:
+                r.append(texts[i])
+            if len(r) == n_rep:
+                break
+        reps.append(r)
+    return size, central, reps
+
+
+def test_cluster_summary_is_the_same_whatever_the_blocks():
+    rng = np.random.default_rng(7)
+    n, K = 900, 5
+    labels = rng.integers(0, K, n)
+    cos = np.round(rng.uniform(0.2, 1.0, n), 2)           # many ties
+    prob = np.round(rng.uniform(0.3, 1.0, n), 2)
+    margin = rng.uniform(0, 1, n)
+    ru = (labels + 1) % K
+    w = rng.integers(1, 4, n).astype(float)
+    pool = [f"{a} {b}" for a in ("pin", "card", "rain", "song") for b in ("now", "help")]
+    texts = [None if i % 37 == 0 else pool[rng.integers(len(pool))] for i in range(n)]
+    ids = [f"id{i}" for i in range(n)]
+    tables, ambs = [], []
+    for cuts in ([0, n], [0, 1, 2, 450, 451, n], sorted({0, n, *rng.integers(1, n, 30)})):
+        s = ClusterSummary(K, n, n_representatives=3, with_ids=True, n_ambiguous=20)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            s.add(a, labels[a:b], prob[a:b], margin[a:b], ru[a:b], cos[a:b], w[a:b],
+                  texts[a:b], ids[a:b])
+        tables.append(s.table())
+        ambs.append(s.ambiguous_rows(np.arange(K)))
+    for t in tables[1:]:                # sums up to the order of float additions
+        for name in tables[0].column_names:
+            a, b = t.column(name).to_pylist(), tables[0].column(name).to_pylist()
+            if name in ("weight", "share", "cohesion"):
+                np.testing.assert_allclose(a, b, rtol=1e-12)
+            else:
+                assert a == b, name
+    assert ambs[1] == ambs[0] and ambs[2] == ambs[0]
+    # against the definition
+    order = np.lexsort((np.arange(K), -np.bincount(labels, weights=w, minlength=K)))
+    size, central, reps = _reference_table(labels, cos, w, texts, K, 3)
+    t = tables[0].to_pydict()
+    assert t["size"] == size[order].tolist()
+    assert t["central_row"] == [central[k] + 1 for k in order]
+    assert t["central_id"] == [ids[central[k]] for k in order]
+    assert t["representative_queries"] == [reps[k] for k in order]
+    low = np.lexsort((np.arange(n), prob))[:20]
+    assert [a["row"] for a in ambs[0]] == low.tolist()
+
+
+def test_summary_text_sample_is_bounded_and_block_independent():
+    rng = np.random.default_rng(3)
+    n, K = 5000, 3
+    labels = rng.integers(0, K, n)
+    texts = [f"w{labels[i]} x{i % 11}" for i in range(n)]
+    args = (np.ones(n), np.zeros(n), np.full(n, -1), np.ones(n), np.ones(n), texts)
+    full = ClusterSummary(K, n, text_sample=10 ** 9)
+    a = ClusterSummary(K, n, text_sample=800)
+    b = ClusterSummary(K, n, text_sample=800)
+    full.add(0, labels, *args)
+    a.add(0, labels, *args)
+    for s0 in range(0, n, 333):
+        b.add(s0, labels[s0:s0 + 333], *[x[s0:s0 + 333] for x in args])
+    counted = sum(sum(c.values()) for c in a.terms.per_class)
+    assert 0 < counted < 0.3 * sum(sum(c.values()) for c in full.terms.per_class)
+    assert a.terms.per_class == b.terms.per_class
+    assert [x.split()[0] for x in a.table().column("label").to_pylist()] == \
+        [x.split()[0] for x in full.table().column("label").to_pylist()] == ["w0", "w1", "w2"]
+
+
+def test_table_writer_appends_tables(tmp_path):
+    t = pa.table({"a": [1, 2, 3, 4], "s": ["x", "=1+1", None, "y"],
+                  "v": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(8.0)), 2)})
+    for ext in (".csv", ".parquet", ".jsonl"):
+        one, two = tmp_path / f"one{ext}", tmp_path / f"two{ext}"
+        write_table(t, one)
+        with TableWriter(two) as wr:
+            wr.write(t.slice(0, 1))
+            wr.write(t.slice(1, 3))
+        if ext == ".parquet":
+            assert pq.read_table(two).equals(pq.read_table(one))
+        else:
+            assert two.read_bytes() == one.read_bytes()
+
+
+# --------------------------------------------------------------------------- the command
+def _run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_cluster_out_of_core_matches_in_memory(tmp_path, capsys, monkeypatch):
+    """Same log, two routes: in memory (default limit) and out of core (--memory-limit
+    below the embeddings): the same rows in the same order with the same columns, the same
+    partition and (it follows) the same cluster labels and sizes. The out-of-core route
+    never reads the embeddings into one matrix."""
+    p = tmp_path / "log.parquet"
+    X, lab, t = make_log(p, n=3000)
+    common = ["cluster", p, "--embedding-column", "emb", "--id-column", "id", "--weight-column",
+              "count", "--k", 6, "--truth-column", "topic", "-q"]
+    rc, _, err = _run(capsys, *common, "-o", tmp_path / "mem.parquet", "--report",
+                      tmp_path / "mem.html")
+    assert rc == 0, err
+    from fastanneal import _cli_stream
+
+    def no_matrix(self, st=None):
+        raise AssertionError("the out-of-core route read the whole embedding matrix")
+    monkeypatch.setattr(_cli_stream.ParquetLog, "embeddings", no_matrix)
+    rc, _, err = _run(capsys, *common[:-1], "-o", tmp_path / "ooc.parquet", "--memory-limit",
+                      "64K", "--report", tmp_path / "ooc.html")
+    assert rc == 0, err
+    assert "out of core" in err
+    mem, ooc = pq.read_table(tmp_path / "mem.parquet"), pq.read_table(tmp_path / "ooc.parquet")
+    assert mem.column_names == ooc.column_names == t.column_names + [
+        "cluster", "probability", "margin", "runner_up"]
+    assert ooc.column("id").to_pylist() == t.column("id").to_pylist()
+    assert ooc.column("emb").equals(t.column("emb"))
+    assert adjusted_rand_index(lab, ooc.column("cluster").to_numpy()) == pytest.approx(1.0)
+    np.testing.assert_array_equal(ooc.column("cluster").to_numpy(),
+                                  mem.column("cluster").to_numpy())
+    p_ooc = ooc.column("probability").to_numpy()
+    assert np.all((p_ooc > 0) & (p_ooc <= 1))
+    cm = pa.csv.read_csv(tmp_path / "mem.clusters.csv")
+    co = pa.csv.read_csv(tmp_path / "ooc.clusters.csv")
+    for c in ("cluster", "size", "weight", "label", "terms"):
+        assert co.column(c).to_pylist() == cm.column(c).to_pylist(), c
+    assert "ambiguous" in (tmp_path / "ooc.html").read_text().lower()
+
+
+def test_in_memory_parquet_route_labels_like_the_library(tmp_path, capsys):
+    """The Parquet in-memory route (embeddings decoded row group by row group, output
+    written row group by row group) gives the library's labelled clusters."""
+    p = tmp_path / "log.parquet"
+    X, lab, t = make_log(p, n=1200, row_group=250)
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 6, "-q",
+                      "-o", tmp_path / "out.csv", "--metric", "euclidean", "--seed", 3)
+    assert rc == 0, err
+    est = fastanneal.AnnealedKMeans(6, metric="euclidean", random_state=3).fit(X)
+    ref = label_clusters(est, X, np.ones(len(X)), t.column("query").to_pylist())
+    out = pa.csv.read_csv(tmp_path / "out.csv")
+    np.testing.assert_array_equal(out.column("cluster").to_numpy(), ref.labels)
+    ct = pa.csv.read_csv(tmp_path / "out.clusters.csv")
+    assert ct.column("label").to_pylist() == ref.clusters.column("label").to_pylist()
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--k", "auto"], ["out of core", "--k"]),
+    (["--k", "3", "--schedule", "critical"], ["critical", "memory"]),
+    (["--k", "3", "--memory-limit", "lots"], ["memory-limit", "not a size"]),
+])
+def test_out_of_core_refuses_what_it_cannot_do(tmp_path, capsys, extra, words):
+    p = tmp_path / "log.parquet"
+    make_log(p, n=600)
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "-o",
+                      tmp_path / "o.csv", "--memory-limit", "1K", *extra)
+    assert rc == 2, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w.lower() in err.lower(), (w, err)
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_out_of_core_bad_row_is_named(tmp_path, capsys):
+    p = tmp_path / "log.parquet"
+    make_log(p, n=1000, row_group=200, nan_row=612)
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 3, "-o",
+                      tmp_path / "o.csv", "--memory-limit", "1K")
+    assert rc == 2 and "NaN" in err and "612" in err, err
+    assert not (tmp_path / "o.csv").exists()
