@@ -114,6 +114,19 @@ class ParquetLog:
         need = IN_MEMORY_FACTOR * self.embedding_bytes + 48 * self.n_rows
         return "memory" if need <= limit else "stream"
 
+    def _tables(self, cols):
+        """``data.tables`` with read errors as one-line input errors."""
+        from ._parquet import ParquetReadError
+        it = self.data.tables(cols)
+        while True:
+            try:
+                i, t = next(it)
+            except StopIteration:
+                return
+            except ParquetReadError as e:
+                raise InputError(f"cannot read {e}") from None
+            yield i, t
+
     def small_table(self, with_text):
         """The weight, id, truth (and text) columns of every row, as one Arrow table."""
         a = self.args
@@ -134,7 +147,7 @@ class ParquetLog:
         into it (checked: no missing rows, equal widths, finite values)."""
         col = self.args.embedding_column
         X = np.empty((self.n_rows, self.dim), dtype=self.dtype)
-        for i, t in self.data.tables([col]):
+        for i, t in self._tables([col]):
             r0 = int(self.data.offsets[i])
             x = self._block(t, r0)
             X[r0:r0 + x.shape[0]] = x
@@ -156,7 +169,7 @@ class ParquetLog:
         """``(row0, embeddings, table)`` of every row group in order (read ahead)."""
         col = self.args.embedding_column
         cols = list(dict.fromkeys([col] + [c for c in columns if c]))
-        for i, t in self.data.tables(cols):
+        for i, t in self._tables(cols):
             r0 = int(self.data.offsets[i])
             yield r0, self._block(t, r0), t
 
@@ -165,7 +178,7 @@ class ParquetLog:
         appended (``results``: name -> array of all rows) into ``writer``."""
         import pyarrow as pa
         keep = [c for c in self.column_names if c not in drop and c not in results]
-        for i, t in self.data.tables(keep):
+        for i, t in self._tables(keep):
             r0 = int(self.data.offsets[i])
             n = t.num_rows
             for name, values in results.items():
@@ -194,10 +207,13 @@ def fit_stream(log, args, console):
     if args.checkpoint:
         kw["checkpoint"] = args.checkpoint
     est = MiniBatchAnnealedKMeans(**kw)
+    from ._parquet import ParquetReadError
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             est.fit(stream)
+        except ParquetReadError as e:
+            raise CLIError(f"cannot read {e}") from None
         except ValueError as e:
             raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
     for wm in caught:

@@ -12,7 +12,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["ParquetDataset", "ParquetStream", "open_parquet", "prefetched"]
+__all__ = ["ParquetDataset", "ParquetStream", "ParquetReadError", "open_parquet",
+           "prefetched"]
 
 
 def _embedding_info(field, where):
@@ -110,6 +111,10 @@ def prefetched(fn, items, depth=1):
 
 
 # ------------------------------------------------------------------------- datasets
+class ParquetReadError(OSError):
+    """A row group could not be read (I/O error, failed page checksum, corrupt data)."""
+
+
 def _scan_format():
     import pyarrow.dataset as ds
     return ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
@@ -151,7 +156,7 @@ class ParquetDataset:
         try:
             t = self.pieces[i].to_table(schema=self.schema, columns=columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:   # a failed page checksum included
-            raise OSError(f"{self.path} ({self.where(i)}): {e}") from e
+            raise ParquetReadError(f"{self.path} ({self.where(i)}): {e}") from e
         if t.num_rows != self.piece_rows[i]:
             raise ValueError(f"{self.where(i)} of {self.path} has {t.num_rows} rows; its "
                              f"metadata says {int(self.piece_rows[i])}")

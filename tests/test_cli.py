@@ -423,10 +423,13 @@ def test_unwritable_outputs(capsys, dirs, tmp_path):
     assert sorted(os.listdir(o)) == ["dir.csv", "file"]
 
 
-def test_failure_while_writing_leaves_nothing(capsys, dirs, monkeypatch):
+@pytest.mark.parametrize("src,fail_at", [("q.csv", 2), ("q.parquet", 1)])
+def test_failure_while_writing_leaves_nothing(capsys, dirs, monkeypatch, src, fail_at):
+    """A full disk while writing the cluster table: the rows already written (CSV input:
+    one table; Parquet input: row group by row group) are removed with it."""
     i, o = dirs
     table, _, _ = make_table(n=60)
-    inp = write_any(table, i / "q.parquet")
+    inp = write_any(table, i / src)
 
     def broken(table, path, fmt=None):
         Path(path).write_text("half")
@@ -436,12 +439,12 @@ def test_failure_while_writing_leaves_nothing(capsys, dirs, monkeypatch):
 
     def second_fails(table, path, fmt=None):
         calls["n"] += 1
-        return real(table, path, fmt) if calls["n"] == 1 else broken(table, path, fmt)
+        return real(table, path, fmt) if calls["n"] < fail_at else broken(table, path, fmt)
     monkeypatch.setattr(cli, "write_table", second_fails)
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
                      "emb", "-q")
     assert_one_line_error(rc, err, "cannot write", "no space left")
-    assert calls["n"] == 2
+    assert calls["n"] == fail_at
     no_output(o)
 
 
