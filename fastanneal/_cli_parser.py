@@ -28,6 +28,13 @@ def _seed(text):
     return v
 
 
+def _columns(text):
+    cols = [c.strip() for c in str(text).split(",") if c.strip()]
+    if not cols:
+        raise argparse.ArgumentTypeError("give one or more column names, separated by commas")
+    return cols
+
+
 def _size(text):
     from ._cli_stream import parse_size
     try:
@@ -125,7 +132,9 @@ def build_parser():
     _add_cluster_options(pc)
     pc.add_argument("--demo", action="store_true",
                     help="run on the bundled CLINC150 sample instead of INPUT")
-    pc.set_defaults(drop_columns=[])
+    pc.add_argument("--drop-columns", metavar="COL[,COL...]", type=_columns, default=[],
+                    help="input columns left out of OUTPUT (e.g. the embedding column of a "
+                         "large log)")
     pd = sub.add_parser(
         "demo", help="cluster a bundled sample of 4,500 real queries (CLINC150)",
         description="Cluster the bundled sample of CLINC150 (30 intents x 150 real queries, "

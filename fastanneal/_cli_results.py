@@ -35,7 +35,7 @@ def _unit(M):
     return M / np.where(n > 0, n, 1.0)
 
 
-def assignments(est, X, block_entries=1 << 22, runner_up=False):
+def assignments(est, X, block_entries=1 << 21, runner_up=False):
     """``(labels, probability, margin, cosine_to_center)`` computed blockwise: the soft
     responsibility of the assigned cluster (``predict_proba`` at the final temperature) never
     needs the full N x K matrix. ``runner_up``: also the second-nearest center of every row
@@ -44,7 +44,7 @@ def assignments(est, X, block_entries=1 << 22, runner_up=False):
     C = np.asarray(est.cluster_centers_)
     K = C.shape[0]
     n = X.shape[0]
-    block = max(1, min(n, block_entries // max(K, 1)))
+    block = max(1, min(n, block_entries // max(K, X.shape[1], 1)))   # float64 temporaries
     labels = np.empty(n, dtype=np.int64)
     prob = np.empty(n, dtype=np.float64)
     margin = np.empty(n, dtype=np.float64)
@@ -254,8 +254,10 @@ def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5, block=6
         e = min(n, s + block)
         lab, p, mar, cos, sec = assignments(est, X[s:e], runner_up=True)
         labels[s:e], prob[s:e], margin[s:e], ru[s:e] = lab, p, mar, sec
-        summ.add(s, lab, p, mar, sec, cos, w[s:e], None if texts is None else texts[s:e],
-                 None if ids is None else ids[s:e])
+        tb = None if texts is None else texts[s:e]
+        if hasattr(tb, "to_pylist"):                # an Arrow column: one block at a time
+            tb = tb.to_pylist()
+        summ.add(s, lab, p, mar, sec, cos, w[s:e], tb, None if ids is None else ids[s:e])
     order = summ.order()
     rank = ranks(order)
     ru_new = np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)

@@ -145,14 +145,30 @@ class ParquetLog:
     def embeddings(self, st=None):
         """The embedding column as one ``(n, D)`` matrix, decoded row group by row group
         into it (checked: no missing rows, equal widths, finite values)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
         col = self.args.embedding_column
         X = np.empty((self.n_rows, self.dim), dtype=self.dtype)
-        for i, t in self._tables([col]):
-            r0 = int(self.data.offsets[i])
-            x = self._block(t, r0)
-            X[r0:r0 + x.shape[0]] = x
-            if st is not None:
-                st.update(x.shape[0])
+        r0 = 0
+        # small batches straight into X (no row group held whole); pages are checksummed
+        for piece in self.data.pieces:
+            try:
+                with pq.ParquetFile(piece.path, pre_buffer=False,
+                                    page_checksum_verification=True) as pf:
+                    for b in pf.iter_batches(batch_size=16384, columns=[col],
+                                             row_groups=[piece.row_groups[0].id],
+                                             use_threads=False):
+                        x = self._block(pa.Table.from_batches([b]), r0)
+                        X[r0:r0 + x.shape[0]] = x
+                        r0 += x.shape[0]
+                        if st is not None:
+                            st.update(x.shape[0])
+            except (OSError, pa.ArrowException) as e:
+                raise InputError(f"cannot read {self.path} ({os.path.basename(piece.path)} "
+                                 f"row group {piece.row_groups[0].id}): {e}") from None
+        if r0 != self.n_rows:
+            raise InputError(f"{self.path}: {r0} embeddings read; the metadata says "
+                             f"{self.n_rows} rows")
         return X
 
     def _block(self, table, row0):

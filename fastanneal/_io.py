@@ -180,10 +180,14 @@ def _first_null(col):
     return int(np.argmax(mask)) if mask.any() else None
 
 
-def text_list(table, name, path, allow_null=True):
-    """The text column as a list of ``str`` (None for nulls when ``allow_null``)."""
+def text_list(table, name, path, allow_null=True, keep_arrow=False):
+    """The text column as a list of ``str`` (None for nulls when ``allow_null``).
+    ``keep_arrow``: a string column is returned as the Arrow array itself (no Python string
+    per row; consumers convert slices with ``to_pylist``)."""
     col = require_column(table, name, path, "text column")
     t = col.type
+    if keep_arrow and allow_null and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        return col
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         vals = col.to_pylist()
         out = []

@@ -523,10 +523,17 @@ def run_cluster(args, console):
                 else:
                     st.update(log.n_rows)
         n = log.n_rows if log is not None else table.num_rows
+        in_cols = log.column_names if log is not None else table.column_names
+        missing = [c for c in args.drop_columns if c not in in_cols]
+        if missing and not demo:
+            raise CLIError(f"--drop-columns: {', '.join(map(repr, missing))} not in {src} "
+                           f"(columns: {', '.join(in_cols[:12])})")
         ids = None
         if args.id_column:
             check_ids(table, args.id_column, src)
-            ids = table.column(args.id_column).to_pylist()
+            ids = table.column(args.id_column)
+            # a NumPy array for Parquet logs (8 bytes a numeric id, not a Python int)
+            ids = ids.to_numpy() if log is not None else ids.to_pylist()
         w = (weight_vector(table, args.weight_column, src) if args.weight_column
              else np.ones(n))
         texts = None
@@ -534,7 +541,8 @@ def run_cluster(args, console):
         if route == "memory" and (args.embedding_column is None
                                   or args.text_column in table.column_names or text_given):
             texts = text_list(table, args.text_column, src,
-                              allow_null=args.embedding_column is not None)
+                              allow_null=args.embedding_column is not None,
+                              keep_arrow=log is not None)
         truth = None
         if args.truth_column:
             if args.truth_column not in table.column_names:
@@ -615,7 +623,6 @@ def run_cluster(args, console):
                            "margin": lab.margin, "runner_up": lab.runner_up}
                 st.update(n)
         ctab, order, new_labels = lab.clusters, lab.order, results["cluster"]
-        in_cols = log.column_names if log is not None else table.column_names
         for name in results:
             if name in in_cols and name not in args.drop_columns:
                 console.note(f"replacing the input column {name!r}")
@@ -631,6 +638,8 @@ def run_cluster(args, console):
                 out = out.append_column(name, pa.array(values))
         ari = adjusted_rand_index(truth, new_labels) if truth is not None else None
         timings["assign"] = time.perf_counter() - t0
+        if log is not None:
+            X = table = texts = None       # the writing pass reads the input again
         # ------------------------------------------------------------- write
         t0 = time.perf_counter()
         try:
