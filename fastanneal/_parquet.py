@@ -5,7 +5,6 @@ a background thread while the current one is reduced) and :class:`ParquetStream`
 source that :class:`fastanneal.MiniBatchAnnealedKMeans` anneals over out of core
 (:func:`fastanneal.open_parquet`). The per-chunk work (validation, moments, labels) is the
 same code as on the Dask workers (:mod:`fastanneal.dask._chunks`)."""
-import math
 import os
 import queue
 import threading
@@ -208,12 +207,18 @@ def open_parquet(path, column="embedding", weight=None, id=None, *, metric="eucl
                          dtype, chunk_rows, prefetch)
 
 
-class ParquetStream:
+def _passes_base():
+    from .dask._chunks import StreamedPasses
+    return StreamedPasses
+
+
+class ParquetStream(_passes_base()):
     """Chunks of ``chunk_rows`` rows within the row groups of a :class:`ParquetDataset`:
     the batches of a mini-batch fit, and full streaming passes (``moments``, the polish and
     the final pass) in row-group order. See :func:`open_parquet`."""
 
     n_threads_total = 1
+    nthreads = 0                              # the kernels use every Numba thread
 
     def __init__(self, data, column="embedding", weight=None, id=None, metric=0, dtype=None,
                  chunk_rows=4096, prefetch=1):
@@ -384,50 +389,6 @@ class ParquetStream:
         if m is None:
             return Moments.zeros(np.shape(centers)[0], self.n_features, T, hard_sums=hard_sums)
         return m
-
-    def mean(self):
-        from .dask import _chunks as ch
-        return self._reduce(ch.chunk_weighted_sum)[:-1] / self.total_weight
-
-    def covariance(self, mean):
-        from ._sources import COVARIANCE_MAX_D
-        from .dask import _chunks as ch
-        if self.n_features > COVARIANCE_MAX_D:
-            return None
-        return self._reduce(ch.chunk_scatter, mean=np.asarray(mean, np.float64)) \
-            / self.total_weight
-
-    def grad_moments(self, centers, T, resp, globals_):
-        from .dask import _chunks as ch
-        return self._reduce(ch.chunk_grad_moments, combine=lambda a, b: a.merge(b),
-                            C=np.asarray(centers, np.float64), T=float(T), gmetric=self.metric,
-                            resp=int(resp), g=globals_, nthreads=0)
-
-    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
-        """Lanczos with one streaming pass per matvec."""
-        from ._sources import power_iteration_eigs
-        from .dask import _chunks as ch
-        C = np.asarray(centers, dtype=np.float64)
-        wk = []
-
-        def matvec(mu, V):
-            mv, counts = self._reduce(
-                ch.chunk_cov_matvec_at, combine=lambda a, b: (a[0] + b[0], a[1] + b[1]),
-                C=C, label_metric=self.metric, mu=mu, V=np.ascontiguousarray(V), nthreads=0)
-            wk[:] = [counts]
-            return mv
-        matvec(C, np.zeros_like(C))
-        return power_iteration_eigs(matvec, C, wk[0], n_iter, rng, return_vectors)
-
-    def n_distinct_rows(self, rng, cap):
-        from .dask import _chunks as ch
-        v = rng.standard_normal(self.n_features)
-        h = self._reduce(ch.chunk_row_hashes, combine=lambda a, b: ch.union_capped(
-            a, b, cap=int(cap)), v=v, cap=int(cap))
-        return 0 if h is None else int(h.shape[0])
-
-    def labels(self, centers):
-        return None            # out of core: labels are streamed by final_pass
 
     def final_pass(self, C, T, resp, log_prior, labels_path=None, overwrite=False,
                    with_ids=False):

@@ -2,8 +2,6 @@
 ``MiniBatchAnnealedKMeans`` anneals over, the block-by-block cluster summary, and the
 ``fastanneal cluster`` routes for Parquet input (in memory without holding the input table;
 out of core under ``--memory-limit``)."""
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,7 +11,7 @@ import fastanneal
 from fastanneal import MiniBatchAnnealedKMeans
 from fastanneal._cli_results import ClusterSummary, adjusted_rand_index, label_clusters
 from fastanneal._io import TableWriter, write_table
-from fastanneal._parquet import ParquetDataset, open_parquet, prefetched
+from fastanneal._parquet import open_parquet, prefetched
 from fastanneal.cli import main
 
 WORDS = [["pin", "change", "code"], ["flight", "book", "paris"], ["alarm", "wake", "set"],
@@ -74,7 +72,16 @@ def test_stream_passes_equal_in_memory_moments(tmp_path):
         np.testing.assert_allclose(m.N, ref.N, rtol=1e-10)
         np.testing.assert_allclose(m.S, ref.S, rtol=1e-10, atol=1e-9)
         assert m.free_energy == pytest.approx(ref.free_energy, rel=1e-10)
-    np.testing.assert_allclose(s.mean(), w @ X / w.sum(), rtol=1e-10)
+    mu = w @ X / w.sum()
+    np.testing.assert_allclose(s.mean(), mu, rtol=1e-10)
+    Z = X - mu
+    np.testing.assert_allclose(s.covariance(mu), (Z * w[:, None]).T @ Z / w.sum(), rtol=1e-9,
+                               atol=1e-12)
+    assert s.n_distinct_rows(np.random.default_rng(0), 10 ** 6) == 2100
+    from fastanneal._sources import InMemorySource
+    ev = s.cluster_top_eigenvalues(C, 30, np.random.default_rng(0))
+    ref = InMemorySource(X, w, 0).cluster_top_eigenvalues(C, 30, np.random.default_rng(0))
+    np.testing.assert_allclose(ev, ref, rtol=1e-6)
 
 
 def test_epoch_order_decodes_each_row_group_once(tmp_path):

@@ -260,3 +260,53 @@ def write_label_part(out_dir, index, row0, labels, ids=None):
     pq.write_table(pa.table(cols), tmp)
     os.replace(tmp, path)
     return n
+
+
+# ------------------------------------------------------------------------- whole-data folds
+class StreamedPasses:
+    """The whole-data reductions of the moment-source protocol (mean, covariance, gradient
+    sums, cluster eigenvalues, distinct rows) as folds of the per-chunk functions above over
+    ``self._reduce(work, combine=None, **kwargs)``: one streaming pass each. Shared by the
+    Dask batch stream (chunks on the workers) and the in-process Parquet stream (row groups
+    read ahead); needs ``n_features``, ``metric``, ``total_weight`` and ``nthreads``."""
+
+    def mean(self):
+        return self._reduce(chunk_weighted_sum)[:-1] / self.total_weight
+
+    def covariance(self, mean):
+        from .._sources import COVARIANCE_MAX_D
+        if self.n_features > COVARIANCE_MAX_D:
+            return None
+        return self._reduce(chunk_scatter, mean=np.asarray(mean, np.float64)) \
+            / self.total_weight
+
+    def grad_moments(self, centers, T, resp, globals_):
+        return self._reduce(chunk_grad_moments, combine=lambda a, b: a.merge(b),
+                            C=np.asarray(centers, np.float64), T=float(T), gmetric=self.metric,
+                            resp=int(resp), g=globals_, nthreads=self.nthreads)
+
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+        """Lanczos with one streaming pass per matvec (out of core: each pass reads the
+        data; the mini-batch fit only needs it for ``schedule="critical"``)."""
+        from .._sources import power_iteration_eigs
+        C = np.asarray(centers, dtype=np.float64)
+        wk = []
+
+        def matvec(mu, V):
+            mv, counts = self._reduce(
+                chunk_cov_matvec_at, combine=lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                C=C, label_metric=self.metric, mu=mu, V=np.ascontiguousarray(V),
+                nthreads=self.nthreads)
+            wk[:] = [counts]
+            return mv
+        matvec(C, np.zeros_like(C))
+        return power_iteration_eigs(matvec, C, wk[0], n_iter, rng, return_vectors)
+
+    def n_distinct_rows(self, rng, cap):
+        v = rng.standard_normal(self.n_features)
+        h = self._reduce(chunk_row_hashes, combine=lambda a, b: union_capped(
+            a, b, cap=int(cap)), v=v, cap=int(cap))
+        return 0 if h is None else int(h.shape[0])
+
+    def labels(self, centers):
+        return None            # out of core: labels are streamed by final_pass

@@ -3,7 +3,6 @@
 chunks read on demand, a full streaming pass for the polish and the final labels), and the
 streaming label writer. The annealing itself (stochastic EM) is the engine's
 (:mod:`fastanneal._minibatch`); this module only produces moments and streams labels."""
-import math
 import os
 import shutil
 from collections import deque
@@ -13,7 +12,6 @@ import numpy as np
 from .._engine import _project
 from .._io import temp_folder
 from .._moments import Moments
-from .._sources import COVARIANCE_MAX_D, power_iteration_eigs
 from .._validation import as_float_matrix, check_range, metric_code, normalize_rows
 from . import _chunks as ch
 from ._cluster import resolve_client
@@ -109,7 +107,7 @@ class _ChunkPlan(_Submitter):
 
 
 
-class DaskBatchStream(_ChunkPlan):
+class DaskBatchStream(_ChunkPlan, ch.StreamedPasses):
     """The out-of-core data of a mini-batch fit: batches of chunks whose moments are
     computed on the workers (read ahead by ``prefetch`` batches), full streaming passes
     (``moments``: the polish), a sample from random chunks (seeding) and the final pass
@@ -188,45 +186,6 @@ class DaskBatchStream(_ChunkPlan):
     def _reduce(self, work, combine=None, **kwargs):
         return self.map_chunks(ch.on_prepared, range(self.n_chunks), self.window,
                                combine=combine or (lambda a, b: a + b), work=work, **kwargs)
-
-    def mean(self):
-        return self._reduce(ch.chunk_weighted_sum)[:-1] / self.total_weight
-
-    def covariance(self, mean):
-        if self.n_features > COVARIANCE_MAX_D:
-            return None
-        return self._reduce(ch.chunk_scatter, mean=np.asarray(mean, np.float64)) \
-            / self.total_weight
-
-    def grad_moments(self, centers, T, resp, globals_):
-        return self._reduce(ch.chunk_grad_moments, combine=lambda a, b: a.merge(b),
-                            C=np.asarray(centers, np.float64), T=float(T), gmetric=self.metric,
-                            resp=int(resp), g=globals_, nthreads=self.nthreads)
-
-    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
-        """Lanczos with one streaming pass per matvec (out of core: each pass reads the
-        data; the mini-batch fit only needs it for ``schedule="critical"``)."""
-        C = np.asarray(centers, dtype=np.float64)
-        wk = []
-
-        def matvec(mu, V):
-            mv, counts = self._reduce(
-                ch.chunk_cov_matvec_at, combine=lambda a, b: (a[0] + b[0], a[1] + b[1]),
-                C=C, label_metric=self.metric, mu=mu, V=np.ascontiguousarray(V),
-                nthreads=self.nthreads)
-            wk[:] = [counts]
-            return mv
-        matvec(C, np.zeros_like(C))
-        return power_iteration_eigs(matvec, C, wk[0], n_iter, rng, return_vectors)
-
-    def n_distinct_rows(self, rng, cap):
-        v = rng.standard_normal(self.n_features)
-        h = self._reduce(ch.chunk_row_hashes, combine=lambda a, b: ch.union_capped(
-            a, b, cap=int(cap)), v=v, cap=int(cap))
-        return 0 if h is None else int(h.shape[0])
-
-    def labels(self, centers):
-        return None            # out of core: labels are streamed by final_pass
 
     def final_pass(self, C, T, resp, log_prior, labels_path=None, overwrite=False,
                    with_ids=False):
