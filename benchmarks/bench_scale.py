@@ -170,6 +170,10 @@ def main():
             raise SystemExit(f"library run failed:\n{err[-3000:]}")
         info = json.loads(out.strip().splitlines()[-1])
         info.update(wall_s=wall, peak_rss=peak, ari=ari_from_labels(path, labels))
+        # rows read per second of fit over all its passes (the epochs' batches + the polish
+        # and final passes): the out-of-core throughput of issue 16
+        info["pass_rows_per_s"] = (info["rows_seen"] + info["n_passes"] * info["rows"]) \
+            / info["fit_s"]
         res["library"] = info
         rows.append(("library, out of core", wall, info["fit_s"], peak, info["ari"]))
     routes = []
@@ -205,6 +209,10 @@ def main():
         print(f"{name:24s} {wall:8.1f}s {'' if fit is None else f'{fit:8.1f}s':>9s} "
               f"{a.rows / wall:10,.0f} {peak / 2**30:8.2f}GiB "
               f"{peak / res['embedding_bytes']:6.2f} {ari:6.3f}")
+    if "library" in res:
+        print(f"library fit: {res['library']['pass_rows_per_s']:,.0f} rows/s over its passes "
+              f"({res['library']['n_passes']} full passes after "
+              f"{res['library']['n_batches']} mini-batches)")
     for key in ("command_out_of_core", "command_in_memory"):
         if key in res:
             print(f"\n{key}:")
