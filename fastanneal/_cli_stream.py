@@ -210,7 +210,7 @@ def fit_stream(log, args, console):
     import warnings
 
     from ._parquet import ParquetStream
-    from .cli import CLIError, FitResult, _as_flags
+    from .cli import CLIError, _as_flags, fit_result
     from .estimator import MiniBatchAnnealedKMeans
     from ._validation import metric_code
     if args.schedule == "critical":
@@ -233,15 +233,7 @@ def fit_stream(log, args, console):
             raise CLIError(f"cannot read {e}") from None
         except ValueError as e:
             raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
-    for wm in caught:
-        if not issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
-            console.note(f"warning: {wm.message}")
-    info = getattr(est, "checkpoint_info_", None) or {}
-    meta = {k: getattr(est, k) for k in ("temperature_", "temperature_start_",
-                                         "critical_temperature_", "inertia_",
-                                         "hardening_gap_")}
-    meta["resumed_from"] = info.get("resumed_from")
-    return FitResult(est, est.trace_.as_dict(), meta)
+    return fit_result(est, args, console, caught)
 
 
 class StreamLabels:

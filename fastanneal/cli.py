@@ -290,6 +290,11 @@ def fit_model(X, w, args, console):
             est.fit(X, sample_weight=w)
         except ValueError as e:
             raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
+    return fit_result(est, args, console, caught)
+
+
+def fit_result(est, args, console, caught):
+    """Say what the checkpoint and the warnings of a finished fit say; the FitResult."""
     info = getattr(est, "checkpoint_info_", None) or {}
     if info.get("finished"):
         console.note(f"using the finished fit in {args.checkpoint}")
@@ -512,7 +517,11 @@ def run_cluster(args, console):
                              f"--memory-limit {fmt_bytes(limit)}: clustering out of core "
                              "(mini-batch annealing over the row groups)")
         X = None
-        with console.stage("reading", total=log.n_rows if log is not None else None) as st:
+        stream_note = (lambda dt: f"ids and weights of {n_rows:,} rows in {dt:.1f} s (the "
+                       "embeddings are read row group by row group)")
+        n_rows = log.n_rows if log is not None else 0
+        with console.stage("reading", total=log.n_rows if log is not None else None,
+                           done=stream_note if route == "stream" else None) as st:
             if log is None:
                 table = read_table(src, string_columns=[args.text_column, args.id_column])
                 st.update(table.num_rows)

@@ -312,3 +312,18 @@ def test_out_of_core_bad_row_is_named(tmp_path, capsys):
                       tmp_path / "o.csv", "--memory-limit", "1K")
     assert rc == 2 and "NaN" in err and "612" in err, err
     assert not (tmp_path / "o.csv").exists()
+
+
+def test_out_of_core_checkpoint_reuses_the_finished_fit(tmp_path, capsys):
+    p = tmp_path / "log.parquet"
+    make_log(p, n=1500, row_group=300)
+    argv = ["cluster", p, "--embedding-column", "emb", "--k", 4, "--memory-limit", "1K",
+            "--checkpoint", tmp_path / "ck", "--seed", 5]
+    rc, _, err = _run(capsys, *argv, "-o", tmp_path / "a.csv")
+    assert rc == 0, err
+    assert "embeddings are read row group by row group" in err
+    rc, _, err = _run(capsys, *argv, "-o", tmp_path / "b.csv")
+    assert rc == 0, err
+    assert "using the finished fit" in err
+    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+
