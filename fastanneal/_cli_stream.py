@@ -220,7 +220,7 @@ def fit_stream(log, args, console):
                            metric_code(args.metric), log.dtype)
     kw = dict(n_clusters=int(args.k), metric=args.metric,
               responsibilities=args.responsibilities, schedule=args.schedule,
-              n_steps=int(args.steps), random_state=int(args.seed))
+              n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars)
     if args.checkpoint:
         kw["checkpoint"] = args.checkpoint
     est = MiniBatchAnnealedKMeans(**kw)

@@ -696,11 +696,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             ckpt.trace = trace
             ckpt.extra = {"T0": T0}
             hook = ckpt.save
-        bar = None
-        if self.progress:
-            bar = _progress_bar(schedule)
-            cfg.progress = lambda step, T, rec: (bar.update(1), bar.set_postfix(
-                T=f"{T:.3g}", J=f"{rec['hard_distortion']:.5g}"))
+        bar = _attach_progress(cfg, schedule, self.progress)
         try:
             result = E.run(source, st, schedule, cfg, rng, trace, t0, rule=rule,
                            critical=crit, hook=hook)
@@ -892,6 +888,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         stochastic EM (a full-data re-allocation would cost full passes out of core).
     scheduler : str, distributed.Client or None
         As ``AnnealedKMeans(scheduler=...)`` (Dask input only).
+    progress : bool, default=False
+        A tqdm progress bar over the temperature steps.
 
     Attributes
     ----------
@@ -922,7 +920,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                  mass_constrained=False, batch_size=None, batches_per_step=None, n_epochs=1.0,
                  learning_decay=0.6, learning_offset=1.0, polish_passes=1, prefetch=1,
                  scheduler=None, random_state=None, tol=1e-4, verbose=0, checkpoint=None,
-                 reallocate=True):
+                 reallocate=True, progress=False):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -947,6 +945,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         self.verbose = verbose
         self.checkpoint = checkpoint
         self.reallocate = reallocate
+        self.progress = progress
 
     def _check_params(self):
         rc = self._check_common()
@@ -1076,7 +1075,12 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         if ckpt is not None:
             ckpt.trace, ckpt.extra, hook = trace, extra, ckpt.save
         schedule = make_schedule(self.schedule, n_steps)
-        result = E.run(full, st, schedule, cfg, rng, trace, t_start, rule=rule, hook=hook)
+        bar = _attach_progress(cfg, schedule, self.progress)
+        try:
+            result = E.run(full, st, schedule, cfg, rng, trace, t_start, rule=rule, hook=hook)
+        finally:
+            if bar is not None:
+                bar.close()
         if ckpt is not None:
             ckpt.save(st)
         C = result.centers
@@ -1131,6 +1135,16 @@ def warm_up(dtype=np.float32, metric="euclidean", responsibilities="softmax"):
         AnnealedKMeans(4, metric=metric, responsibilities=responsibilities, n_steps=3,
                        random_state=0).fit(X)
     return time.perf_counter() - t0
+
+
+def _attach_progress(cfg, schedule, enabled):
+    """A tqdm bar over the temperature steps wired into ``cfg`` (None when not enabled)."""
+    if not enabled:
+        return None
+    bar = _progress_bar(schedule)
+    cfg.progress = lambda step, T, rec: (bar.update(1), bar.set_postfix(
+        T=f"{T:.3g}", J=f"{rec['hard_distortion']:.5g}"))
+    return bar
 
 
 def _progress_bar(schedule):

@@ -327,3 +327,17 @@ def test_out_of_core_checkpoint_reuses_the_finished_fit(tmp_path, capsys):
     assert "using the finished fit" in err
     assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
 
+
+
+def test_out_of_core_annealing_shows_progress(tmp_path, capsys):
+    """The out-of-core fit is the long phase of a large log: with --progress its temperature
+    steps are drawn (as the in-memory fit's are)."""
+    p = tmp_path / "log.parquet"
+    make_log(p, n=900, row_group=300)
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 3,
+                      "--memory-limit", "1K", "--progress", "--steps", 7, "-o", tmp_path / "o.csv")
+    assert rc == 0, err
+    assert "7/7" in err, err
+    MiniBatchAnnealedKMeans(3, n_steps=5, random_state=0, progress=True).fit(
+        open_parquet(p, column="emb"))
+    assert "5/5" in capsys.readouterr().err
