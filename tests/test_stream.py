@@ -2,6 +2,8 @@
 ``MiniBatchAnnealedKMeans`` anneals over, the block-by-block cluster summary, and the
 ``fastanneal cluster`` routes for Parquet input (in memory without holding the input table;
 out of core under ``--memory-limit``)."""
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -341,3 +343,94 @@ def test_out_of_core_annealing_shows_progress(tmp_path, capsys):
     MiniBatchAnnealedKMeans(3, n_steps=5, random_state=0, progress=True).fit(
         open_parquet(p, column="emb"))
     assert "5/5" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- switched off?
+def test_the_rule_reads_row_groups_whole_per_epoch(tmp_path):
+    """The mini-batch rule follows the stream's epoch order: the batches of one epoch visit
+    each row group's chunks together (a uniform permutation would decode every row group
+    again for almost every batch)."""
+    from fastanneal._minibatch import StochasticEMRule
+    p = tmp_path / "x.parquet"
+    make_log(p, n=2000, row_group=400)
+    s = open_parquet(p, column="emb", chunk_rows=50)
+    rule = StochasticEMRule(s, None, 1, 1, perm_seed=3, total_weight=2000.0)
+    n = len(s.chunks)
+    pieces = [s.chunks[rule.batch(b)[0]][0] for b in range(n)]
+    runs = [pieces[0]] + [b for a, b in zip(pieces, pieces[1:]) if b != a]
+    assert sorted(runs) == list(range(5))
+    assert sorted(rule.batch(b)[0] for b in range(n)) == list(range(n))
+
+
+def test_row_groups_are_read_ahead_in_a_thread(tmp_path):
+    import threading
+    seen = []
+
+    def work(i):
+        seen.append(threading.current_thread().name)
+        return i
+    assert [r for _, r in prefetched(work, range(4))] == [0, 1, 2, 3]
+    assert set(seen) == {"fastanneal-prefetch"}
+    p = tmp_path / "x.parquet"
+    make_log(p, n=1200, row_group=300)
+    s = open_parquet(p, column="emb", chunk_rows=100)
+    where = []
+    orig = s.data.read
+    s.data.read = lambda i, cols: where.append((i, threading.current_thread().name)) or \
+        orig(i, cols)
+    s.prefetch([[3]])                      # chunk 3 lies in row group 1
+    s.batch_moments([3], np.zeros((2, 16), np.float32), 1.0, 0, None)
+    assert where == [(1, "fastanneal-prefetch_0")]
+    s.close()
+
+
+def test_in_memory_helpers_make_no_copy_of_the_rows():
+    """The mean, the distinct-row count, unit rows for cosine and the finite check of the
+    embedding column work in row blocks: no temporary as large as X (tracemalloc)."""
+    import tracemalloc
+
+    from fastanneal._io import embedding_matrix
+    from fastanneal._sources import InMemorySource, row_hashes
+    from fastanneal._validation import normalize_rows
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((200_000, 32)).astype(np.float32)
+    w = np.ones(X.shape[0])
+    src = InMemorySource(X, w, 0)
+    v = rng.standard_normal(32)
+    np.testing.assert_array_equal(row_hashes(X, v, block=777), row_hashes(X, v, block=10 ** 7))
+    U = X / np.linalg.norm(X, axis=1, keepdims=True)
+    assert normalize_rows(U) is U                      # unit already: the same array
+    assert not np.shares_memory(normalize_rows(X), X)
+    t = pa.table({"e": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), 32)})
+    for f in (src.mean, lambda: src.n_distinct_rows(np.random.default_rng(0), 10),
+              lambda: normalize_rows(U), lambda: embedding_matrix(t, "e", "t.parquet")):
+        tracemalloc.start()
+        f()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 0.5 * X.nbytes, (f, peak / X.nbytes)
+
+
+def test_drop_columns(tmp_path, capsys):
+    p = tmp_path / "log.parquet"
+    make_log(p, n=600)
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 3, "-q",
+                      "--drop-columns", "emb,count", "-o", tmp_path / "o.parquet")
+    assert rc == 0, err
+    assert pq.read_table(tmp_path / "o.parquet").column_names == [
+        "id", "query", "topic", "cluster", "probability", "margin", "runner_up"]
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 3,
+                      "--drop-columns", "nope", "-o", tmp_path / "o2.parquet")
+    assert rc == 2 and "--drop-columns" in err and "nope" in err, err
+
+
+def test_out_of_core_read_error_is_one_line(tmp_path, capsys):
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_hostile_input import _corrupt_parquet
+    src = _corrupt_parquet(tmp_path / "bad.parquet")
+    rc, _, err = _run(capsys, "cluster", src, "--embedding-column", "emb", "--k", 2,
+                      "--memory-limit", "1K", "-o", tmp_path / "r.csv")
+    assert rc == 2 and "Traceback" not in err, err
+    assert "bad.parquet" in err and "checksum" in err.lower(), err
+    assert not (tmp_path / "r.csv").exists()
