@@ -12,7 +12,6 @@ log is held beyond what the chosen route needs.
 """
 import os
 import re
-import time
 
 import numpy as np
 
@@ -285,7 +284,3 @@ def label_stream(log, est, w, ids, args, st=None):
         if st is not None:
             st.update(m)
     return StreamLabels(labels, prob, margin, ru, summ)
-
-
-def elapsed(t0):
-    return time.perf_counter() - t0
