@@ -75,7 +75,7 @@ class EngineConfig:
     verbose: int = 0
     progress: Optional[object] = None  # callable(step, T, record) for progress bars
     reallocate: bool = False          # phase-transition re-allocation moves after the polish
-    max_failed_moves: Optional[int] = None   # default max(8, K // 4)
+    max_failed_moves: Optional[int] = None   # default 8 (rejected single moves)
 
 
 @dataclass
@@ -675,100 +675,161 @@ def polish_state(ctx, st, T_final, source=None):
     st.centers, st.converged = C, converged
 
 
+def cell_value(N, S, metric):
+    """``f`` of hard cells with weights ``N`` and weighted sums ``S`` (last axis D): the
+    cell's objective at its best center is ``Q - f`` (Euclidean: ``f = |S|^2 / N``, ``Q``
+    the weighted sum of ``|x|^2``; cosine: ``f = 2 |S|``, ``Q = 2 N``). Splitting a cell in
+    two lowers ``J`` by ``f(a) + f(b) - f(a + b)``; merging two cells raises it by the same
+    expression (Ward's cost, and its spherical analogue)."""
+    if metric == 1:
+        return 2.0 * np.sqrt(np.einsum("...j,...j->...", S, S))
+    return np.einsum("...j,...j->...", S, S) / np.maximum(N, 1e-300)
+
+
+def move_statistics(ctx, st, C, W, S):
+    """What each re-allocation move would gain or cost, from two passes.
+
+    * ``gain[k]``: how much ``J`` falls when cell ``k`` is cut in two by the hyperplane
+      through its mean normal to its top principal direction (Lanczos on the cell's
+      covariance about its mean), each half moved to its own mean (exact for that cut;
+      Lloyd lowers ``J`` further). The halves come from one hard pass with the ``2K``
+      centers ``c_k +- delta v_k``: a row of cell ``k`` is nearest to ``c_k + delta v_k``
+      exactly when ``(x - c_k).v_k > 0``.
+    * ``merge[k]``, ``partner[k]``: the least rise of ``J`` when cell ``k`` is merged into
+      another one, and that one (``cell_value``).
+
+    Returns ``(gain, halves, merge, partner)`` with ``halves = (N+, S+, N-, S-)``."""
+    K = C.shape[0]
+    metric = ctx.metric
+    live = W > 0
+    M = np.where(live[:, None], S / np.maximum(W, 1e-300)[:, None], C)
+    _, V = ctx.source.cluster_top_eigenvalues(C, 10, ctx.rng, return_vectors=True, means=M)
+    if metric == 1:             # on the sphere: the direction within the tangent plane
+        V = V - np.einsum("kd,kd->k", V, C)[:, None] * C
+        V /= np.maximum(np.linalg.norm(V, axis=1, keepdims=True), 1e-300)
+    d = 10.0 * ctx.delta
+    m2 = ctx.source.moments(_project(np.concatenate([C + d * V, C - d * V]), metric), 1.0,
+                            RESP_HARD, None, hard_sums=True)
+    st.n_iter += 1
+    Np, Nm = m2.hard_counts[:K], m2.hard_counts[K:]
+    Sp, Sm = m2.hard_sums[:K], m2.hard_sums[K:]
+    gain = (cell_value(Np, Sp, metric) + cell_value(Nm, Sm, metric)
+            - cell_value(Np + Nm, Sp + Sm, metric))
+    gain[~((Np > 0) & (Nm > 0))] = 0.0
+    # merge costs of all pairs from the Gram matrix of the cell sums
+    f = cell_value(W, S, metric)
+    G = S @ S.T
+    sq = np.diag(G).copy()
+    U = np.maximum(sq[:, None] + sq[None, :] + 2.0 * G, 0.0)
+    if metric == 1:
+        cost = f[:, None] + f[None, :] - 2.0 * np.sqrt(U)
+    else:
+        cost = f[:, None] + f[None, :] - U / np.maximum(W[:, None] + W[None, :], 1e-300)
+    np.fill_diagonal(cost, np.inf)
+    partner = np.argmin(cost, axis=1)
+    merge = np.maximum(cost[np.arange(K), partner], 0.0)
+    return gain, (Np, Sp, Nm, Sm), merge, partner
+
+
+def propose_moves(gain, merge, partner, width, tried):
+    """Disjoint moves ``(s, r, l)``, best split first: cell ``s`` is split, cell ``r``
+    merged into ``l``, when the split gains more than the merge costs. No cell takes part
+    in two moves; ``tried`` holds the ``(s, r)`` pairs rejected since the last kept move."""
+    order_r = np.argsort(merge, kind="stable")
+    used, batch = set(), []
+    for s in np.argsort(-gain, kind="stable"):
+        if len(batch) >= width:
+            break
+        s = int(s)
+        if s in used or not gain[s] > 0:
+            continue
+        for r in order_r:
+            r = int(r)
+            if not merge[r] < gain[s]:
+                break
+            l = int(partner[r])
+            if r == s or l == s or r in used or l in used or (s, r) in tried:
+                continue
+            batch.append((s, r, l))
+            used.update((s, r, l))
+            break
+    return batch
+
+
 def reallocate_state(ctx, st, hook=None):
     """Phase-transition re-allocation of codevectors (``docs/theory.md`` section 6.7).
 
-    After annealing, a codevector may sit where two true clusters merged (its cluster's
-    critical temperature ``2 lambda_max(C_k)`` is far above the others': the cluster would
-    still split if the annealing continued) while two codevectors share one true cluster
-    (merging them costs little). Splits made at a high temperature in the wrong place
-    cannot be undone by cooling alone, so this phase moves codevectors: it proposes
-    splitting the cluster with the largest ``W_k lambda_max(C_k)`` along its top
-    eigenvector (the unstable direction) with the codevector whose removal costs least
-    (Ward's merge cost ``W_r W_l / (W_r + W_l) ||c_r - c_l||^2`` to its nearest
-    neighbour), when the split's expected gain ``(2/pi) W_k lambda_k`` exceeds that cost;
-    runs Lloyd from the new centers (at most 8 passes to judge it) and keeps the move if
-    ``J`` decreased. Up to ``K // 16`` disjoint moves are proposed together (halving the
-    passes on data that needs many moves); after a batch that did not lower ``J``, single
-    moves are tried until one is kept, then the batch width doubles again. It stops after ``cfg.max_failed_moves`` (default ``max(8, K / 10)``)
-    rejected proposals in a row, and ends with Lloyd to convergence. Every quantity is a full pass of
-    the moment source (hard moments, Lanczos on covariance products), so it runs on every
-    backend. The state is saved after each accepted move (resume repeats the proposals
+    After annealing, a codevector may sit where two true clusters merged (its cell would
+    still split if the annealing went on: its top principal direction separates two
+    groups) while two codevectors share one true cluster (merging them costs little).
+    Splits made at a high temperature in the wrong place cannot be undone by cooling alone,
+    so this phase moves codevectors: from :func:`move_statistics` (the exact gain of cutting
+    each cell along its top principal direction, the exact cost of merging each cell into
+    its cheapest neighbour) it proposes disjoint moves "split ``s``, merge ``r`` into
+    ``l``" wherever the gain exceeds the cost, best first, up to ``K // 4`` at once; the
+    two halves' means and the merged mean are the new centers. Lloyd from them (at most 3
+    passes to judge) must lower ``J`` or the batch is halved; a single move that fails is
+    not proposed again until a move is kept. The phase ends when no move is worth
+    proposing or after ``cfg.max_failed_moves`` (default 8) rejected single moves in a
+    row, then runs Lloyd to convergence. Every quantity is a pass of the moment source
+    (hard moments with hard sums, Lanczos on covariance products), so it runs on every
+    backend. The state is saved after each kept batch (resume repeats the proposals
     rejected since then, deterministically).
     """
     cfg = ctx.cfg
+    metric = ctx.metric
     K = st.centers.shape[0]
     if K < 2:
         return
-    max_fail = cfg.max_failed_moves or max(8, K // 10)
-    trial_iter = min(cfg.max_polish_iter, 8)           # Lloyd passes to judge a move
+    max_fail = cfg.max_failed_moves or 8
+    trial_iter = min(cfg.max_polish_iter, 3)           # Lloyd passes to judge a move
     rs = st.rule_state
     if "W" in rs:           # resumed after a kept move: its state, not another Lloyd run
-        C, W, J = st.centers, np.asarray(rs["W"], np.float64), float(rs["J"])
+        C, J = st.centers, float(rs["J"])
+        W, S = np.asarray(rs["W"], np.float64), np.asarray(rs["S"], np.float64)
         conv = bool(rs["conv"])
-        shift, relocated = math.nan, 0
     else:
-        C, mh, shift, relocated, conv = _lloyd(ctx, st, st.centers, cfg.max_polish_iter)
-        W, J = mh.hard_counts, mh.hard_distortion
+        C, mh, _, _, conv = _lloyd(ctx, st, st.centers, cfg.max_polish_iter)
+        W, S, J = mh.hard_counts, mh.hard_sums, mh.hard_distortion
     moves = int(rs.get("moves", 0))
-    max_width = max(1, K // 16)                         # moves proposed together
+    max_width = max(1, K // 4)                          # moves proposed together
     width = int(rs.get("width", max_width))
     fails = 0
     tried = set()
-    lam = None
+    stats = None
     while fails < max_fail:
-        if lam is None:
-            lam, V = ctx.source.cluster_top_eigenvalues(C, 10, ctx.rng, return_vectors=True)
-            sq = np.einsum("ij,ij->i", C, C)
-            D2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (C @ C.T), 0.0)
-            np.fill_diagonal(D2, np.inf)
-            merge = (W[:, None] * W[None, :] / np.maximum(W[:, None] + W[None, :], 1e-300)
-                     * D2).min(axis=1)
-            gain = (2.0 / math.pi) * W * np.maximum(lam, 0.0)
-        pairs = []
-        for s in np.argsort(-gain)[:16]:
-            for r in np.argsort(merge)[:16]:
-                if r != s and (int(s), int(r)) not in tried and gain[s] > merge[r]:
-                    pairs.append((float(gain[s] - merge[r]), int(s), int(r)))
-        if not pairs:
+        if stats is None:
+            stats = move_statistics(ctx, st, C, W, S)
+        gain, (Np, Sp, Nm, Sm), merge, partner = stats
+        batch = propose_moves(gain, merge, partner, width, tried)
+        if not batch:
             break
-        pairs.sort(reverse=True)
-        # a batch of disjoint moves (no center in two of them), best first; after a batch
-        # that did not lower J, single moves until one is kept
-        batch, used = [], set()
-        for net, s, r in pairs:
-            if len(batch) >= width:
-                break
-            if s in used or r in used:
-                continue
-            batch.append((s, r))
-            used.update((s, r))
         Cn = C.copy()
-        for s, r in batch:
-            step = math.sqrt(max(float(lam[s]), 0.0)) * V[s]
-            Cn[r] = C[s] + step
-            Cn[s] = C[s] - step
-        Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, ctx.metric), trial_iter)
+        for s, r, l in batch:
+            Cn[s] = Sp[s] / Np[s]
+            Cn[r] = Sm[s] / Nm[s]
+            Cn[l] = (S[r] + S[l]) / max(W[r] + W[l], 1e-300)
+        Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, metric), trial_iter)
         if mhn.hard_distortion < J * (1.0 - 1e-9):
-            C, J, shift, relocated, conv = Cn, mhn.hard_distortion, shn, reln, convn
-            W = mhn.hard_counts
+            C, J, conv = Cn, mhn.hard_distortion, convn
+            W, S = mhn.hard_counts, mhn.hard_sums
             moves += len(batch)
             fails = 0
             width = min(2 * width, max_width)
             tried.clear()
-            lam = None
+            stats = None
             dmin, _ = min_center_distance(C)
-            ctx.record(-1, st.n_iter, 0.0, mhn, C, shift, relocated, 0, dmin)
+            ctx.record(-1, st.n_iter, 0.0, mhn, C, shn, reln, 0, dmin)
             st.centers, st.converged = C, conv
-            st.rule_state = {"moves": moves, "width": width, "W": W.copy(), "J": J,
-                             "conv": bool(conv)}
+            st.rule_state = {"moves": moves, "width": width, "W": W.copy(), "S": S.copy(),
+                             "J": J, "conv": bool(conv)}
             st.rng_state = ctx.rng.bit_generator.state
             if hook is not None:
                 hook(st)
         elif len(batch) > 1:
-            width = 1
+            width = max(1, len(batch) // 2)
         else:
-            tried.add(batch[0])
+            tried.add(batch[0][:2])
             fails += 1
     if not conv:                      # the last kept move was judged before convergence
         C, mh, shift, relocated, conv = _lloyd(ctx, st, C, cfg.max_polish_iter)

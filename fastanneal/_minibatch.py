@@ -119,6 +119,16 @@ class RunningMoments:
         self.weight_seen += float(W)
         return C, len(donors)
 
+    def initial_state(self, m, n_batches):
+        """The state that starts a fit from the moments ``m`` of the seeding sample (at the
+        seeds and ``T_start``), counted as ``n_batches`` batches (its rows over a batch's):
+        the first update then has the step size ``eta`` of update ``n_batches`` instead of
+        1, so that the sample's information is averaged in, not replaced by one batch."""
+        if not m.weight > 0:
+            return {}
+        return {"t": max(1, int(round(n_batches))), "rows_seen": 0, "weight_seen": 0.0,
+                "N": m.N / m.weight, "S": m.S / m.weight, "n_batches": 0}
+
     def state_dict(self):
         d = {"t": self.t, "rows_seen": self.rows_seen, "weight_seen": self.weight_seen}
         if self.N is not None:

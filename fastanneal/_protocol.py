@@ -44,10 +44,11 @@ class MomentSource(Protocol):
         """Weighted covariance ``sum w (x - mean)(x - mean)^T / W`` (D x D, float64), or None
         when D is too large to form it (the engine then uses Lanczos)."""
 
-    def cluster_top_eigenvalues(self, centers, n_iter, rng,
-                                return_vectors=False) -> Tuple[np.ndarray, np.ndarray]:
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
+                                means=None) -> Tuple[np.ndarray, np.ndarray]:
         """``lambda_max`` of the weighted covariance (1/W_k) of each cluster of the hard
-        partition induced by ``centers``; with ``return_vectors`` ``(lam, V)``."""
+        partition induced by ``centers``, about ``means`` (K, D) when given (else about
+        the centers); with ``return_vectors`` ``(lam, V)``."""
 
     def sample(self, n, rng) -> Tuple[np.ndarray, np.ndarray]:
         """``(rows, weights)``: ``n`` rows without replacement, in row order (seeding)."""

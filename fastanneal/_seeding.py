@@ -103,13 +103,15 @@ def critical_temperature(source, mean, rng, n_iter=100):
     return 2.0 * float(source.cluster_top_eigenvalues(mean[None, :], n_iter, rng)[0])
 
 
-def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000):
+def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000, kpp_rows=None):
     """Seeds: ``"k-means++"`` (on all rows up to ``sample_rows``, else on a sample of
-    ``max(100 K, 20000)`` rows), ``"random"`` rows, ``"mean"`` (K copies: the engine
-    separates coincident centers) or a (K, D) array."""
+    ``max(100 K, 20000)`` rows, or of ``kpp_rows`` rows when given), ``"random"`` rows,
+    ``"mean"`` (K copies: the engine separates coincident centers) or a (K, D) array."""
     if isinstance(init, str):
         if init == "k-means++":
             n = source.n_rows if source.n_rows <= sample_rows else max(100 * K, 20_000)
+            if kpp_rows is not None:
+                n = max(K, min(n, int(kpp_rows)))
             Xs, ws = source.sample(min(source.n_rows, n), rng)
             return kmeans_plusplus(Xs, ws, K, rng)
         if init == "random":

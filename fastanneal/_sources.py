@@ -227,7 +227,8 @@ class InMemorySource:
     def assign(self, centers):
         return assign(self.X, centers, self.metric, _prepared=True)
 
-    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
+                                means=None):
         centers = np.asarray(centers, dtype=np.float64)
         if centers.shape[0] == 1:
             labels = np.zeros(self.n_rows, dtype=np.int64)
@@ -238,7 +239,20 @@ class InMemorySource:
 
         def matvec(mu, V):
             return K_.cluster_cov_matvec_kernel(self.X, self.w, labels, mu, V, nth)
-        return power_iteration_eigs(matvec, centers, wk, n_iter, rng, return_vectors)
+        return power_iteration_eigs(matvec, _about(centers, means), wk, n_iter, rng,
+                                    return_vectors)
+
+
+def _about(centers, means):
+    """The points the cluster covariances are taken about: ``means`` (K, D) when given
+    (the cells are still those of ``centers``), else the centers."""
+    if means is None:
+        return centers
+    means = np.asarray(means, dtype=np.float64)
+    if means.shape != centers.shape:
+        raise ValueError(f"means must have the centers' shape {centers.shape}; got "
+                         f"{means.shape}")
+    return np.ascontiguousarray(means)
 
 
 #: Largest D for which sources form the exact D x D covariance (else Lanczos).

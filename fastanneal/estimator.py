@@ -754,6 +754,15 @@ def _check_distinct(full, Xs, ws, K, metric):
     check_n_clusters(full, K, hrng)
 
 
+#: With re-allocation, k-means++ seeds a mini-batch fit from this many rows per cluster
+#: of the seeding sample (k-means++ is one pass over its rows per center; the moves on the
+#: whole sample then repair what a smaller draw missed).
+KPP_ROWS_PER_CLUSTER = 20
+#: Lloyd passes (at most) of each Lloyd run that refines those seeds on the sample: the
+#: stochastic EM anneals from them, so they need not be converged.
+SEED_LLOYD_PASSES = 20
+
+
 def _seed_from_sample(est, Xs, ws, K, metric, rng):
     """Seeds, ``T_start``, ``T_end``, ``T_c`` and the scale of a mini-batch fit from an
     in-memory sample (validated rows; unit rows for cosine)."""
@@ -765,9 +774,11 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng):
         raise ValueError("all rows of the seeding sample are identical: more than one "
                          "cluster is undefined")
     T_c = critical_temperature(src, stats.mean, rng)
-    C = initial_centers(est.init, src, K, rng, stats.mean_c, sample_rows=Xs.shape[0])
+    realloc = getattr(est, "reallocate", False) and K > 1 and isinstance(est.init, str)
+    C = initial_centers(est.init, src, K, rng, stats.mean_c, sample_rows=Xs.shape[0],
+                        kpp_rows=KPP_ROWS_PER_CLUSTER * K if realloc else None)
     C = E._project(C, metric)
-    if getattr(est, "reallocate", False) and K > 1 and isinstance(est.init, str):
+    if realloc:
         C = _reallocated_seeds(src, C, rng, stats.scale)
     T0 = start_temperature(est.temperature_start, src, C, rng, K, T_c, stats.scale,
                            est.auto_start_fraction, stacklevel=5)
@@ -778,7 +789,8 @@ def _reallocated_seeds(src, C, rng, scale):
     """Seeds of a mini-batch fit refined on the in-memory seeding sample: Lloyd and the
     engine's phase-transition re-allocation moves (``docs/theory.md`` section 6.7), so
     that the stochastic EM starts with one codevector per cluster of the sample."""
-    cfg = EngineConfig(n_clusters=C.shape[0], mass_constrained=False, reallocate=True)
+    cfg = EngineConfig(n_clusters=C.shape[0], mass_constrained=False, reallocate=True,
+                       max_polish_iter=SEED_LLOYD_PASSES)
     st = E.AnnealState(centers=C, temperature=None, T_start=0.0, T_end=0.0, scale=scale,
                        phase="polish")
     with warnings.catch_warnings():
@@ -1039,6 +1051,12 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
             _check_distinct(full, Xs, ws, K, metric)
             C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng)
+            # the seeding sample is data too: its moments at the seeds and T_start start
+            # the running moments (they are not discarded by the first batch)
+            m0 = InMemorySource(Xs, ws, metric).moments(
+                C, T0, rc, np.full(K, -math.log(K)) if self.mass_constrained and rc == 0
+                else None, hard_sums=False)
+            sample_rows = Xs.shape[0]
             del Xs, ws
             perm_seed = int(rng.integers(2 ** 62))
             st = E.AnnealState(centers=C, temperature=T0, T_start=T0, T_end=T_end,
@@ -1067,6 +1085,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         running = RunningMoments(metric, bool(self.mass_constrained), rc, kd, lo, st.scale)
         rule = StochasticEMRule(stream, running, batch_chunks, bps, extra["perm_seed"],
                                 W_total)
+        if not resumed:
+            batch_rows = batch_chunks * float(np.mean(nonempty))
+            st.rule_state = running.initial_state(m0, sample_rows / batch_rows)
         cfg = EngineConfig(n_clusters=K, resp=rc, mass_constrained=False, max_iter=1,
                            tol=float(self.tol), polish=int(self.polish_passes) > 0,
                            max_polish_iter=max(1, int(self.polish_passes)),

@@ -18,7 +18,7 @@ from .. import _config
 from .._kernels import (N_SCALARS, RESP_HARD, S_ENTROPY, S_FREE, S_HARD, S_MARGIN, S_NNZ,
                         S_ROWS, S_SOFT_DIST, S_WEIGHT)
 from .._moments import _METRIC_NAMES, _RESP_NAMES, Moments, _prepare, log_eps_for
-from .._sources import power_iteration_eigs
+from .._sources import _about, power_iteration_eigs
 from .._validation import as_weights, check_temperature, resp_code
 
 DEFAULT_CHUNK_ROWS = 65536
@@ -305,7 +305,8 @@ class CudaSource:
                 self._X, self._cuda.to_device(idx.astype(np.int64)), out)
         return out.copy_to_host(), self._w_host[idx]
 
-    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
+                                means=None):
         """``lambda_max`` of each hard cluster's weighted covariance (1/W_k), by power
         iteration with a device matvec (:func:`~fastanneal._sources.power_iteration_eigs`)."""
         kern = self._k
@@ -334,7 +335,8 @@ class CudaSource:
             sx = self._weighted_row_sums(dlabels, use_labels, s, K)
             ssum = np.bincount(labels, weights=s.copy_to_host(), minlength=K)
             return sx - mu * ssum[:, None]
-        return power_iteration_eigs(matvec, centers, wk, n_iter, rng, return_vectors)
+        return power_iteration_eigs(matvec, _about(centers, means), wk, n_iter, rng,
+                                    return_vectors)
 
 
     # ------------------------------------------------------------------ host-side passes

@@ -285,10 +285,11 @@ class StreamedPasses:
                             C=np.asarray(centers, np.float64), T=float(T), gmetric=self.metric,
                             resp=int(resp), g=globals_, nthreads=self.nthreads)
 
-    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
+                                means=None):
         """Lanczos with one streaming pass per matvec (out of core: each pass reads the
         data; the mini-batch fit only needs it for ``schedule="critical"``)."""
-        from .._sources import power_iteration_eigs
+        from .._sources import _about, power_iteration_eigs
         C = np.asarray(centers, dtype=np.float64)
         wk = []
 
@@ -300,7 +301,8 @@ class StreamedPasses:
             wk[:] = [counts]
             return mv
         matvec(C, np.zeros_like(C))
-        return power_iteration_eigs(matvec, C, wk[0], n_iter, rng, return_vectors)
+        return power_iteration_eigs(matvec, _about(C, means), wk[0], n_iter, rng,
+                                    return_vectors)
 
     def n_distinct_rows(self, rng, cap):
         v = rng.standard_normal(self.n_features)

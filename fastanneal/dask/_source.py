@@ -5,7 +5,7 @@ import weakref
 
 import numpy as np
 
-from .._sources import COVARIANCE_MAX_D, power_iteration_eigs
+from .._sources import COVARIANCE_MAX_D, _about, power_iteration_eigs
 from .._validation import metric_code
 from . import _chunks as ch
 from ._cluster import resolve_client
@@ -211,7 +211,8 @@ class DaskSource(_Submitter):
         return self.client.map(ch.chunk_labels, self._chunks, C=cf, metric=self.metric,
                                nthreads=self._nthreads, pure=False)
 
-    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
+                                means=None):
         """``lambda_max`` of each hard cluster's weighted covariance (1/W_k) by power
         iteration, the matvec mapped over the chunks (``cluster_cov_matvec_kernel``); with
         ``return_vectors`` also the unit top eigenvectors ``(lam, V)``."""
@@ -224,7 +225,8 @@ class DaskSource(_Submitter):
         wk = self.tree(self.client.map(ch.chunk_bincount, self._chunks, labs, K=K, pure=False),
                        ch.add_arrays)
         wk = wk.result() if wk is not None else np.zeros(K)
-        mu_f = self.put(np.ascontiguousarray(centers))
+        mu = _about(centers, means)
+        mu_f = self.put(mu)
 
         def matvec(mu, V):
             vf = self.put(np.ascontiguousarray(V, dtype=np.float64))
@@ -232,9 +234,7 @@ class DaskSource(_Submitter):
                                     nthreads=self._nthreads, pure=False)
             out = self.tree(parts, ch.add_arrays)
             return out.result() if out is not None else np.zeros((K, self.n_features))
-        if return_vectors:
-            return power_iteration_eigs(matvec, centers, wk, n_iter, rng, True)
-        return power_iteration_eigs(matvec, centers, wk, n_iter, rng)
+        return power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors)
 
     def n_distinct_rows(self, rng, cap):
         """Distinct rows with non-zero weight, counted up to ``cap`` (random-projection hash,
