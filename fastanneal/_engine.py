@@ -14,13 +14,14 @@ centers, the trace record with its certificate, the checkpointable :class:`Annea
 and the Lloyd polish at ``T = 0``. The theory is in ``docs/theory.md``.
 """
 import contextlib
+import inspect
 import logging
 import sys
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -693,21 +694,29 @@ def move_statistics(ctx, st, C, W, S):
       through its mean normal to its top principal direction (Lanczos on the cell's
       covariance about its mean), each half moved to its own mean (exact for that cut;
       Lloyd lowers ``J`` further). The halves come from one hard pass with the ``2K``
-      centers ``c_k +- delta v_k``: a row of cell ``k`` is nearest to ``c_k + delta v_k``
-      exactly when ``(x - c_k).v_k > 0``.
+      centers ``c_k +- d v_k``: a row of cell ``k`` is nearest to ``c_k + d v_k`` exactly
+      when ``(x - c_k).v_k > 0`` (``d``: ``1e-3 sqrt(scale)`` for float32 rows, ``1e-6
+      sqrt(scale)`` for float64; rows within about ``d`` of a cell boundary may change
+      cells in that pass).
     * ``merge[k]``, ``partner[k]``: the least rise of ``J`` when cell ``k`` is merged into
       another one, and that one (``cell_value``).
 
-    Returns ``(gain, halves, merge, partner)`` with ``halves = (N+, S+, N-, S-)``."""
+    Returns :class:`MoveStats`."""
     K = C.shape[0]
     metric = ctx.metric
     live = W > 0
     M = np.where(live[:, None], S / np.maximum(W, 1e-300)[:, None], C)
-    _, V = ctx.source.cluster_top_eigenvalues(C, 10, ctx.rng, return_vectors=True, means=M)
+    top = ctx.source.cluster_top_eigenvalues
+    if _takes_means(top):
+        _, V = top(C, 10, ctx.rng, return_vectors=True, means=M)
+    else:                       # a user source without ``means=``: about the centers
+        _, V = top(C, 10, ctx.rng, return_vectors=True)
     if metric == 1:             # on the sphere: the direction within the tangent plane
         V = V - np.einsum("kd,kd->k", V, C)[:, None] * C
         V /= np.maximum(np.linalg.norm(V, axis=1, keepdims=True), 1e-300)
-    d = 10.0 * ctx.delta
+    # offset of the half-centers: as small as the rounding of the distances allows (rows
+    # within about d of a cell boundary may change cells in that pass)
+    d = ctx.delta * (1.0 if np.dtype(ctx.source.dtype) == np.float32 else 1e-3)
     m2 = ctx.source.moments(_project(np.concatenate([C + d * V, C - d * V]), metric), 1.0,
                             RESP_HARD, None, hard_sums=True)
     st.n_iter += 1
@@ -728,7 +737,28 @@ def move_statistics(ctx, st, C, W, S):
     np.fill_diagonal(cost, np.inf)
     partner = np.argmin(cost, axis=1)
     merge = np.maximum(cost[np.arange(K), partner], 0.0)
-    return gain, (Np, Sp, Nm, Sm), merge, partner
+    return MoveStats(gain, Np, Sp, Nm, Sm, merge, partner, V)
+
+
+class MoveStats(NamedTuple):
+    gain: np.ndarray        #: (K,) fall of J when the cell is cut in two (0: not cut)
+    Np: np.ndarray          #: (K,) weight of the half on the side of +v
+    Sp: np.ndarray          #: (K, D) its weighted sum
+    Nm: np.ndarray          #: (K,) the other half
+    Sm: np.ndarray          #: (K, D)
+    merge: np.ndarray       #: (K,) least rise of J when the cell is merged into another
+    partner: np.ndarray     #: (K,) that other cell
+    V: np.ndarray           #: (K, D) unit normals of the cuts
+
+
+def _takes_means(fn):
+    """Whether a source's ``cluster_top_eigenvalues`` accepts ``means=`` (user sources
+    written against the first protocol do not)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "means" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def propose_moves(gain, merge, partner, width, tried):
@@ -800,14 +830,13 @@ def reallocate_state(ctx, st, hook=None):
     while fails < max_fail:
         if stats is None:
             stats = move_statistics(ctx, st, C, W, S)
-        gain, (Np, Sp, Nm, Sm), merge, partner = stats
-        batch = propose_moves(gain, merge, partner, width, tried)
+        batch = propose_moves(stats.gain, stats.merge, stats.partner, width, tried)
         if not batch:
             break
         Cn = C.copy()
         for s, r, l in batch:
-            Cn[s] = Sp[s] / Np[s]
-            Cn[r] = Sm[s] / Nm[s]
+            Cn[s] = stats.Sp[s] / stats.Np[s]
+            Cn[r] = stats.Sm[s] / stats.Nm[s]
             Cn[l] = (S[r] + S[l]) / max(W[r] + W[l], 1e-300)
         Cn, mhn, shn, reln, convn = _lloyd(ctx, st, _project(Cn, metric), trial_iter)
         if mhn.hard_distortion < J * (1.0 - 1e-9):

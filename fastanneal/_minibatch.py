@@ -10,13 +10,15 @@ temperature ``T`` updates them as::
     N <- (1 - eta_t) N + eta_t N_b / W_b
     S <- (1 - eta_t) S + eta_t S_b / W_b          centers c_k = S_k / N_k
 
-with ``eta_0 = 1`` (the first batch initializes the running moments) and
-``eta_t = (t + learning_offset) ** -learning_decay`` for the t-th update (t = 1, 2, ...),
+with ``eta_t = (t + learning_offset) ** -learning_decay`` for the t-th update,
 ``learning_decay`` (kappa) in (0.5, 1] -- the Robbins-Monro conditions ``sum eta = inf``,
 ``sum eta^2 < inf`` -- and ``learning_offset >= 1`` (larger values forget early batches more
 slowly). At a fixed ``T`` this is a stochastic approximation of the soft-Lloyd (EM) fixed
-point of ``F_T``; the schedule lowers ``T`` meanwhile. Clusters whose running mass is zero
-are relocated by splitting the heaviest cluster (as the full-batch engine does).
+point of ``F_T``; the schedule lowers ``T`` meanwhile. A fit starts the running moments
+from its seeding sample's moments (at the seeds and ``T_start``), counted as ``t_0 =
+sample rows / batch rows`` updates (:meth:`RunningMoments.initial_state`); ``partial_fit``
+has no sample, and its first batch initializes them (``eta_0 = 1``). Clusters whose running
+mass is zero are relocated by splitting the heaviest cluster (as the full-batch engine does).
 
 Batches are whole chunks (row ranges of ``batch_size`` rows for NumPy input; Dask chunks or
 Parquet row groups otherwise) in a random order per epoch; the order of epoch ``e`` is the

@@ -376,10 +376,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         labels). With ``n_init > 1`` each run has its own file (``anneal.run0.npz``, ...).
     reallocate : bool, default=True
         After the polish, phase-transition re-allocation moves (``docs/theory.md``
-        section 6.7): split the cluster with the largest ``W_k lambda_max(C_k)`` (the one
-        whose critical temperature says it still holds more than one cluster) along its
-        unstable direction, with the codevector that is cheapest to remove; keep the move
-        when ``J`` decreases. Needs ``polish=True``. ``n_reallocations_`` counts the moves.
+        section 6.7): cut a cell that holds more than one cluster along its top principal
+        direction and merge a redundant codevector into its neighbour, wherever the exact
+        gain of the cut exceeds the exact cost of the merge (many disjoint moves at once);
+        keep the moves when ``J`` decreases. Needs ``polish=True``. ``n_reallocations_``
+        counts the moves.
     anchor_weight : float, default=0.0
         Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
         from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
@@ -895,9 +896,11 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     prefetch : int, default=1
         Dask input: batches read ahead while the current one is reduced (0: none).
     reallocate : bool, default=True
-        Refine the k-means++ seeds on the in-memory seeding sample with Lloyd and the
-        phase-transition re-allocation moves (``docs/theory.md`` section 6.7) before the
-        stochastic EM (a full-data re-allocation would cost full passes out of core).
+        Seed with k-means++ on 20 rows per cluster of the in-memory seeding sample, then
+        refine the seeds on the whole sample with Lloyd and the phase-transition
+        re-allocation moves (``docs/theory.md`` section 6.7) before the stochastic EM (a
+        full-data re-allocation would cost full passes out of core). The running moments
+        start from the sample's moments either way (section 6.3).
     scheduler : str, distributed.Client or None
         As ``AnnealedKMeans(scheduler=...)`` (Dask input only).
     progress : bool, default=False

@@ -229,6 +229,20 @@ def test_cluster_top_eigenvalues(src, data, kind):
     assert_allclose(np.linalg.norm(V, axis=1), 1.0, rtol=1e-9)
     for k in range(data.K):
         assert np.linalg.norm(M[k] @ V[k] - want[k] * V[k]) <= 1e-5 * want[k]
+    # the cells of C, the covariances about given points (the cells' means: re-allocation)
+    means = np.stack([np.average(X64[labels == k], axis=0, weights=data.w[labels == k])
+                      for k in range(data.K)]) + 0.01
+    Mm = [(X64[labels == k] - means[k]).T @ ((X64[labels == k] - means[k])
+                                             * data.w[labels == k, None])
+          / data.w[labels == k].sum() for k in range(data.K)]
+    want_m = np.array([np.linalg.eigvalsh(Mk)[-1] for Mk in Mm])
+    lam_m, Vm = src.cluster_top_eigenvalues(C, 30, np.random.default_rng(4),
+                                            return_vectors=True, means=means)
+    assert_allclose(lam_m, want_m, rtol=1e-6)
+    for k in range(data.K):
+        assert np.linalg.norm(Mm[k] @ Vm[k] - want_m[k] * Vm[k]) <= 1e-5 * want_m[k]
+    with pytest.raises(ValueError, match="means"):
+        src.cluster_top_eigenvalues(C, 30, np.random.default_rng(4), means=means[:-1])
     # one cluster (all rows) about the mean: the top eigenvalue of the covariance
     mean = np.average(X64, axis=0, weights=data.w)
     Z = X64 - mean
