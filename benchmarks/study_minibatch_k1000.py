@@ -1,4 +1,4 @@
-"""Mini-batch quality at K = 1,000: why the 10-million-row run of BENCHMARKS §16 reached ARI 0.61.
+"""Mini-batch quality at K = 1,000 on query-log-like data (the log of ``bench_scale.py``).
 
     python benchmarks/study_minibatch_k1000.py [--log PATH] [--skip-default]
 
@@ -6,7 +6,8 @@ Takes the first four row groups (262,144 rows) of the ``bench_scale.py`` log (1,
 topics, each at least 67 rows here) into memory and fits K = 1,000 with scikit-learn's
 ``MiniBatchKMeans(n_init=1, batch_size=4096)`` and ``MiniBatchAnnealedKMeans(metric="cosine")``
 -- default, ``reallocate=False``, ``reallocate=False`` with 3 epochs and with 16,384-row
-batches. Prints seconds and ARI against the topics; writes JSON.
+batches. Prints seconds and ARI against the topics; writes JSON. (It was written to find out
+why the 10-million-row run of BENCHMARKS section 16 first reached ARI 0.61; see there.)
 """
 import argparse
 import json

@@ -63,8 +63,11 @@ class RunningMoments:
     before the first update) and the update rule of this module's docstring."""
 
     def __init__(self, metric, mass_constrained, resp, learning_decay, learning_offset,
-                 scale):
+                 scale, row_weight=None):
         self.metric = metric
+        #: mean weight per row of the whole data when known (a fit): a batch's moments are
+        #: divided by ``rows x row_weight``, not by the batch's own weight (see update)
+        self.row_weight = None if row_weight is None else float(row_weight)
         self.mass_constrained = bool(mass_constrained)
         self.resp = resp
         self.kd = float(learning_decay)
@@ -96,7 +99,8 @@ class RunningMoments:
         if not W > 0:
             return C_old, 0
         eta = self.step_size()
-        Nb, Sb = m.N / W, m.S / W
+        den = self._denominator(m)
+        Nb, Sb = m.N / den, m.S / den
         if self.N is None or eta >= 1.0:
             N, S = Nb.copy(), Sb.copy()
         else:
@@ -120,6 +124,15 @@ class RunningMoments:
         self.rows_seen += int(m.rows)
         self.weight_seen += float(W)
         return C, len(donors)
+
+    def _denominator(self, m):
+        """Per unit weight: ``rows x row_weight`` when the data's mean row weight is known
+        (unbiased however heavy-tailed the weights: one row holding half of its batch's
+        weight counts for its share of the data, not for half of an update), else the
+        batch's weight (``partial_fit``)."""
+        if self.row_weight is not None and self.row_weight > 0 and m.rows > 0:
+            return m.rows * self.row_weight
+        return m.weight
 
     def initial_state(self, m, n_batches):
         """The state that starts a fit from the moments ``m`` of the seeding sample (at the

@@ -764,6 +764,16 @@ KPP_ROWS_PER_CLUSTER = 20
 SEED_LLOYD_PASSES = 20
 
 
+def _seeding_weights(ws):
+    """The weights a mini-batch fit seeds with: 1 for every row of the sample that carries
+    weight. The seeds come from where the rows are, not from their weights: a uniform
+    sample of heavy-tailed weights (query counts) is ruled by the few heavy rows it
+    happened to draw, and seeds fitted to it serve those rows instead of the clusters of
+    the data. The weighted objective is what the stochastic EM then anneals, over all
+    rows."""
+    return (np.asarray(ws) > 0).astype(np.float64)
+
+
 def _seed_from_sample(est, Xs, ws, K, metric, rng):
     """Seeds, ``T_start``, ``T_end``, ``T_c`` and the scale of a mini-batch fit from an
     in-memory sample (validated rows; unit rows for cosine)."""
@@ -1053,6 +1063,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             if Xs.shape[0] < K:
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
             _check_distinct(full, Xs, ws, K, metric)
+            ws = _seeding_weights(ws)
             C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng)
             # the seeding sample is data too: its moments at the seeds and T_start start
             # the running moments (they are not discarded by the first batch)
@@ -1085,7 +1096,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         per_epoch = math.ceil(len(nonempty) / batch_chunks)
         bps = int(self.batches_per_step) if self.batches_per_step else \
             max(1, math.ceil(float(self.n_epochs) * per_epoch / n_steps))
-        running = RunningMoments(metric, bool(self.mass_constrained), rc, kd, lo, st.scale)
+        running = RunningMoments(metric, bool(self.mass_constrained), rc, kd, lo, st.scale,
+                                 row_weight=W_total / full.n_rows)
         rule = StochasticEMRule(stream, running, batch_chunks, bps, extra["perm_seed"],
                                 W_total)
         if not resumed:

@@ -226,3 +226,52 @@ def test_minibatch_running_moments_start_from_the_seeding_sample(monkeypatch):
     monkeypatch.setattr(mbm.RunningMoments, "initial_state", lambda self, m, n: {})
     first_batch = fit()
     assert centroid_index(first_batch.cluster_centers_, M) >= 1
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_minibatch_seeds_ignore_heavy_tailed_weights(seed, monkeypatch):
+    """Query counts are heavy-tailed (here Pareto 1.2: the heaviest of 40,000 rows carries
+    up to 34,000). A mini-batch fit seeds from where the sample's rows are, unweighted, and
+    anneals the weighted objective over all rows: every topic is found (the weighted topic
+    centers). Seeded with the sample's weights, the few heavy rows it drew get the seeds and
+    7-10 topics are lost."""
+    from fastanneal import MiniBatchAnnealedKMeans
+    import fastanneal.estimator as em
+    X, y, _ = topics(40_000, 100, 64, seed)
+    w = np.floor(np.random.default_rng(seed + 100).pareto(1.2, size=len(X)) + 1)
+    M = np.stack([(w[y == k, None] * X[y == k]).sum(0) for k in range(100)])
+    M /= np.linalg.norm(M, axis=1, keepdims=True)
+
+    def fit():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return MiniBatchAnnealedKMeans(100, metric="cosine", random_state=seed,
+                                           batch_size=1024, init_size=5000).fit(
+                X, sample_weight=w)
+    km = fit()
+    assert centroid_index(km.cluster_centers_, M) == 0 and ari(y, km.labels_) > 0.99
+    monkeypatch.setattr(em, "_seeding_weights", lambda ws: np.asarray(ws, np.float64))
+    weighted = fit()
+    assert centroid_index(weighted.cluster_centers_, M) >= 5
+
+
+def test_minibatch_update_divides_by_the_data_mean_row_weight():
+    """With the data's mean row weight known, a batch's moments count per row of the data:
+    a batch whose one heavy row holds most of its weight moves the running mass of that
+    row's cluster by its share of the data, not by most of an update."""
+    from fastanneal._minibatch import RunningMoments
+    from fastanneal._moments import compute_moments
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((100, 3))
+    C = X[:4].copy()
+    w = np.ones(100)
+    w[7] = 900.0                                   # row 7: 90 % of the batch's weight
+    m = compute_moments(X, w, C, 1e-3, 0, 2, None)
+    known = RunningMoments(0, False, 2, 0.6, 1.0, 1.0, row_weight=2.0)  # data: mean 2
+    ratio = RunningMoments(0, False, 2, 0.6, 1.0, 1.0)
+    for r in (known, ratio):
+        r.N, r.S, r.t = np.full(4, 0.25), C * 0.25, 10
+        r.update(m, C, rng)
+    eta = (10 + 1.0) ** -0.6
+    np.testing.assert_allclose(known.N, (1 - eta) * 0.25 + eta * m.N / (100 * 2.0))
+    np.testing.assert_allclose(ratio.N, (1 - eta) * 0.25 + eta * m.N / m.weight)
