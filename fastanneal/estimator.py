@@ -889,7 +889,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     n_clusters, metric, responsibilities, n_steps, init, temperature_start, temperature_end_ratio, auto_start_fraction, random_state, tol, verbose, checkpoint
         As :class:`AnnealedKMeans` (``schedule`` one of "geometric", "linear", "constant",
         "adaptive"; ``mass_constrained`` a bool). Seeding (k-means++, ``T_start="auto"``,
-        ``T_c``) uses an in-memory sample of ``init_size`` rows (from random chunks).
+        ``T_c``) uses an in-memory sample of ``init_size`` rows (from random chunks), its
+        rows unweighted (heavy-tailed weights would let a few sampled rows take the seeds;
+        the weighted objective is annealed over all rows: ``docs/theory.md`` section 6.3).
     init_size : int or None
         Rows of the seeding sample; default ``max(100 * n_clusters, 20_000)``.
     batch_size : int or None
