@@ -676,15 +676,21 @@ def polish_state(ctx, st, T_final, source=None):
     st.centers, st.converged = C, converged
 
 
-def cell_value(N, S, metric):
-    """``f`` of hard cells with weights ``N`` and weighted sums ``S`` (last axis D): the
-    cell's objective at its best center is ``Q - f`` (Euclidean: ``f = |S|^2 / N``, ``Q``
-    the weighted sum of ``|x|^2``; cosine: ``f = 2 |S|``, ``Q = 2 N``). Splitting a cell in
-    two lowers ``J`` by ``f(a) + f(b) - f(a + b)``; merging two cells raises it by the same
-    expression (Ward's cost, and its spherical analogue)."""
+def cell_value(N, S2, metric):
+    """``f`` of hard cells with weights ``N`` and squared norms ``S2 = |S|^2`` of their
+    weighted sums: the cell's objective at its best center is ``Q - f`` (Euclidean:
+    ``f = |S|^2 / N``, ``Q`` the weighted sum of ``|x|^2``; cosine: ``f = 2 |S|``,
+    ``Q = 2 N``). Splitting a cell in two lowers ``J`` by ``f(a) + f(b) - f(a + b)``;
+    merging two cells raises it by the same expression (Ward's cost, and its spherical
+    analogue)."""
+    S2 = np.maximum(S2, 0.0)
     if metric == 1:
-        return 2.0 * np.sqrt(np.einsum("...j,...j->...", S, S))
-    return np.einsum("...j,...j->...", S, S) / np.maximum(N, 1e-300)
+        return 2.0 * np.sqrt(S2)
+    return S2 / np.maximum(N, 1e-300)
+
+
+def _sq(S):
+    return np.einsum("...j,...j->...", S, S)
 
 
 def move_statistics(ctx, st, C, W, S):
@@ -722,18 +728,15 @@ def move_statistics(ctx, st, C, W, S):
     st.n_iter += 1
     Np, Nm = m2.hard_counts[:K], m2.hard_counts[K:]
     Sp, Sm = m2.hard_sums[:K], m2.hard_sums[K:]
-    gain = (cell_value(Np, Sp, metric) + cell_value(Nm, Sm, metric)
-            - cell_value(Np + Nm, Sp + Sm, metric))
+    gain = (cell_value(Np, _sq(Sp), metric) + cell_value(Nm, _sq(Sm), metric)
+            - cell_value(Np + Nm, _sq(Sp + Sm), metric))
     gain[~((Np > 0) & (Nm > 0))] = 0.0
-    # merge costs of all pairs from the Gram matrix of the cell sums
-    f = cell_value(W, S, metric)
+    # merge costs of all pairs: |S_r + S_l|^2 from the Gram matrix of the cell sums
     G = S @ S.T
     sq = np.diag(G).copy()
-    U = np.maximum(sq[:, None] + sq[None, :] + 2.0 * G, 0.0)
-    if metric == 1:
-        cost = f[:, None] + f[None, :] - 2.0 * np.sqrt(U)
-    else:
-        cost = f[:, None] + f[None, :] - U / np.maximum(W[:, None] + W[None, :], 1e-300)
+    f = cell_value(W, sq, metric)
+    cost = f[:, None] + f[None, :] - cell_value(W[:, None] + W[None, :],
+                                                sq[:, None] + sq[None, :] + 2.0 * G, metric)
     np.fill_diagonal(cost, np.inf)
     partner = np.argmin(cost, axis=1)
     merge = np.maximum(cost[np.arange(K), partner], 0.0)

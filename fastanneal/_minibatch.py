@@ -10,7 +10,10 @@ temperature ``T`` updates them as::
     N <- (1 - eta_t) N + eta_t N_b / W_b
     S <- (1 - eta_t) S + eta_t S_b / W_b          centers c_k = S_k / N_k
 
-with ``eta_t = (t + learning_offset) ** -learning_decay`` for the t-th update,
+where a fit, which knows the data's mean row weight ``w_bar = W / n``, uses ``n_b w_bar``
+(the batch's rows times ``w_bar``) for ``W_b``: unbiased however heavy-tailed the weights
+(``partial_fit`` does not know ``W`` and uses the batch's own weight); and
+``eta_t = (t + learning_offset) ** -learning_decay`` for the t-th update,
 ``learning_decay`` (kappa) in (0.5, 1] -- the Robbins-Monro conditions ``sum eta = inf``,
 ``sum eta^2 < inf`` -- and ``learning_offset >= 1`` (larger values forget early batches more
 slowly). At a fixed ``T`` this is a stochastic approximation of the soft-Lloyd (EM) fixed
