@@ -275,3 +275,39 @@ def test_minibatch_update_divides_by_the_data_mean_row_weight():
     eta = (10 + 1.0) ** -0.6
     np.testing.assert_allclose(known.N, (1 - eta) * 0.25 + eta * m.N / (100 * 2.0))
     np.testing.assert_allclose(ratio.N, (1 - eta) * 0.25 + eta * m.N / m.weight)
+
+
+def test_minibatch_seeding_budget_and_row_weight(monkeypatch):
+    """What a mini-batch fit hands its parts: k-means++ sees 20 rows per cluster of the
+    seeding sample when the re-allocation follows (the whole sample without it), the Lloyd
+    runs that refine the seeds stop after 20 passes, and the stochastic EM divides batches
+    by the data's mean row weight ``W / n``."""
+    from fastanneal import MiniBatchAnnealedKMeans
+    import fastanneal._engine as E
+    import fastanneal._minibatch as mbm
+    import fastanneal.estimator as em
+    X, y, _ = topics(12_000, 40, 32, 0)
+    w = np.random.default_rng(1).uniform(0.5, 3.5, len(X))
+    rows, caps, row_weights = [], [], []
+    kpp = seeding.kmeans_plusplus
+    monkeypatch.setattr(seeding, "kmeans_plusplus",
+                        lambda Xs, ws, K, rng, **k: rows.append(len(Xs)) or kpp(Xs, ws, K, rng,
+                                                                                **k))
+    run = E.run
+    monkeypatch.setattr(E, "run", lambda src, st, sched, cfg, *a, **k: caps.append(
+        (st.phase, cfg.max_polish_iter)) or run(src, st, sched, cfg, *a, **k))
+    init = mbm.RunningMoments.__init__
+
+    def rm_init(self, *a, **k):
+        init(self, *a, **k)
+        row_weights.append(self.row_weight)
+    monkeypatch.setattr(mbm.RunningMoments, "__init__", rm_init)
+    for flag in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            MiniBatchAnnealedKMeans(40, metric="cosine", random_state=0, batch_size=1024,
+                                    init_size=6000, reallocate=flag).fit(X, sample_weight=w)
+    assert rows == [20 * 40, 6000]
+    seed_runs = [c for ph, c in caps if ph == "polish"]
+    assert seed_runs == [em.SEED_LLOYD_PASSES]          # only with reallocate=True
+    np.testing.assert_allclose(row_weights, [w.sum() / len(w)] * 2, rtol=1e-12)

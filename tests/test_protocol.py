@@ -471,3 +471,22 @@ def test_complete_user_source_fits_like_an_array():
                           gradient_steps=3).fit(X)
     assert "grad_moments" in g.calls
     assert_array_equal(c.cluster_centers_, d.cluster_centers_)
+
+
+class FirstProtocolSource(DelegatingSource):
+    """A user source written against the first protocol: ``cluster_top_eigenvalues``
+    without the ``means`` keyword."""
+
+    def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False):
+        return self._call("cluster_top_eigenvalues", centers, n_iter, rng, return_vectors)
+
+
+def test_reallocation_runs_on_a_source_without_means():
+    """The re-allocation asks for covariances about the cells' means; a source that does
+    not take ``means=`` gets the first protocol's call (about the centers) instead of a
+    TypeError, and the fit still moves codevectors."""
+    X, _ = blobs(1500, 5, 6, seed=1)
+    user = FirstProtocolSource(X, np.ones(X.shape[0]))
+    km = fa.AnnealedKMeans(8, random_state=0, n_steps=8).fit_source(user, in_memory=True)
+    assert "cluster_top_eigenvalues" in user.calls
+    assert km.cluster_centers_.shape == (8, X.shape[1]) and np.isfinite(km.inertia_)
