@@ -368,6 +368,11 @@ class _CriticalPhase:
     codevectors exist and ``T <= T_end`` (or after ``max_steps``).
     """
 
+    #: Lanczos iterations (matvec passes) of the split test, at most
+    lanczos_steps = 30
+    #: their tolerance (None: the default of :func:`~fastanneal._sources.power_iteration_eigs`)
+    lanczos_tol = None
+
     def __init__(self, cooling=0.85, max_steps=200):
         self.cooling = float(cooling)
         self.max_steps = int(max_steps)
@@ -385,11 +390,13 @@ class _CriticalPhase:
         C = st.centers
         p = np.asarray(st.rule_state["p"], dtype=np.float64)
         lab = effective_groups(C, MERGE * T)
+        self.last_lam = None
         if budget <= 0:
             return 0, lab
         Ce, _ = merge_groups(C, p, lab, ctx.metric)
-        lam, V = ctx.source.cluster_top_eigenvalues(Ce, 30, ctx.rng, return_vectors=True)
+        lam, V = self._top(ctx, Ce)
         single = np.bincount(lab, minlength=Ce.shape[0]) == 1
+        self.last_lam = lam              # the cells' lambda_max (the path's jumps read it)
         unstable = np.nonzero((2.0 * lam > T) & single)[0]
         if unstable.size == 0 and force and single.any():
             unstable = np.nonzero(single)[0][np.argsort(-lam[single])][:1]
@@ -408,6 +415,23 @@ class _CriticalPhase:
         p[idx] /= 2.0
         st.rule_state["p"] = np.concatenate([p, p[idx]])
         return int(order.size), lab
+
+    def _top(self, ctx, Ce):
+        """``(lam, V)`` of the effective clusters' cells; with ``lanczos_tol`` set, to that
+        tolerance and warm-started from the Ritz vectors of the nearest effective clusters
+        of the previous call (the cells change little from one temperature to the next)."""
+        top = ctx.source.cluster_top_eigenvalues
+        kw = {}
+        if self.lanczos_tol is not None and _takes(top, "start"):
+            kw["tol"] = self.lanczos_tol
+            prev = getattr(self, "_prev_top", None)
+            if prev is not None:
+                C0, V0 = prev
+                d2 = (C0 * C0).sum(1)[None, :] - 2.0 * (Ce @ C0.T)
+                kw["start"] = V0[np.argmin(d2, axis=1)]
+        lam, V = top(Ce, self.lanczos_steps, ctx.rng, return_vectors=True, **kw)
+        self._prev_top = (np.array(Ce, copy=True), V)
+        return lam, V
 
     def next_temperature(self, st, T, n_split):
         K_now = st.centers.shape[0]
@@ -754,14 +778,19 @@ class MoveStats(NamedTuple):
     V: np.ndarray           #: (K, D) unit normals of the cuts
 
 
-def _takes_means(fn):
-    """Whether a source's ``cluster_top_eigenvalues`` accepts ``means=`` (user sources
-    written against the first protocol do not)."""
+def _takes(fn, name):
+    """Whether a source's ``cluster_top_eigenvalues`` accepts the keyword ``name`` (user
+    sources written against an earlier protocol may not)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "means" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def _takes_means(fn):
+    """Whether ``cluster_top_eigenvalues`` accepts ``means=`` (the first protocol did not)."""
+    return _takes(fn, "means")
 
 
 def propose_moves(gain, merge, partner, width, tried):

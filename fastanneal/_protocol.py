@@ -45,10 +45,15 @@ class MomentSource(Protocol):
         when D is too large to form it (the engine then uses Lanczos)."""
 
     def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
-                                means=None) -> Tuple[np.ndarray, np.ndarray]:
+                                means=None, tol=None,
+                                start=None) -> Tuple[np.ndarray, np.ndarray]:
         """``lambda_max`` of the weighted covariance (1/W_k) of each cluster of the hard
         partition induced by ``centers``, about ``means`` (K, D) when given (else about
-        the centers); with ``return_vectors`` ``(lam, V)``."""
+        the centers); with ``return_vectors`` ``(lam, V)``. ``tol`` and ``start`` (K, D)
+        are the convergence tolerance and warm-start vectors of the Lanczos iteration
+        (:func:`fastanneal._sources.power_iteration_eigs`); sources written before these
+        keywords existed still work (the engine passes them only to sources that take
+        them)."""
 
     def sample(self, n, rng) -> Tuple[np.ndarray, np.ndarray]:
         """``(rows, weights)``: ``n`` rows without replacement, in row order (seeding)."""

@@ -14,7 +14,8 @@ from . import _kernels as K_
 from ._moments import assign, compute_moments
 
 
-def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
+def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False, tol=None,
+                         start=None):
     """Top eigenvalue of each cluster covariance (1/W_k), for all clusters at once.
 
     ``matvec(mu, V)`` returns ``sum_{i in k} w_i (x_i - mu_k)((x_i - mu_k).v_k)`` for one
@@ -23,6 +24,12 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
     ``n_iter`` matvecs: unlike the plain power iteration it does not stall near
     ``lambda_2`` when the spectral gap is small or the start vector is nearly orthogonal
     to the top eigenvector. With ``return_vectors`` also the unit top Ritz vectors (K, D).
+
+    ``tol`` (default 1e-9): the iteration stops once no top Ritz value changed by more than
+    ``tol`` (relative) between two checks (every 5 matvecs; every 2 when ``tol >= 1e-6``).
+    ``start`` (K, D): start vectors (e.g. the Ritz vectors of a nearby earlier call: a warm
+    start), mixed with a random part so that no start is orthogonal to the top eigenvector;
+    rows of zeros start at random.
     """
     from scipy.linalg import eigh_tridiagonal
     K, D = mu.shape
@@ -31,6 +38,16 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
     Q = np.zeros((m + 1, K, D))
     v = rng.standard_normal((K, D))
     v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-300)
+    if start is not None:
+        start = np.asarray(start, dtype=np.float64)
+        if start.shape != (K, D):
+            raise ValueError(f"start must have shape {(K, D)}; got {start.shape}")
+        n0 = np.linalg.norm(start, axis=1, keepdims=True)
+        warm = n0[:, 0] > 0
+        v[warm] = start[warm] / n0[warm] + WARM_NOISE * v[warm]
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-300)
+    tol = 1e-9 if tol is None else float(tol)
+    every = 2 if tol >= 1e-6 else 5
     Q[0] = v
     alpha = np.zeros((m, K))
     beta = np.zeros((m, K))
@@ -77,9 +94,9 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
         steps = j + 1
         ok = b > 1e-10 * np.maximum(np.abs(alpha[j]), 1e-300)
         Q[j + 1][ok] = U[ok] / b[ok, None]
-        if (j + 1) % 5 == 0 or j == m - 1 or not ok.any():
+        if (j + 1) % every == 0 or j == m - 1 or not ok.any():
             new = ritz_values(j)
-            done = np.all(np.abs(new - lam) <= 1e-9 * np.maximum(np.abs(new), 1e-300))
+            done = np.all(np.abs(new - lam) <= tol * np.maximum(np.abs(new), 1e-300))
             lam = new
             if done or not ok.any():
                 break
@@ -90,6 +107,10 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False):
     V = np.einsum("kj,jkd->kd", Y[:, :steps], Q[:steps])
     V /= np.maximum(np.linalg.norm(V, axis=1, keepdims=True), 1e-300)
     return lam, V
+
+
+#: Weight of the random part of a warm Lanczos start (:func:`power_iteration_eigs`).
+WARM_NOISE = 0.1
 
 
 class RowBounds:
@@ -228,7 +249,7 @@ class InMemorySource:
         return assign(self.X, centers, self.metric, _prepared=True)
 
     def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
-                                means=None):
+                                means=None, tol=None, start=None):
         centers = np.asarray(centers, dtype=np.float64)
         if centers.shape[0] == 1:
             labels = np.zeros(self.n_rows, dtype=np.int64)
@@ -240,7 +261,7 @@ class InMemorySource:
         def matvec(mu, V):
             return K_.cluster_cov_matvec_kernel(self.X, self.w, labels, mu, V, nth)
         return power_iteration_eigs(matvec, _about(centers, means), wk, n_iter, rng,
-                                    return_vectors)
+                                    return_vectors, tol=tol, start=start)
 
 
 def _about(centers, means):

@@ -5,14 +5,27 @@ when the temperature falls below ``2 lambda_max`` of its own cell; the number of
 clusters (codevectors closer than ``sqrt(MERGE * T)`` count once) grows one transition at a
 time. A number of clusters that the data supports survives over a wide range of
 temperatures: its *plateau* is wide. :func:`suggest_k` follows that path up to ``k_max``
-effective clusters (moments only: every backend) and ranks each K by
+effective clusters (moments only: every backend) and measures each K's plateau
 
     width(K) = sum over the path's temperatures T_j with K effective clusters of
                log(T_j / T_{j+1}),
 
 the last temperature of ``k_max`` ending at its predicted next transition
 (``max_k 2 lambda_max(C_k)`` of the ``k_max``-cluster state). A K that the path skipped
-(several clusters split at one temperature) has width 0; ties go to the smaller K.
+(several clusters split at one temperature) has width 0.
+
+The rule: the *natural levels* are the K whose plateau is wider than two cooling steps and
+either at least half as wide as the widest plateau or at least 1 wide in ``log T`` (the
+temperature falls by a factor e along it); the suggestion is the finest level (the largest
+such K), or the widest plateau when there is no level. Data with nested structure
+(clusters of clusters: groups far apart, or clusters spread over a square, whose
+quadrants make a plateau at K = 4) have a coarse level whose plateau can be the widest; the
+widest-plateau rule then answers the coarse level (measured in ``BENCHMARKS.md`` §12).
+
+Where nothing splits and every cell is stable, the path jumps to just below the next
+predicted transition instead of cooling step by step (after the EM has settled), and the
+split test's Lanczos runs to the precision the decision needs, warm-started from the
+previous temperature (``docs/theory.md`` §9).
 
 ``AnnealedKMeans(n_clusters="auto", k_max=...)`` fits the best-ranked K by continuing the
 annealing from the path's state with that many clusters (no refit from scratch).
@@ -45,10 +58,24 @@ class _PathPhase(E._CriticalPhase):
         self.steps = []            # (T, effective clusters, J, F) per temperature
         self.snapshots = {}        # K -> coldest state with K effective clusters
         self._pending = None
+        self._holds = 0
+        self._ctx = None
+
+    #: skip stretches without a predicted transition (``docs/theory.md`` §9)
+    jump = True
+    #: the split test needs the decision ``2 lambda > T``, not ``lambda`` to 1e-9: a looser
+    #: Lanczos tolerance and warm starts from the previous temperature's Ritz vectors
+    lanczos_tol = 1e-4
+
+    #: a jump lands this far below the predicted transition temperature
+    JUMP_BELOW = 0.97
+    #: at most this many extra EM rounds at one temperature before a jump
+    MAX_HOLDS = 3
 
     def after_step(self, ctx, st, T):
         """The engine's split of effective clusters (:meth:`_CriticalPhase.split`), with a
         budget of ``max_codevectors``; remembers the state before the split."""
+        self._ctx = ctx
         C0 = st.centers.copy()
         p0 = np.array(st.rule_state["p"], dtype=np.float64, copy=True)
         n, lab = self.split(ctx, st, T, self.max_codevectors - C0.shape[0])
@@ -70,7 +97,21 @@ class _PathPhase(E._CriticalPhase):
             return None
         if n_split and st.centers.shape[0] < self.k_max:
             return T                     # new twins: equilibrate at this temperature first
-        return T * self.cooling
+        T_next = T * self.cooling
+        lam = self.last_lam
+        if self.jump and n_split == 0 and lam is not None and np.all(2.0 * lam < T):
+            # nothing splits and every cell is stable (twins that have not separated sit
+            # in a stable cell: they wait for its transition like a single codevector):
+            # skip the stretch down to the next predicted transition, the largest
+            # 2 lambda_max of a cell -- once the EM has settled at T, so that the stretch
+            # is credited to the equilibrium's number of clusters, not to a transient
+            ctx = self._ctx
+            if ctx.trace[-1]["center_shift"] > ctx.tol_abs and self._holds < self.MAX_HOLDS:
+                self._holds += 1
+                return T
+            T_next = min(T_next, max(2.0 * float(np.max(lam)) * self.JUMP_BELOW, self.T_floor))
+        self._holds = 0
+        return T_next
 
 
 @dataclass
@@ -80,9 +121,15 @@ class KSuggestion:
     Attributes
     ----------
     best : int
-        The top-ranked K.
+        The suggested K: the finest natural level (the largest of ``levels``), or the
+        widest plateau when no plateau is a level.
     ranking : list of int
-        Every K in ``[k_min, k_max]`` that appeared, widest plateau first.
+        Every K in ``[k_min, k_max]`` that appeared: ``best`` first, then by plateau width
+        (widest first; ties to the smaller K).
+    levels : list of int
+        The natural levels, ascending: every K whose plateau is wider than two cooling
+        steps and at least half the widest plateau or at least 1 in ``log T``. Nested data (clusters of clusters)
+        have several; the coarser ones are the groups of ``best``'s clusters.
     ks : (m,) int array
         K = k_min .. k_max.
     width : (m,) float array
@@ -105,6 +152,7 @@ class KSuggestion:
     """
     best: int
     ranking: list
+    levels: list
     ks: np.ndarray
     width: np.ndarray
     t_in: np.ndarray
@@ -123,15 +171,20 @@ class KSuggestion:
 
     @property
     def supported(self):
-        """True when the best K's plateau is wide in absolute terms (more than two cooling
-        steps of ``log T``) and clearly wider than the runner-up's (1.5x). False means the
-        path shows no clear plateau -- typical of embeddings whose spectrum is flat, where
-        every cluster splits within a step or two below ``T_c``: ``best`` is then only
-        where the path happened to stop, not a K the data supports."""
-        w = np.sort(self.width)[::-1]
+        """True when ``best``'s plateau is wide in absolute terms (more than two cooling
+        steps of ``log T``) and clearly wider (1.5x) than every plateau that is not a
+        natural level (coarser levels of a nested structure do not count against it).
+        False means the path shows no clear plateau -- typical of embeddings whose
+        spectrum is flat, where every cluster splits within a step or two below ``T_c``:
+        ``best`` is then only where the path happened to stop, not a K the data
+        supports."""
         step = -math.log(self.cooling)
-        runner = w[1] if w.shape[0] > 1 else 0.0
-        return bool(w[0] > 2.0 * step + 1e-12 and w[0] >= 1.5 * runner)
+        i = int(np.nonzero(self.ks == self.best)[0][0])
+        wb = float(self.width[i])
+        other = [w for k, w in zip(self.ks, self.width)
+                 if int(k) != self.best and int(k) not in self.levels]
+        runner = max(other) if other else 0.0
+        return bool(wb > 2.0 * step + 1e-12 and wb >= 1.5 * runner)
 
     def table(self):
         """One dict per K (ranked): k, rank, width, t_in, t_out, hard_distortion."""
@@ -232,7 +285,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
         C = _merged(snap, source.metric)[0]
         lam = source.cluster_top_eigenvalues(C, 30, rng)
         T_out_last = float(2.0 * np.max(lam))
-    out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last)
+    out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last, cooling)
     out.cooling = float(cooling)
     out.path_temperature = np.array([r[0] for r in phase.steps])
     out.path_clusters = np.array([r[1] for r in phase.steps], dtype=np.int64)
@@ -244,7 +297,26 @@ def _merged(snap, metric):
     return E.merge_groups(snap["centers"], snap["p"], snap["groups"], metric)
 
 
-def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last):
+#: A K is a natural level when its plateau is at least this fraction of the widest one ...
+LEVEL_FRACTION = 0.5
+#: ... or at least this wide in ``log T`` (a factor e in temperature)
+LEVEL_WIDTH = 1.0
+
+
+def natural_levels(ks, width, cooling):
+    """The K whose plateau is wider than two cooling steps and either at least
+    ``LEVEL_FRACTION`` of the widest plateau or at least ``LEVEL_WIDTH`` in ``log T``,
+    ascending (module docstring)."""
+    ks, width = np.asarray(ks), np.asarray(width, dtype=np.float64)
+    if not width.size:
+        return []
+    step = -math.log(cooling)
+    ok = (width > 2.0 * step + 1e-12) & ((width >= LEVEL_FRACTION * width.max())
+                                         | (width >= LEVEL_WIDTH))
+    return [int(k) for k in ks[ok]]
+
+
+def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling):
     ks = np.arange(k_min, k_max + 1)
     m = ks.shape[0]
     width = np.zeros(m)
@@ -272,7 +344,10 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last):
     if not seen:
         raise RuntimeError("the annealing path reached no K in the range; raise max_steps")
     order = sorted(seen, key=lambda k: (-width[k - k_min], k))
-    return KSuggestion(best=order[0], ranking=order, ks=ks, width=width, t_in=t_in,
+    levels = natural_levels(ks, width, cooling)
+    best = max(levels) if levels else order[0]
+    order = [best] + [k for k in order if k != best]
+    return KSuggestion(best=best, ranking=order, levels=levels, ks=ks, width=width, t_in=t_in,
                        t_out=t_out, hard_distortion=J, free_energy=F,
                        critical_temperature=float(T_c), k_max=int(k_max), trace=trace,
                        snapshots=phase.snapshots, temperature_start=float(T0),

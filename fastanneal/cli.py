@@ -723,7 +723,9 @@ def run_suggest(args, console):
         for r in [r for r in s.table() if r["rank"] is not None][:max(1, int(args.top))]:
             print(f"{r['rank']:>4}  {r['k']:>5}  {r['width']:>15.3f}  {r['t_in']:>10.4g}  "
                   f"{r['t_out']:>10.4g}  {r['hard_distortion']:>12.6g}")
-        print(f"suggested K = {s.best} ({dt:.1f} s)")
+        levels = ", ".join(str(k) for k in s.levels) or "none"
+        print(f"suggested K = {s.best} (the finest natural level; levels: {levels}) "
+              f"({dt:.1f} s)")
         if not s.supported:
             print("no clear plateau: the clusters split in a burst below the critical "
                   "temperature; no K in the range is clearly supported by the data")

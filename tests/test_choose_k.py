@@ -23,6 +23,7 @@ def test_suggest_k_finds_the_true_k(K, D, sep):
     assert s.best == K, s.table()[:4]
     i = K - 2
     assert s.width[i] == s.width.max() > 0
+    assert s.levels[-1] == K
     # the evidence is consistent: the plateau lies inside the path's temperatures, and the
     # winner's plateau is wider than the runner-up's by a clear margin
     assert s.critical_temperature * 1.02 >= s.t_in[i] > s.t_out[i] > 0
@@ -224,3 +225,64 @@ def test_cli_suggest_k(capsys, tmp_path):
     assert_one_line_error(rc, err, "'nope' not found")
     rc, _, err = run(capsys, "suggest-k", src)
     assert_one_line_error(rc, err, "--embedding-column")
+
+
+def test_path_jumps_over_stretches_without_transitions(monkeypatch):
+    """Where nothing splits and every cell is stable, the path jumps to just below the
+    next predicted transition: far fewer temperatures than cooling step by step, the same
+    suggestion, the true K's plateau as wide within two cooling steps."""
+    from fastanneal.choose_k import _PathPhase
+    X, _ = blobs(6, 32, 3, seed=4)
+    a = fastanneal.suggest_k(X, k_max=12, random_state=0)
+    monkeypatch.setattr(_PathPhase, "jump", False)
+    b = fastanneal.suggest_k(X, k_max=12, random_state=0)
+    assert a.best == b.best == 6
+    assert len(a.path_temperature) <= 0.6 * len(b.path_temperature), \
+        (len(a.path_temperature), len(b.path_temperature))
+    assert abs(a.width[6 - 2] - b.width[6 - 2]) <= 2 * -np.log(0.85)
+    # a jump lands below the largest 2 lambda_max of the cells it leaves: the next
+    # temperature of a plateau step is below every cell's critical temperature there
+    Tp = a.path_temperature
+    jumps = np.nonzero(Tp[1:] < 0.8 * Tp[:-1])[0]
+    assert jumps.size >= 1
+
+
+def test_path_settles_before_it_jumps(monkeypatch):
+    """A35 look-alike, seed 1: at T ~ 6.6 a metastable codevector between two overlapping
+    clusters drifts into one of them over several EM rounds. Jumping before it settles
+    credits the stretch down to the next transition to K + 1 and splits the true K's
+    plateau (the suggestion was 4); holding T until the centers stop moving keeps it."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _known_answers as ka
+    from fastanneal.choose_k import _PathPhase
+    X = ka.load("a35", 1)[0]
+    a = fastanneal.suggest_k(X, k_max=70, random_state=1)
+    assert a.best == 35, a.table()[:3]
+    monkeypatch.setattr(_PathPhase, "MAX_HOLDS", 0)
+    b = fastanneal.suggest_k(X, k_max=70, random_state=1)
+    assert b.best != 35 or b.width[35 - 2] < a.width[35 - 2] - 0.1, b.table()[:3]
+
+
+def test_nested_clusters_suggest_the_finest_level():
+    """Two groups apart, each of three clusters: the two-group plateau is the widest (the
+    widest-plateau rule answers 2), the six clusters' plateau is a natural level too (at
+    least half as wide at distance 30; at distance 60 less than half, but wider than 1 in
+    log T); the suggestion is the finest level, with the coarse one listed among the levels
+    and not counting against ``supported``."""
+    from fastanneal.choose_k import natural_levels
+    for far in (30.0, 60.0):
+        rng = np.random.default_rng(3)
+        tri = np.array([[0.0, 0.0], [6.0, 0.0], [3.0, 5.2]])
+        centers = np.concatenate([tri, tri + [far, 0.0]])
+        X = np.concatenate([c + rng.normal(size=(150, 2)) for c in centers])
+        s = fastanneal.suggest_k(X, k_max=12, random_state=0)
+        assert s.width[2 - 2] == s.width.max()          # the coarse level is the widest
+        assert s.best == 6 and s.levels == [2, 6], s.table()[:4]
+        assert s.ranking[:2] == [6, 2]
+        assert s.supported
+        assert natural_levels(s.ks, s.width, 0.85) == s.levels
+    assert natural_levels([2, 3, 4], [3.0, 1.49, 1.0], 0.85) == [2, 3, 4]
+    assert natural_levels([2, 3, 4], [1.0, 0.49, 0.5], 0.85) == [2, 4]
+    assert natural_levels([2, 3], [0.3, 0.2], 0.85) == []      # narrower than two steps

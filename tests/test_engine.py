@@ -432,3 +432,38 @@ def test_public_helpers_accept_float32_rows_with_float64_centers(rng, fn):
     out, ref = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
     for a, b in zip(out, ref):
         assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_lanczos_warm_start_and_tolerance(rng):
+    """``power_iteration_eigs(start=, tol=)``: from the top eigenvector itself a loose
+    tolerance stops after a few matvecs (three checks, one every two) at the right value; a start orthogonal to the top
+    eigenvector still finds it (the random part of a warm start), where a pure warm start
+    would converge to lambda_2 (exact arithmetic keeps the Krylov space orthogonal)."""
+    from fastanneal import _sources
+    D = 40
+    lams = np.r_[3.0, 2.0, np.linspace(1.0, 0.1, D - 2)]
+    Q, _ = np.linalg.qr(rng.standard_normal((D, D)))
+    cov = (Q * lams) @ Q.T
+    calls = []
+
+    def matvec(mu, V):
+        calls.append(1)
+        return V @ cov
+
+    lam, V = _sources.power_iteration_eigs(matvec, np.zeros((1, D)), np.ones(1), 30, rng,
+                                           True, tol=1e-4, start=Q[:, :1].T)
+    assert lam[0] == pytest.approx(3.0, rel=1e-4)
+    assert abs(V[0] @ Q[:, 0]) == pytest.approx(1.0, abs=1e-3)
+    warm = len(calls)
+    calls.clear()
+    lam_cold = _sources.power_iteration_eigs(matvec, np.zeros((1, D)), np.ones(1), 30, rng)
+    assert lam_cold[0] == pytest.approx(3.0, rel=1e-9)
+    assert warm <= 6 < len(calls)
+    # orthogonal start (the top direction of a parent cell is often orthogonal to its
+    # child's): the random part finds lambda_1 anyway
+    lam = _sources.power_iteration_eigs(matvec, np.zeros((1, D)), np.ones(1), 30, rng,
+                                        tol=1e-6, start=Q[:, 1:2].T)
+    assert lam[0] == pytest.approx(3.0, rel=1e-4)
+    with pytest.raises(ValueError, match="start"):
+        _sources.power_iteration_eigs(matvec, np.zeros((1, D)), np.ones(1), 30, rng,
+                                      start=np.ones((2, D)))

@@ -306,7 +306,7 @@ class CudaSource:
         return out.copy_to_host(), self._w_host[idx]
 
     def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
-                                means=None):
+                                means=None, tol=None, start=None):
         """``lambda_max`` of each hard cluster's weighted covariance (1/W_k), by power
         iteration with a device matvec (:func:`~fastanneal._sources.power_iteration_eigs`)."""
         kern = self._k
@@ -314,7 +314,8 @@ class CudaSource:
         centers = np.asarray(centers, dtype=np.float64)
         K = centers.shape[0]
         if self.n_rows == 0:
-            return np.zeros(K)
+            lam = np.zeros(K)
+            return (lam, np.zeros((K, centers.shape[1]))) if return_vectors else lam
         if K == 1:
             use_labels = False
             dlabels = cuda.to_device(np.zeros(1, dtype=np.int64))
@@ -336,7 +337,7 @@ class CudaSource:
             ssum = np.bincount(labels, weights=s.copy_to_host(), minlength=K)
             return sx - mu * ssum[:, None]
         return power_iteration_eigs(matvec, _about(centers, means), wk, n_iter, rng,
-                                    return_vectors)
+                                    return_vectors, tol=tol, start=start)
 
 
     # ------------------------------------------------------------------ host-side passes

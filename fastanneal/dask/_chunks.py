@@ -286,7 +286,7 @@ class StreamedPasses:
                             resp=int(resp), g=globals_, nthreads=self.nthreads)
 
     def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
-                                means=None):
+                                means=None, tol=None, start=None):
         """Lanczos with one streaming pass per matvec (out of core: each pass reads the
         data; the mini-batch fit only needs it for ``schedule="critical"``)."""
         from .._sources import _about, power_iteration_eigs
@@ -302,7 +302,7 @@ class StreamedPasses:
             return mv
         matvec(C, np.zeros_like(C))
         return power_iteration_eigs(matvec, _about(C, means), wk[0], n_iter, rng,
-                                    return_vectors)
+                                    return_vectors, tol=tol, start=start)
 
     def n_distinct_rows(self, rng, cap):
         v = rng.standard_normal(self.n_features)

@@ -212,7 +212,7 @@ class DaskSource(_Submitter):
                                nthreads=self._nthreads, pure=False)
 
     def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
-                                means=None):
+                                means=None, tol=None, start=None):
         """``lambda_max`` of each hard cluster's weighted covariance (1/W_k) by power
         iteration, the matvec mapped over the chunks (``cluster_cov_matvec_kernel``); with
         ``return_vectors`` also the unit top eigenvectors ``(lam, V)``."""
@@ -234,7 +234,8 @@ class DaskSource(_Submitter):
                                     nthreads=self._nthreads, pure=False)
             out = self.tree(parts, ch.add_arrays)
             return out.result() if out is not None else np.zeros((K, self.n_features))
-        return power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors)
+        return power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors, tol=tol,
+                                    start=start)
 
     def n_distinct_rows(self, rng, cap):
         """Distinct rows with non-zero weight, counted up to ``cap`` (random-projection hash,
