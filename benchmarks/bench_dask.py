@@ -21,7 +21,19 @@
     in-memory subset of ``--fb-n`` rows, mean over ``--seeds`` seeds (seeding luck dominates
     single runs): J ratio, ARI between the two partitions and against the truth.
 
-Prints a table and writes JSON (default ``benchmarks/results/bench_dask.json``).
+(c) Cluster scale (``--chunk-scaling``): seconds per moments pass against the number of
+    chunks (10 -> 2,000) and of worker processes (1 -> 8, one thread each), the data
+    persisted on the workers between passes (``DaskSource``). Two datasets per point: the
+    real one (``--cs-n`` rows, ``--cs-d`` / ``--cs-k``) cut into that many chunks, and an *empty*
+    one of as many one-row chunks, whose pass is all scheduling (task submission, the
+    scheduler's bookkeeping, the tree merge of the records, the result's round trip). The
+    per-chunk scheduling cost is the slope of the empty pass time against the chunks; the
+    compute is what the real pass adds. From these, a model of a 100-worker job (printed).
+    On this 2-core machine more than two worker processes share the cores: the compute
+    column then measures contention, not scaling; the scheduling slope is what transfers.
+
+Prints a table and writes JSON (default ``benchmarks/results/bench_dask.json``;
+``--chunk-scaling`` alone: ``benchmarks/results/bench_dask_chunks.json``).
 """
 import argparse
 import json
@@ -248,6 +260,114 @@ def bench_full_batch(args):
     return res
 
 
+def bench_chunk_scaling(args):
+    """(c): pass time against chunks and workers, real data and one-row (empty) chunks."""
+    from distributed import Client, LocalCluster
+
+    from fastanneal._moments import blas_single_thread
+    from fastanneal._sources import InMemorySource
+    from fastanneal.dask import DaskSource
+    from fastanneal.dask._cluster import ClientHandle
+    import numba
+
+    N, D, K = args.cs_n, args.cs_d, args.cs_k
+    warm_kernels()
+    means = mixture_means(K, D, 3)
+    C = means.astype(np.float64)
+    X = mixture_block(means, N, 7)[0]
+    mem = InMemorySource(X, np.ones(N), 0)
+    T = 0.05 * mem.moments(C, 1.0, 2, None, hard_sums=False).hard_distortion / N
+    nth = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        with blas_single_thread():
+            mem.moments(C, T, 0, None, False)
+            t1, _ = median_time(lambda: mem.moments(C, T, 0, None, False), args.repeats)
+    finally:
+        numba.set_num_threads(nth)
+    res = {"n": N, "d": D, "k": K, "temperature": T, "repeats": args.repeats,
+           "one_thread_pass_s": t1, "one_thread_s_per_row": t1 / N, "points": []}
+    print(f"one in-process pass on one thread: {t1:.3f} s ({1e9 * t1 / N:.0f} ns per row)",
+          flush=True)
+    print(f"{'workers':>8}{'chunks':>8}{'rows/chunk':>11}{'pass s':>9}{'empty s':>9}"
+          f"{'compute s':>10}", flush=True)
+    for W in args.cs_workers:
+        cluster = LocalCluster(n_workers=W, threads_per_worker=1, processes=True,
+                               dashboard_address=None,
+                               scheduler_kwargs={"dashboard_address": ":0"})
+        client = Client(cluster, set_as_default=False)
+        try:
+            for c in args.cs_chunks:
+                chunk = -(-N // c)
+                Xd, sizes = dask_mixture(means, N, chunk, seed=7)
+                real = DaskSource(Xd, None, 0, ClientHandle(client))
+                Xe, _ = dask_mixture(means, len(sizes), 1, seed=9)
+                empty = DaskSource(Xe, None, 0, ClientHandle(client))
+                try:
+                    for src in (real, empty):          # warm-up: compiles, caches
+                        src.moments(C, T, 0, None, False)
+                    tr, er = [], []
+                    for _ in range(args.repeats):      # interleaved
+                        t = time.perf_counter()
+                        real.moments(C, T, 0, None, False)
+                        tr.append(time.perf_counter() - t)
+                        t = time.perf_counter()
+                        empty.moments(C, T, 0, None, False)
+                        er.append(time.perf_counter() - t)
+                finally:
+                    real.close()
+                    empty.close()
+                pt = {"workers": W, "chunks": len(sizes), "rows_per_chunk": chunk,
+                      "pass_s": statistics.median(tr), "empty_pass_s": statistics.median(er),
+                      "all_pass_s": tr, "all_empty_s": er}
+                pt["compute_s"] = pt["pass_s"] - pt["empty_pass_s"]
+                res["points"].append(pt)
+                print(f"{W:>8}{len(sizes):>8}{chunk:>11,}{pt['pass_s']:>9.3f}"
+                      f"{pt['empty_pass_s']:>9.3f}{pt['compute_s']:>10.3f}", flush=True)
+        finally:
+            client.close()
+            cluster.close()
+    # the scheduling cost per chunk: least-squares slope of the empty pass against chunks
+    fits = {}
+    for W in args.cs_workers:
+        pts = [p for p in res["points"] if p["workers"] == W]
+        if len(pts) >= 2:
+            x = np.array([p["chunks"] for p in pts], dtype=float)
+            y = np.array([p["empty_pass_s"] for p in pts])
+            b, a = np.polyfit(x, y, 1)
+            fits[W] = {"per_chunk_ms": 1e3 * b, "fixed_ms": 1e3 * a}
+    res["scheduling_fit"] = fits
+    per_chunk = max(f["per_chunk_ms"] for f in fits.values()) if fits else float("nan")
+    fixed = max(f["fixed_ms"] for f in fits.values()) if fits else float("nan")
+    res["model"] = model = chunk_model(per_chunk, fixed, t1 / N)
+    for W, f in fits.items():
+        print(f"{W} worker(s): {f['per_chunk_ms']:.2f} ms per chunk per pass + "
+              f"{f['fixed_ms']:.0f} ms per pass (empty chunks)")
+    print("model of a 100-worker job (one thread each, compute per row as measured here, the "
+          f"worst scheduling slope {per_chunk:.2f} ms per chunk):")
+    for m in model:
+        print(f"  {m['rows']:>14,} rows in {m['chunks']:>7,} chunks: compute "
+              f"{m['compute_s']:8.1f} s + scheduling {m['scheduling_s']:6.1f} s per pass "
+              f"({100 * m['scheduling_share']:.0f} % scheduling)")
+    return res
+
+
+def chunk_model(per_chunk_ms, fixed_ms, s_per_row, workers=100):
+    """Seconds per pass of a ``workers``-worker job: every worker computes its share of the
+    rows (``s_per_row`` on one thread, perfectly balanced); the one scheduler handles every
+    chunk in turn (``per_chunk_ms``, serial: it does not shrink with more workers)."""
+    out = []
+    for rows, chunk_rows in ((10 ** 8, 10 ** 5), (10 ** 9, 10 ** 5), (10 ** 9, 10 ** 6),
+                             (10 ** 10, 10 ** 6)):
+        chunks = rows // chunk_rows
+        compute = rows * s_per_row / workers
+        sched = chunks * per_chunk_ms / 1e3 + fixed_ms / 1e3
+        out.append({"rows": rows, "chunk_rows": chunk_rows, "chunks": chunks,
+                    "workers": workers, "compute_s": compute, "scheduling_s": sched,
+                    "scheduling_share": sched / (compute + sched)})
+    return out
+
+
 def dask_ml_per_iteration(Xd, K, client):  # pragma: no cover - dask-ml not installed here
     from dask_ml.cluster import KMeans
     out = {}
@@ -407,11 +527,25 @@ def main(argv=None):
     p.add_argument("--no-embedded", dest="embedded", action="store_false")
     p.add_argument("--tmp", help="folder for the generated Parquet data (default: a temp dir)")
     p.add_argument("--seeds", type=int, help="seeds of the full-batch comparison; default 3")
-    p.add_argument("--out", default=str(HERE / "results" / "bench_dask.json"))
+    p.add_argument("--chunk-scaling", action="store_true",
+                   help="run (c) only: pass time against chunks and workers")
+    p.add_argument("--cs-n", type=int, default=200_000, help="rows of (c)")
+    p.add_argument("--cs-d", type=int, default=128, help="dimensions of (c)")
+    p.add_argument("--cs-k", type=int, default=64, help="clusters of (c)")
+    p.add_argument("--cs-chunks", default="10,50,200,500,1000,2000",
+                   help="chunk counts of (c), comma-separated")
+    p.add_argument("--cs-workers", default="1,2,4,8",
+                   help="worker processes of (c), comma-separated")
+    p.add_argument("--out", default=None)
     p.add_argument("--child-minibatch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_minibatch:
         return minibatch_child(args.child_minibatch)
+    args.cs_chunks = [int(c) for c in str(args.cs_chunks).split(",")]
+    args.cs_workers = [int(c) for c in str(args.cs_workers).split(",")]
+    if args.out is None:
+        args.out = str(HERE / "results" / ("bench_dask_chunks.json" if args.chunk_scaling
+                                           else "bench_dask.json"))
     q = args.quick
     args.n = args.n or (60_000 if q else 1_000_000)
     args.k = args.k or (32 if q else 256)
@@ -435,6 +569,11 @@ def main(argv=None):
                           "distributed": distributed.__version__},
               "quick": q, "command": " ".join(["python", "benchmarks/bench_dask.py"]
                                                + (argv if argv is not None else sys.argv[1:]))}
+    if args.chunk_scaling:
+        print(f"(c) cluster scale: N={args.cs_n:,} D={args.cs_d} K={args.cs_k}; chunks "
+              f"{args.cs_chunks}, worker processes {args.cs_workers}", flush=True)
+        result["chunk_scaling"] = bench_chunk_scaling(args)
+        args.skip_a = args.skip_b = True
     if not args.skip_a:
         print(f"(a) full batch: N={args.n:,} D={args.d} K={args.k} chunks of {args.chunk:,}",
               flush=True)

@@ -37,14 +37,24 @@ def _unit(M):
 
 def assignments(est, X, block_entries=1 << 21, runner_up=False):
     """``(labels, probability, margin, cosine_to_center)`` computed blockwise: the soft
-    responsibility of the assigned cluster (``predict_proba`` at the final temperature) never
-    needs the full N x K matrix. ``runner_up``: also the second-nearest center of every row
+    responsibility of the assigned cluster (``predict_proba``'s default) never needs the
+    full N x K matrix; with a probability temperature it comes from the same distance pass
+    as the labels (:func:`fastanneal._moments.label_rows`). ``runner_up``: also the second-nearest center of every row
     (-1 for K = 1), from the same assignment pass."""
-    from ._moments import assign
+    from ._moments import assign, label_rows
     C = np.asarray(est.cluster_centers_)
     K = C.shape[0]
     n = X.shape[0]
-    block = max(1, min(n, block_entries // max(K, X.shape[1], 1)))   # float64 temporaries
+    # the default probability (softmax with the cluster masses as prior at the probability
+    # temperature) comes from the labels' own distances: one pass, no n x K block
+    fused = hasattr(est, "probability_temperature_")
+    if fused:
+        if n:
+            est._check_X(X[:1])              # the estimator's checks of the columns
+        logp = np.log(np.maximum(np.asarray(est.cluster_weights_, np.float64), 1e-300))
+        block = max(1, min(n, 1 << 16))
+    else:
+        block = max(1, min(n, block_entries // max(K, X.shape[1], 1)))   # n x K temporaries
     labels = np.empty(n, dtype=np.int64)
     prob = np.empty(n, dtype=np.float64)
     margin = np.empty(n, dtype=np.float64)
@@ -53,11 +63,16 @@ def assignments(est, X, block_entries=1 << 21, runner_up=False):
     Cu = _unit(C)
     for s in range(0, n, block):
         Xb = X[s:s + block]
-        lab, _, mar, sec = assign(Xb, C, est.metric, return_second=True)
-        P = est.predict_proba(Xb)
+        if fused:
+            lab, _, mar, sec, p = label_rows(Xb, C, est.probability_temperature_, logp,
+                                             est.metric)
+            prob[s:s + block] = p
+        else:
+            lab, _, mar, sec = assign(Xb, C, est.metric, return_second=True)
+            P = est.predict_proba(Xb)
+            prob[s:s + block] = P[np.arange(lab.shape[0]), lab]
         labels[s:s + block] = lab
         second[s:s + block] = sec
-        prob[s:s + block] = P[np.arange(lab.shape[0]), lab]
         margin[s:s + block] = mar if K > 1 else np.inf
         cos[s:s + block] = np.einsum("ij,ij->i", _unit(Xb), Cu[lab])
     if K == 1:

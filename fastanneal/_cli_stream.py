@@ -217,7 +217,25 @@ def fit_stream(log, args, console):
                        "schedule out of core, or raise --memory-limit")
     stream = ParquetStream(log.data, args.embedding_column, args.weight_column, None,
                            metric_code(args.metric), log.dtype)
-    kw = dict(n_clusters=int(args.k), metric=args.metric,
+    suggestion = None
+    if args.k == "auto":
+        # choosing K out of core: the phase-transition path on a uniform sample of the
+        # row groups (suggest_k's max_rows), then the mini-batch fit with that K
+        from .choose_k import STREAM_ROWS, suggest_k
+        console.note(f"choosing K on a sample of {min(STREAM_ROWS, log.n_rows):,} rows "
+                     "(out of core)")
+        from ._parquet import ParquetReadError
+        try:
+            suggestion = suggest_k(stream, k_max=int(args.k_max), metric=args.metric,
+                                   random_state=int(args.seed))
+        except ParquetReadError as e:
+            raise CLIError(f"cannot read {e}") from None
+        except ValueError as e:
+            raise CLIError(f"cannot rank K: {_as_flags(e)}") from None
+        stream = ParquetStream(log.data, args.embedding_column, args.weight_column, None,
+                               metric_code(args.metric), log.dtype)
+    kw = dict(n_clusters=int(args.k) if suggestion is None else int(suggestion.best),
+              metric=args.metric,
               responsibilities=args.responsibilities, schedule=args.schedule,
               n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars)
     if args.checkpoint:
@@ -232,6 +250,8 @@ def fit_stream(log, args, console):
             raise CLIError(f"cannot read {e}") from None
         except ValueError as e:
             raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
+    if suggestion is not None:
+        est.n_clusters_, est.k_suggestion_ = int(suggestion.best), suggestion
     return fit_result(est, args, console, caught)
 
 

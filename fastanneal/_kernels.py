@@ -506,6 +506,56 @@ def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
             second[b0 + i] = k2
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def label_kernel(X, C, csq, metric, block, logp, invT, labels, dmin, margin, second, prob):
+    """:func:`assign_kernel` and, from the same distances, the probability of the nearest
+    center under ``softmax_k(logp_k - d_k * invT)`` (the labelling pass: one GEMM per block
+    instead of one for the labels and one for the probabilities). Terms more than 40 below
+    the largest logit are skipped (each below ``e^-40`` of the largest: the probability is
+    exact to that relative error)."""
+    n = X.shape[0]
+    K = C.shape[0]
+    nb = (n + block - 1) // block
+    Ct = C.T
+    for b in prange(nb):
+        b0 = b * block
+        b1 = min(b0 + block, n)
+        m = b1 - b0
+        G = np.empty((m, K), X.dtype)
+        _block_distances(X[b0:b1], Ct, csq, metric, G)
+        for i in range(m):
+            d1 = np.inf
+            d2 = np.inf
+            kmin = -1
+            k2 = -1
+            zmax = -np.inf
+            for k in range(K):
+                d = np.float64(G[i, k])
+                if d < d1:
+                    d2 = d1
+                    k2 = kmin
+                    d1 = d
+                    kmin = k
+                elif d < d2:
+                    d2 = d
+                    k2 = k
+                z = logp[k] - d * invT
+                if z > zmax:
+                    zmax = z
+            a = max(kmin, 0)
+            s = 0.0
+            for k in range(K):
+                z = logp[k] - np.float64(G[i, k]) * invT - zmax
+                if z > -40.0:
+                    s += math.exp(z)
+            za = logp[a] - d1 * invT - zmax
+            labels[b0 + i] = a
+            dmin[b0 + i] = d1
+            margin[b0 + i] = d2 - d1
+            second[b0 + i] = k2
+            prob[b0 + i] = math.exp(za) / s if s > 0.0 else 1.0
+
+
 @njit(cache=True, nogil=True)
 def entmax15_rows(Z, method_bisect, out):
     """entmax-1.5 of every row of the float64 matrix ``Z`` (serial; for tests and small K)."""

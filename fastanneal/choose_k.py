@@ -149,6 +149,8 @@ class KSuggestion:
     path_temperature, path_clusters : (s,) arrays
         The path's temperatures and its number of effective clusters at each (what the
         plateaus are measured on).
+    n_rows : int
+        The rows the path ran on (a sample's size with ``max_rows`` or out of core).
     """
     best: int
     ranking: list
@@ -168,6 +170,7 @@ class KSuggestion:
     cooling: float = 0.85
     path_temperature: np.ndarray = field(repr=False, default=None)
     path_clusters: np.ndarray = field(repr=False, default=None)
+    n_rows: int = 0
 
     @property
     def supported(self):
@@ -354,16 +357,24 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling):
                        scale=float(scale))
 
 
+#: Rows of the sample the path runs on out of core (``suggest_k(max_rows=...)``).
+STREAM_ROWS = 100_000
+
+
 def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
-              random_state=None, backend=None, scheduler=None, cooling=0.85, max_steps=400):
+              random_state=None, backend=None, scheduler=None, cooling=0.85, max_steps=400,
+              max_rows=None):
     """Rank the numbers of clusters ``k_min .. k_max`` by the width of their plateau on the
     deterministic-annealing path (see the module docstring).
 
     Parameters
     ----------
-    X : array (n, D), Dask array or Parquet path
+    X : array (n, D), Dask array, Parquet path or :func:`fastanneal.open_parquet` stream
         The rows, as for :meth:`AnnealedKMeans.fit`: a Dask array / DataFrame runs on the
-        Dask backend; a Parquet path needs ``backend="dask"``.
+        Dask backend (a Parquet path with ``backend="dask"`` too). A Parquet path without
+        ``backend`` / ``scheduler``, or an ``open_parquet(...)`` stream, is read out of
+        core in this process: the path runs on a uniform sample of ``max_rows`` rows
+        (default 100,000), drawn in one pass over the row groups.
     k_max : int
         The most clusters the path splits into (the cost grows with it).
     k_min : int >= 2, default=2
@@ -380,6 +391,11 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
         Factor between temperatures where nothing splits.
     max_steps : int, default=400
         The most temperature steps of the path.
+    max_rows : int or None, default=None
+        Run the path on a uniform sample of at most this many rows (the plateaus are a
+        property of the distribution: a sample with enough rows per cluster has the same
+        ones, at a cost proportional to its size). None: every row of an array or Dask
+        input, 100,000 rows out of core.
 
     Returns
     -------
@@ -396,12 +412,41 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
     >>> fastanneal.suggest_k(X, k_max=8, random_state=0).best
     4
     """
+    import os
+
+    from ._parquet import ParquetStream, open_parquet
+    from ._sources import InMemorySource
+    from ._validation import metric_code
     from .estimator import AnnealedKMeans
+    if max_rows is not None and (not isinstance(max_rows, (int, np.integer))
+                                 or isinstance(max_rows, bool) or max_rows < 2):
+        raise ValueError(f"max_rows must be an integer >= 2 or None; got {max_rows!r}")
     est = AnnealedKMeans(n_clusters=int(k_max) if isinstance(k_max, (int, np.integer)) else 1,
                          metric=metric, backend=backend, scheduler=scheduler,
                          random_state=random_state)
-    source, _ = est._make_source(X, sample_weight)
+    rng = est._rng()
+    if isinstance(X, (str, os.PathLike)) and backend is None and scheduler is None:
+        X = open_parquet(X, metric=metric)             # out of core, in this process
+    if isinstance(X, ParquetStream):
+        if sample_weight is not None:
+            raise ValueError("with a Parquet input, give the weight column to "
+                             "open_parquet(..., weight=...)")
+        if X.metric != metric_code(metric):
+            raise ValueError(f"open_parquet(..., metric=...) must match metric={metric!r}")
+        source = X
+        max_rows = STREAM_ROWS if max_rows is None else max_rows
+    else:
+        source, _ = est._make_source(X, sample_weight)
     try:
-        return path_on_source(source, k_max, k_min, est._rng(), cooling, max_steps)
+        if max_rows is not None and (source.n_rows > max_rows or source is X):
+            Xs, ws = source.sample(min(int(max_rows), source.n_rows), rng)
+            sample = InMemorySource(np.ascontiguousarray(Xs), np.asarray(ws, np.float64),
+                                    source.metric)
+            out = path_on_source(sample, k_max, k_min, rng, cooling, max_steps)
+            out.n_rows = int(Xs.shape[0])
+            return out
+        out = path_on_source(source, k_max, k_min, rng, cooling, max_steps)
+        out.n_rows = int(source.n_rows)
+        return out
     finally:
         source.close()

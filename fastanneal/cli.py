@@ -509,10 +509,6 @@ def run_cluster(args, console):
                                    f"--memory-limit {fmt_bytes(limit)}; --backend dask reads "
                                    "them in this process: raise --memory-limit, or run without "
                                    "--backend dask (out of core in this process)")
-                if args.k == "auto":
-                    raise CLIError(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
-                                   f"--memory-limit {fmt_bytes(limit)}: out of core, give --k "
-                                   "(choosing K needs the rows in memory)")
                 console.note(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
                              f"--memory-limit {fmt_bytes(limit)}: clustering out of core "
                              "(mini-batch annealing over the row groups)")
@@ -613,7 +609,8 @@ def run_cluster(args, console):
             K = int(est.n_clusters_)
             top = ", ".join(f"{r['k']} ({r['width']:.2f})"
                             for r in est.k_suggestion_.table()[:5])
-            console.note(f"chose K = {K}: the widest plateau in log T (ranked: {top})")
+            console.note(f"chose K = {K}: the finest natural level of the phase-transition "
+                         f"plateaus (ranked, with plateau widths in log T: {top})")
             if not est.k_suggestion_.supported:
                 console.note("warning: no clear plateau: the clusters split in a burst below "
                              "the critical temperature, so no K in the range is clearly "

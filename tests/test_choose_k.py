@@ -286,3 +286,28 @@ def test_nested_clusters_suggest_the_finest_level():
     assert natural_levels([2, 3, 4], [3.0, 1.49, 1.0], 0.85) == [2, 3, 4]
     assert natural_levels([2, 3, 4], [1.0, 0.49, 0.5], 0.85) == [2, 4]
     assert natural_levels([2, 3], [0.3, 0.2], 0.85) == []      # narrower than two steps
+
+
+def test_suggest_k_out_of_core_on_a_sample(tmp_path):
+    """A Parquet path (no backend) is read out of core: the path runs on a uniform sample
+    of ``max_rows`` rows drawn from the row groups, and finds the same K as on all rows in
+    memory; ``max_rows`` samples an array too."""
+    import pyarrow.parquet as pq
+    X, _ = blobs(5, 8, 8, n=400, seed=6)
+    X = X[np.random.default_rng(0).permutation(len(X))].astype(np.float32)
+    p = tmp_path / "emb.parquet"
+    pq.write_table(pa.table({"embedding": pa.FixedSizeListArray.from_arrays(
+        pa.array(X.ravel()), X.shape[1])}), p, row_group_size=250)
+    full = fastanneal.suggest_k(X, k_max=10, random_state=0)
+    ooc = fastanneal.suggest_k(p, k_max=10, random_state=0, max_rows=800)
+    assert full.best == ooc.best == 5
+    assert full.n_rows == 2000 and ooc.n_rows == 800
+    stream = fastanneal.open_parquet(p)
+    s = fastanneal.suggest_k(stream, k_max=10, random_state=0)
+    assert s.best == 5 and s.n_rows == 2000              # fewer rows than the default sample
+    a = fastanneal.suggest_k(X, k_max=10, random_state=0, max_rows=600)
+    assert a.best == 5 and a.n_rows == 600
+    with pytest.raises(ValueError, match="max_rows"):
+        fastanneal.suggest_k(X, k_max=10, max_rows=1)
+    with pytest.raises(ValueError, match="metric"):
+        fastanneal.suggest_k(fastanneal.open_parquet(p), k_max=10, metric="cosine")

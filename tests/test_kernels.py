@@ -169,6 +169,40 @@ def test_assign_matches_reference(rng, dtype, metric):
     assert np.max(np.abs(margin - (ds[:, 1] - ds[:, 0]))) <= TOL[dtype] * d.max()
 
 
+@pytest.mark.parametrize("prior", [False, True])
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_label_rows_match_reference(rng, config, dtype, metric, prior):
+    """The fused labelling pass: the nearest center, margin and runner-up of ``assign`` and
+    the nearest center's softmax probability (with a prior) of a float64 NumPy evaluation,
+    over four decades of temperature; row blocks smaller than the data (block=7)."""
+    from fastanneal._moments import label_rows
+    config(block=7)
+    X, C = make_data(rng, n=150, dtype=dtype, metric=metric)
+    K = C.shape[0]
+    lp = random_log_prior(rng, K) if prior else None
+    s = scale_of(X, C, metric)
+    d = ref.distances(X, C, metric)
+    ds = np.sort(d, axis=1)
+    lab0, _, mar0, sec0 = fa.assign(X, C, metric=metric, return_second=True)
+    for mult in (0.01, 0.1, 1.0, 10.0):
+        T = mult * s
+        lab, dmin, mar, sec, p = label_rows(X, C, T, lp, metric)
+        np.testing.assert_array_equal(lab, lab0)
+        np.testing.assert_array_equal(sec, sec0)
+        np.testing.assert_array_equal(mar, mar0)
+        assert rel_err(dmin, ds[:, 0]) <= TOL[dtype]
+        P = ref.softmax(d, T, lp)
+        want = P[np.arange(len(lab)), lab]
+        # float32 distances carry ~1e-6 relative error, amplified by d / T in the logits
+        tol = 1e-12 if dtype == np.float64 else 2e-5 * max(1.0, d.max() / T)
+        assert np.max(np.abs(p - want)) <= tol, (mult, np.max(np.abs(p - want)))
+    with pytest.raises(ValueError, match="T must be"):
+        label_rows(X, C, 0.0)
+    with pytest.raises(ValueError, match="log_prior"):
+        label_rows(X, C, 1.0, np.zeros(K + 1))
+
+
 # ----------------------------------------------------------------------------- responsibilities
 @pytest.mark.parametrize("prior", [False, True])
 @pytest.mark.parametrize("metric", METRICS)

@@ -143,3 +143,24 @@ def test_progress_bars_from_python(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "embedding" in err and "60/60" in err and "annealing" in err and "5/5" in err
     assert qc.labels_.shape == (60,)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine"])
+def test_fused_labelling_equals_labels_plus_predict_proba(metric):
+    """``assignments`` takes the labels, margins, runner-ups and the default probability
+    from one distance pass; they equal ``assign`` + ``predict_proba`` (the two-pass route
+    it replaced) on a fitted model."""
+    from fastanneal._cli_results import assignments
+    from fastanneal._moments import assign
+    rng = np.random.default_rng(11)
+    X = (rng.normal(size=(900, 12)) + np.repeat(rng.normal(size=(6, 12)) * 3, 150, 0))
+    X = X.astype(np.float32)
+    km = fastanneal.AnnealedKMeans(6, metric=metric, random_state=0).fit(X)
+    lab, prob, mar, cos, sec = assignments(km, X, runner_up=True)
+    lab0, _, mar0, sec0 = assign(X, km.cluster_centers_, metric, return_second=True)
+    np.testing.assert_array_equal(lab, lab0)
+    np.testing.assert_array_equal(sec, sec0)
+    np.testing.assert_array_equal(mar, mar0)
+    P = km.predict_proba(X)
+    np.testing.assert_allclose(prob, P[np.arange(len(X)), lab], rtol=1e-5, atol=1e-6)
+    assert 0.0 < prob.min() < 0.99       # not all ~1: the probability temperature is soft

@@ -291,7 +291,6 @@ def test_in_memory_parquet_route_labels_like_the_library(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--k", "auto"], ["out of core", "--k"]),
     (["--k", "3", "--schedule", "critical"], ["critical", "memory"]),
     (["--k", "3", "--memory-limit", "lots"], ["memory-limit", "not a size"]),
 ])
@@ -305,6 +304,36 @@ def test_out_of_core_refuses_what_it_cannot_do(tmp_path, capsys, extra, words):
     for w in words:
         assert w.lower() in err.lower(), (w, err)
     assert not (tmp_path / "o.csv").exists()
+
+
+def test_out_of_core_k_auto_chooses_on_a_sample(tmp_path, capsys, monkeypatch):
+    """``--k auto`` out of core: the phase-transition path runs on a uniform sample of the
+    row groups (never the whole embedding matrix), then the mini-batch fit clusters every
+    row with the chosen K."""
+    from fastanneal import _cli_stream, choose_k
+    p = tmp_path / "log.parquet"
+    X, lab, t = make_log(p, n=3000, K=5, sep=8.0, row_group=300)
+
+    def no_matrix(self, st=None):
+        raise AssertionError("the out-of-core route read the whole embedding matrix")
+    monkeypatch.setattr(_cli_stream.ParquetLog, "embeddings", no_matrix)
+    monkeypatch.setattr(choose_k, "STREAM_ROWS", 1200)
+    seen = []
+    real = choose_k.path_on_source
+
+    def spy(source, *a, **k):
+        seen.append(source.n_rows)
+        return real(source, *a, **k)
+    monkeypatch.setattr(choose_k, "path_on_source", spy)
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", "auto",
+                      "--k-max", 10, "--truth-column", "topic", "--memory-limit", "1K",
+                      "-o", tmp_path / "o.parquet")
+    assert rc == 0, err
+    assert "out of core" in err and "chose K = 5" in err, err
+    assert seen == [1200]                               # the path ran on the sample only
+    out = pq.read_table(tmp_path / "o.parquet")
+    assert out.num_rows == 3000
+    assert adjusted_rand_index(lab, out.column("cluster").to_numpy()) > 0.99
 
 
 def test_out_of_core_bad_row_is_named(tmp_path, capsys):
