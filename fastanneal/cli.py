@@ -609,8 +609,11 @@ def run_cluster(args, console):
             K = int(est.n_clusters_)
             top = ", ".join(f"{r['k']} ({r['width']:.2f})"
                             for r in est.k_suggestion_.table()[:5])
-            console.note(f"chose K = {K}: the finest natural level of the phase-transition "
-                         f"plateaus (ranked, with plateau widths in log T: {top})")
+            why = ("the finest natural level of the phase-transition plateaus"
+                   if est.k_suggestion_.levels else "the widest phase-transition plateau "
+                   "(no natural level)")
+            console.note(f"chose K = {K}: {why} (ranked, with plateau widths in log T: "
+                         f"{top})")
             if not est.k_suggestion_.supported:
                 console.note("warning: no clear plateau: the clusters split in a burst below "
                              "the critical temperature, so no K in the range is clearly "
@@ -720,9 +723,9 @@ def run_suggest(args, console):
         for r in [r for r in s.table() if r["rank"] is not None][:max(1, int(args.top))]:
             print(f"{r['rank']:>4}  {r['k']:>5}  {r['width']:>15.3f}  {r['t_in']:>10.4g}  "
                   f"{r['t_out']:>10.4g}  {r['hard_distortion']:>12.6g}")
-        levels = ", ".join(str(k) for k in s.levels) or "none"
-        print(f"suggested K = {s.best} (the finest natural level; levels: {levels}) "
-              f"({dt:.1f} s)")
+        why = (f"the finest natural level; levels: {', '.join(str(k) for k in s.levels)}"
+               if s.levels else "the widest plateau; no natural level")
+        print(f"suggested K = {s.best} ({why}) ({dt:.1f} s)")
         if not s.supported:
             print("no clear plateau: the clusters split in a burst below the critical "
                   "temperature; no K in the range is clearly supported by the data")
