@@ -471,6 +471,27 @@ def distances_kernel(X, C, csq, metric, block, out):
         _block_distances(X[b0:b1], Ct, csq, metric, out[b0:b1])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _two_nearest(G, i):
+    """``(d_1, d_2, k_1, k_2)``: the two smallest entries of the distance row ``G[i]`` and
+    their columns (``k_2 = -1``, ``d_2 = inf`` for one column)."""
+    d1 = np.inf
+    d2 = np.inf
+    kmin = -1
+    k2 = -1
+    for k in range(G.shape[1]):
+        d = np.float64(G[i, k])
+        if d < d1:
+            d2 = d1
+            k2 = kmin
+            d1 = d
+            kmin = k
+        elif d < d2:
+            d2 = d
+            k2 = k
+    return d1, d2, kmin, k2
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
     """Nearest center, its squared distance, the second-best margin and the second-nearest
@@ -486,20 +507,7 @@ def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
         G = np.empty((m, K), X.dtype)
         _block_distances(X[b0:b1], Ct, csq, metric, G)
         for i in range(m):
-            d1 = np.inf
-            d2 = np.inf
-            kmin = -1
-            k2 = -1
-            for k in range(K):
-                d = np.float64(G[i, k])
-                if d < d1:
-                    d2 = d1
-                    k2 = kmin
-                    d1 = d
-                    kmin = k
-                elif d < d2:
-                    d2 = d
-                    k2 = k
+            d1, d2, kmin, k2 = _two_nearest(G, i)
             labels[b0 + i] = max(kmin, 0)
             dmin[b0 + i] = d1
             margin[b0 + i] = d2 - d1
@@ -524,22 +532,10 @@ def label_kernel(X, C, csq, metric, block, logp, invT, labels, dmin, margin, sec
         G = np.empty((m, K), X.dtype)
         _block_distances(X[b0:b1], Ct, csq, metric, G)
         for i in range(m):
-            d1 = np.inf
-            d2 = np.inf
-            kmin = -1
-            k2 = -1
+            d1, d2, kmin, k2 = _two_nearest(G, i)
             zmax = -np.inf
             for k in range(K):
-                d = np.float64(G[i, k])
-                if d < d1:
-                    d2 = d1
-                    k2 = kmin
-                    d1 = d
-                    kmin = k
-                elif d < d2:
-                    d2 = d
-                    k2 = k
-                z = logp[k] - d * invT
+                z = logp[k] - np.float64(G[i, k]) * invT
                 if z > zmax:
                     zmax = z
             a = max(kmin, 0)
