@@ -52,7 +52,8 @@ def assignments(est, X, block_entries=1 << 21, runner_up=False):
         if n:
             est._check_X(X[:1])              # the estimator's checks of the columns
         logp = np.log(np.maximum(np.asarray(est.cluster_weights_, np.float64), 1e-300))
-        block = max(1, min(n, 1 << 16))
+        # no n x K block here, but the rows are copied (dtype, unit rows): bound the copies
+        block = max(1, min(n, block_entries // max(X.shape[1], 1)))
     else:
         block = max(1, min(n, block_entries // max(K, X.shape[1], 1)))   # n x K temporaries
     labels = np.empty(n, dtype=np.int64)
