@@ -582,12 +582,14 @@ def entmax15_rows(Z, method_bisect, out):
                 out[i, idx[j]] = t * t
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
     """``out_k = sum_{i: labels_i = k} w_i (x_i - mu_k) ((x_i - mu_k) . v_k)`` (K x D, float64).
 
     One power-iteration step for the top eigenvector of every cluster's (unnormalised)
     covariance at once; with all labels 0 and ``mu`` the mean, of the whole data.
+    Re-association lets the dot product vectorise (a sequential float64 sum made this
+    memory-light pass latency-bound: 2-3x slower); no ``nnan``/``ninf``.
     """
     n, D = X.shape
     K = mu.shape[0]

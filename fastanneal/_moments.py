@@ -21,7 +21,32 @@ _RESP_NAMES = {0: "softmax", 1: "entmax15", 2: "hard"}
 _METRIC_NAMES = {0: "euclidean", 1: "cosine"}
 
 _blas_lock = threading.Lock()
-_controller = None
+_blas_libs = None
+
+
+class _BlasOneThread:
+    """Pin the loaded BLAS libraries to one thread, restore their thread counts on exit.
+
+    ``threadpoolctl``'s ``limit`` re-reads every library's state on each entry (about
+    0.1 ms: comparable to a whole moments pass on a few thousand rows); the libraries'
+    controllers are found once and their thread counts read and set directly here.
+    """
+
+    __slots__ = ("prev",)
+
+    def __enter__(self):
+        self.prev = []
+        for lib in _blas_libs:
+            n = lib.get_num_threads()
+            if n != 1:
+                lib.set_num_threads(1)
+                self.prev.append((lib, n))
+        return self
+
+    def __exit__(self, *exc):
+        for lib, n in self.prev:
+            lib.set_num_threads(n)
+        return False
 
 
 def blas_single_thread():
@@ -30,16 +55,18 @@ def blas_single_thread():
     OpenBLAS called from Numba's worker threads with its own threads enabled oversubscribes
     the cores (about 2x slower on two cores, measured in ``benchmarks/bench_kernels.py``).
     """
-    global _controller
-    if _controller is None:
+    global _blas_libs
+    if _blas_libs is None:
         with _blas_lock:
-            if _controller is None:
+            if _blas_libs is None:
                 # Numba's np.dot calls scipy's BLAS, which is loaded lazily: load it before
                 # the controller takes its snapshot of the loaded libraries, or it is missed.
                 import scipy.linalg.cython_blas  # noqa: F401
                 from threadpoolctl import ThreadpoolController
-                _controller = ThreadpoolController()
-    return _controller.limit(limits=1, user_api="blas")
+                ctl = ThreadpoolController().select(user_api="blas")
+                _blas_libs = [lib for lib in ctl.lib_controllers
+                              if lib.get_num_threads() is not None]
+    return _BlasOneThread()
 
 
 def log_eps_for(dtype):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ._validation import check_range
 
-from ._engine import AnnealingWarning, _project
+from ._engine import AnnealingWarning, _project, _takes
 
 
 def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
@@ -95,12 +95,20 @@ def check_n_clusters(source, K, rng, name="n_clusters"):
 
 
 def critical_temperature(source, mean, rng, n_iter=100):
-    """``T_c = 2 lambda_max(C)``: exact (covariance + ``eigvalsh``) where the source can form
-    the D x D covariance, else Lanczos on additive covariance-vector products."""
+    """``T_c = 2 lambda_max(C)``: exact (the D x D covariance and its top eigenvalue) where
+    the source can form the covariance, else Lanczos on additive covariance-vector
+    products."""
+    from ._sources import top_eigenvalue
     cov = source.covariance(mean)
     if cov is not None:
-        return 2.0 * float(max(np.linalg.eigvalsh(cov)[-1], 0.0))
-    return 2.0 * float(source.cluster_top_eigenvalues(mean[None, :], n_iter, rng)[0])
+        return 2.0 * max(top_eigenvalue(cov), 0.0)
+    # Lanczos from its own start vector (T_c does not draw from the fit's random stream),
+    # stopped when the Ritz value changes by < 1e-6 between checks (its error is then about
+    # 1e-8: the attribute and the warnings need far less)
+    own = np.random.default_rng(0x7C)
+    top = source.cluster_top_eigenvalues
+    kw = {"tol": TC_LANCZOS_TOL} if _takes(top, "tol") else {}
+    return 2.0 * float(top(mean[None, :], n_iter, own, **kw)[0])
 
 
 def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000, kpp_rows=None):
@@ -132,12 +140,22 @@ def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000, kpp_rows=
     return C.copy()
 
 
+#: Stopping tolerance of the Lanczos behind ``critical_temperature_`` where the source
+#: does not form the covariance.
+TC_LANCZOS_TOL = 1e-6
+#: Relative precision of the per-cluster ``lambda_max`` behind ``temperature_start="auto"``.
+AUTO_START_TOL = 1e-3
+
+
 def auto_start(source, C, rng, fraction):
     """``fraction * min_k 2 lambda_max(C_k)`` over the non-empty clusters of the partition
     induced by the seeds ``C`` (cluster means as centers); None when undefined."""
     mh = source.moments(C, 1.0, 2, None, hard_sums=True)
     means = mh.finalize(previous_centers=C, hard=True).centers
-    lam = source.cluster_top_eigenvalues(means, 15, rng)
+    top = source.cluster_top_eigenvalues
+    # a start temperature needs lambda_max to about 1e-3, not to 1e-9: Lanczos stops there
+    # (sources written against the first protocol take no ``tol=``: 15 steps)
+    lam = top(means, 15, rng, tol=AUTO_START_TOL) if _takes(top, "tol") else top(means, 15, rng)
     cand = lam[(mh.hard_counts > 0) & (lam > 0)]
     if cand.size == 0:
         return None

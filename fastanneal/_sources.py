@@ -222,10 +222,14 @@ class InMemorySource:
         return backward_moments(self.X, self.w, centers, T, self.metric, resp, globals_)
 
     def covariance(self, mean):
+        # above LANCZOS_D features Lanczos on the rows is the cheaper exact route (no D x D
+        # product: 10 vs 14 ms at 2,250 x 384, 41 vs 117 ms at 4,096 x 1,024)
+        if self.n_features > LANCZOS_D:
+            return None
         return exact_covariance(self.X, self.w, mean)
 
     def n_distinct_rows(self, rng, cap):
-        return n_distinct_rows(self.X, self.w, rng)
+        return n_distinct_rows(self.X, self.w, rng, cap)
 
     def labels(self, centers):
         return self.assign(centers)[0]
@@ -278,19 +282,50 @@ def _about(centers, means):
 
 #: Largest D for which sources form the exact D x D covariance (else Lanczos).
 COVARIANCE_MAX_D = 2048
+#: Above this D an in-memory source leaves the critical temperature to Lanczos on its rows
+#: (converged to 1e-9; cheaper than the D x D product there).
+LANCZOS_D = 256
 
 
 def exact_covariance(X, w, mean, block=16384):
-    """``sum w (x - mean)(x - mean)^T / W`` by float64 GEMMs over row blocks (None when
-    ``D > COVARIANCE_MAX_D``)."""
-    D = X.shape[1]
-    if D > COVARIANCE_MAX_D:
+    """``sum w (x - mean)(x - mean)^T / W`` (float64; None when ``D > COVARIANCE_MAX_D``)."""
+    if X.shape[1] > COVARIANCE_MAX_D:
         return None
-    Cov = np.zeros((D, D))
+    return scatter_matrix(X, w, mean, block) / w.sum()
+
+
+def scatter_matrix(X, w, mean, block=16384):
+    """``sum w (x - mean)(x - mean)^T`` (D x D, float64) over row blocks: the centered
+    float64 rows scaled by ``sqrt(w)`` (weights are validated non-negative), so that each
+    block is one ``Z^T Z`` (NumPy runs it as a symmetric rank-k update, half the flops of
+    a general GEMM). Additive over row sets."""
+    D = X.shape[1]
+    out = np.zeros((D, D))
+    sw = np.sqrt(np.maximum(w, 0.0))
+    mean = np.asarray(mean, dtype=np.float64)
     for b in range(0, X.shape[0], block):
-        Z = X[b:b + block].astype(np.float64) - mean
-        Cov += (Z * w[b:b + block, None]).T @ Z
-    return Cov / w.sum()
+        Z = X[b:b + block] - mean                      # float64 rows
+        Z *= sw[b:b + block, None]
+        out += Z.T @ Z
+    return out
+
+
+def top_eigenvalue(A):
+    """Largest eigenvalue of the symmetric matrix ``A`` (float64): ``eigvalsh`` for small
+    ``A``, else implicitly restarted Lanczos (ARPACK, converged to machine precision) from a
+    fixed start vector -- a few matrix-vector products instead of the full ``O(D^3)``
+    eigendecomposition (1 ms instead of 7 ms at D = 384)."""
+    A = np.asarray(A, dtype=np.float64)
+    D = A.shape[0]
+    if D <= 64:
+        return float(np.linalg.eigvalsh(A)[-1])
+    from scipy.sparse.linalg import ArpackNoConvergence, eigsh
+    v0 = np.random.default_rng(0x7C).standard_normal(D)    # own stream: fits' unchanged
+    try:
+        return float(eigsh(A, k=1, which="LA", return_eigenvectors=False, tol=0.0,
+                           v0=v0)[0])
+    except ArpackNoConvergence:
+        return float(np.linalg.eigvalsh(A)[-1])
 
 
 def weighted_mean(X, w, block=16384):
@@ -326,10 +361,19 @@ def row_hashes(X, v, block=65536):
     return h
 
 
-def n_distinct_rows(X, w, rng):
-    """Number of distinct rows with non-zero weight (exact 64-bit row hashes)."""
+def n_distinct_rows(X, w, rng, cap=None):
+    """Number of distinct rows with non-zero weight (exact 64-bit row hashes). With ``cap``
+    the count may stop early: when the first ``4 cap`` rows of non-zero weight already hold
+    ``cap`` distinct rows, their count (at least ``cap``) is returned without hashing the
+    rest (one draw from ``rng`` either way)."""
     v = rng.standard_normal(X.shape[1])
-    return len(np.unique(row_hashes(X, v)[np.asarray(w) > 0]))
+    w = np.asarray(w)
+    if cap is not None and X.shape[0] > 4 * int(cap):
+        head = np.flatnonzero(w > 0)[:4 * int(cap)]
+        nd = len(np.unique(row_hashes(X[head], v)))
+        if nd >= int(cap):
+            return nd
+    return len(np.unique(row_hashes(X, v)[w > 0]))
 
 
 def data_fingerprint(X, w, metric):

@@ -356,7 +356,7 @@ class CudaSource:
 
     def n_distinct_rows(self, rng, cap):
         from .._sources import n_distinct_rows
-        return n_distinct_rows(self._X_host, self._w_host, rng)
+        return n_distinct_rows(self._X_host, self._w_host, rng, cap)
 
     def labels(self, centers):
         return self.assign(centers)[0]

@@ -147,14 +147,10 @@ def chunk_weighted_sum(chunk):
 
 
 def chunk_scatter(chunk, mean, block=16384):
-    """``sum_i w_i (x_i - mean)(x_i - mean)^T`` over the chunk (D x D, float64 GEMMs over
-    row blocks, as the estimator's in-memory covariance)."""
-    D = chunk.X.shape[1]
-    out = np.zeros((D, D))
-    for b in range(0, chunk.rows, block):
-        Z = chunk.X[b:b + block].astype(np.float64) - mean
-        out += (Z * chunk.w[b:b + block, None]).T @ Z
-    return out
+    """``sum_i w_i (x_i - mean)(x_i - mean)^T`` over the chunk (D x D, float64, as the
+    estimator's in-memory covariance)."""
+    from .._sources import scatter_matrix
+    return scatter_matrix(chunk.X, chunk.w, mean, block)
 
 
 def chunk_labels(chunk, C, metric, nthreads):

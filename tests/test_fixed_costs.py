@@ -1,0 +1,113 @@
+"""The fixed costs of a fit (what a fit spends outside the annealing passes): the critical
+temperature, the start temperature, the distinct-rows check and the BLAS thread pinning.
+On small sets (a few thousand rows) these were a third of a default fit; each is made
+cheaper here without changing what it computes beyond a stated tolerance. References:
+``numpy.linalg.eigvalsh`` of the float64 covariance, ``numpy.unique`` of the rows,
+``threadpoolctl.threadpool_info``."""
+import numpy as np
+import pytest
+
+import fastanneal as fa
+from fastanneal import _seeding, _sources
+from fastanneal._sources import InMemorySource, top_eigenvalue, weighted_mean
+
+
+def _aniso(rng, n, D):
+    X = rng.standard_normal((n, D)) * np.linspace(0.5, 2.0, D)
+    X[: n // 3] += 2.0 * rng.standard_normal(D)
+    return np.ascontiguousarray(X)
+
+
+@pytest.mark.parametrize("D", [40, 150])
+def test_top_eigenvalue_matches_eigvalsh(D):
+    """Both branches (``eigvalsh`` up to D = 64, ARPACK above) give the top eigenvalue to
+    1e-12, also with a small spectral gap."""
+    rng = np.random.default_rng(D)
+    Q, _ = np.linalg.qr(rng.standard_normal((D, D)))
+    lams = np.r_[1.0, 0.99, rng.uniform(0.0, 0.9, D - 2)]
+    A = (Q * lams) @ Q.T
+    assert top_eigenvalue(A) == pytest.approx(np.linalg.eigvalsh(A)[-1], rel=1e-12)
+    B = np.cov(_aniso(rng, 500, D).T, bias=True)
+    assert top_eigenvalue(B) == pytest.approx(np.linalg.eigvalsh(B)[-1], rel=1e-12)
+
+
+def test_critical_temperature_by_lanczos_above_lanczos_d(monkeypatch):
+    """Above ``LANCZOS_D`` features the in-memory source leaves T_c to Lanczos on its rows
+    (no D x D covariance): the same T_c to 1e-6, and the fit's random stream untouched."""
+    rng = np.random.default_rng(3)
+    X = _aniso(rng, 400, _sources.LANCZOS_D + 20)
+    w = np.ones(len(X))
+    src = InMemorySource(X, w, 0)
+    assert src.covariance(weighted_mean(X, w)) is None
+    want = 2.0 * np.linalg.eigvalsh(np.cov(X.T, bias=True))[-1]
+    g = np.random.default_rng(11)
+    state = g.bit_generator.state
+    got = _seeding.critical_temperature(src, weighted_mean(X, w), g)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert g.bit_generator.state == state
+    km = fa.AnnealedKMeans(3, random_state=0, n_steps=2).fit(X)
+    assert km.critical_temperature_ == pytest.approx(want, rel=1e-6)
+    # below the threshold the exact covariance route gives the same number
+    monkeypatch.setattr(_sources, "LANCZOS_D", 10 ** 6)
+    assert src.covariance(weighted_mean(X, w)) is not None
+    assert _seeding.critical_temperature(src, weighted_mean(X, w), g) == \
+        pytest.approx(want, rel=1e-12)
+
+
+def test_auto_start_asks_lanczos_for_the_precision_it_needs(monkeypatch):
+    """``temperature_start="auto"`` needs the clusters' ``lambda_max`` to about 1e-3: its
+    Lanczos is stopped at ``AUTO_START_TOL``, and the start temperature agrees with the
+    fully converged one to 1e-5."""
+    rng = np.random.default_rng(5)
+    X = _aniso(rng, 1500, 48)
+    seen = []
+    orig = InMemorySource.cluster_top_eigenvalues
+
+    def spy(self, centers, n_iter, rng, **kw):
+        seen.append(kw.get("tol"))
+        return orig(self, centers, n_iter, rng, **kw)
+    monkeypatch.setattr(InMemorySource, "cluster_top_eigenvalues", spy)
+    fast = fa.AnnealedKMeans(6, random_state=1, n_steps=2).fit(X)
+    assert _seeding.AUTO_START_TOL in seen
+    monkeypatch.setattr(_seeding, "AUTO_START_TOL", 1e-12)
+    full = fa.AnnealedKMeans(6, random_state=1, n_steps=2).fit(X)
+    assert fast.temperature_start_ == pytest.approx(full.temperature_start_, rel=1e-5)
+
+
+def test_distinct_rows_count_stops_once_the_cap_is_reached():
+    """With ``cap`` the count hashes only the first ``4 cap`` rows of non-zero weight when
+    they already hold ``cap`` distinct rows (the answer is then their count, >= cap);
+    otherwise every row, exactly. ``n_clusters`` above the distinct rows still raises."""
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((1000, 5))
+    w = np.ones(len(X))
+    src = InMemorySource(X, w, 0)
+    assert src.n_distinct_rows(np.random.default_rng(0), 10) == 40       # the head only
+    assert src.n_distinct_rows(np.random.default_rng(0), 10 ** 9) == 1000
+    # a head of duplicates: the whole data decides
+    Xd = np.concatenate([np.repeat(X[:1], 400, axis=0), X[1:600]])
+    w0 = np.ones(len(Xd))
+    w0[400:410] = 0.0                            # rows of weight 0 are not counted
+    srcd = InMemorySource(np.ascontiguousarray(Xd), w0, 0)
+    want = len(np.unique(Xd[w0 > 0], axis=0))
+    assert srcd.n_distinct_rows(np.random.default_rng(0), 50) == want
+    Xr = np.ascontiguousarray(np.repeat(X[:3], 200, axis=0))
+    with pytest.raises(ValueError, match="distinct"):
+        fa.AnnealedKMeans(4, random_state=0).fit(Xr)
+
+
+def test_blas_single_thread_pins_and_restores():
+    """Inside the context every BLAS library runs one thread; after it, the counts it had
+    (also when the context is nested)."""
+    from threadpoolctl import threadpool_info
+    from fastanneal._moments import blas_single_thread
+
+    def counts():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    before = counts()
+    with blas_single_thread():
+        assert counts() and all(n == 1 for n in counts())
+        with blas_single_thread():
+            assert all(n == 1 for n in counts())
+        assert all(n == 1 for n in counts())
+    assert counts() == before
