@@ -38,14 +38,29 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def run_sampled(cmd, env=None):
-    """Run ``cmd``; return (rc, wall s, peak RSS bytes of its process tree, stderr)."""
+def tree_rss(pid):
+    """Resident bytes of the process ``pid`` and its children (0 once it is gone)."""
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        return sum(q.memory_info().rss for q in [p] + p.children(recursive=True))
+    except psutil.Error:
+        return 0
+
+
+def run_sampled(cmd, env=None, watch=None):
+    """Run ``cmd``; return (rc, wall s, peak RSS bytes of its process tree, stdout, stderr).
+    ``watch`` (name -> pid): other process trees whose peak RSS over the run is recorded
+    into ``watch_peaks`` (a dict filled in place)."""
     import psutil
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     ps = psutil.Process(proc.pid)
     peak = 0
+    watch = watch or {}
+    for name in watch:
+        watch_peaks[name] = 0
     import threading
     out = {}
 
@@ -63,10 +78,52 @@ def run_sampled(cmd, env=None):
         except psutil.Error:
             pass
         peak = max(peak, total)
+        for name, pid in watch.items():
+            watch_peaks[name] = max(watch_peaks[name], tree_rss(pid))
         time.sleep(0.05)
     for t in ts:
         t.join()
     return proc.returncode, time.perf_counter() - t0, peak, out.get("out", ""), out.get("err", "")
+
+
+#: peak RSS of the processes ``run_sampled`` was asked to watch (the Dask scheduler, ...)
+watch_peaks = {}
+
+
+def start_dask_cluster(workdir, n_workers=2):
+    """``dask scheduler`` and ``dask worker`` (``n_workers`` processes of one thread), as a
+    user starts them from the command line; returns ``(address, {name: Popen})``."""
+    sched_file = os.path.join(workdir, "scheduler.json")
+    if os.path.exists(sched_file):
+        os.remove(sched_file)
+    dask = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    procs = {"scheduler": subprocess.Popen(
+        dask + ["--scheduler-file", sched_file, "--no-dashboard", "--host", "127.0.0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)}
+    for _ in range(600):
+        if os.path.exists(sched_file):
+            break
+        time.sleep(0.1)
+    procs["workers"] = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file", sched_file,
+         "--nworkers", str(n_workers), "--nthreads", "1", "--no-dashboard"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(sched_file) as f:
+        address = json.load(f)["address"]
+    from distributed import Client
+    with Client(address, timeout=60) as c:
+        c.wait_for_workers(n_workers, timeout=120)
+    return address, procs
+
+
+def stop_dask_cluster(procs):
+    for p in procs.values():
+        p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 LIBRARY = r"""
@@ -144,6 +201,11 @@ def main():
                     help="also run the command's in-memory route (default --memory-limit)")
     ap.add_argument("--skip-library", action="store_true")
     ap.add_argument("--skip-command", action="store_true")
+    ap.add_argument("--dask-cluster", action="store_true",
+                    help="also run the command with --backend dask against a scheduler and two "
+                    "one-thread workers started with the dask command line (out of core: "
+                    "the workers read the row groups); records the client's and the "
+                    "scheduler's peak RSS")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.quick:
@@ -181,6 +243,8 @@ def main():
         routes.append(("command, out of core", ["--memory-limit", "256M"]))
     if a.in_memory:
         routes.append(("command, in memory", []))
+    if a.dask_cluster:
+        routes.append(("command, Dask cluster", ["--memory-limit", "256M", "--backend", "dask"]))
     for name, extra in routes:
         outp = os.path.join(a.dir, "out.parquet")
         for f in (outp, os.path.join(a.dir, "out.clusters.csv")):
@@ -189,13 +253,27 @@ def main():
         cmd = [sys.executable, "-m", "fastanneal", "cluster", path, "--embedding-column",
                "embedding", "--text-column", "query", "--id-column", "id", "--weight-column",
                "count", "--k", str(a.k), "--drop-columns", "embedding", "-o", outp, *extra]
-        rc, wall, peak, out, err = run_sampled(cmd)
+        procs = {}
+        if "dask" in extra:
+            address, procs = start_dask_cluster(a.dir)
+            cmd += ["--scheduler", address]
+        try:
+            rc, wall, peak, out, err = run_sampled(
+                cmd, watch={n: p.pid for n, p in procs.items()})
+        finally:
+            stop_dask_cluster(procs)
         if rc != 0:
             raise SystemExit(f"{name} failed:\n{err[-3000:]}")
-        key = "command_in_memory" if not extra else "command_out_of_core"
+        key = ("command_in_memory" if not extra else "command_dask_cluster" if procs
+               else "command_out_of_core")
         res[key] = {"wall_s": wall, "peak_rss": peak, "stages": stage_lines(err),
                     "ari": ari_from_output(path, outp),
                     "peak_over_embeddings": peak / res["embedding_bytes"]}
+        if procs:
+            res[key].update({f"peak_rss_{n}": v for n, v in watch_peaks.items()})
+            print(f"{name}: client {peak / 2**30:.2f} GiB, scheduler "
+                  f"{watch_peaks['scheduler'] / 2**30:.2f} GiB, workers (all) "
+                  f"{watch_peaks['workers'] / 2**30:.2f} GiB peak RSS")
         rows.append((name, wall, None, peak, res[key]["ari"]))
     pe = res["peers"]
     print(f"\n{a.rows:,} rows x {a.dim} (float32, {res['embedding_bytes'] / 2**30:.1f} GiB of "
@@ -213,7 +291,7 @@ def main():
         print(f"library fit: {res['library']['pass_rows_per_s']:,.0f} rows/s over its passes "
               f"({res['library']['n_passes']} full passes after "
               f"{res['library']['n_batches']} mini-batches)")
-    for key in ("command_out_of_core", "command_in_memory"):
+    for key in ("command_out_of_core", "command_in_memory", "command_dask_cluster"):
         if key in res:
             print(f"\n{key}:")
             for ln in res[key]["stages"]:

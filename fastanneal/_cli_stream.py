@@ -19,6 +19,8 @@ from ._io import InputError, embedding_matrix
 
 __all__ = ["parse_size", "default_memory_limit", "ParquetLog"]
 
+#: Rows per block of the labelling pass out of core (:meth:`ParquetLog.blocks`).
+BLOCK_ROWS = 16384
 #: The default ``--memory-limit``: this share of the machine's memory.
 MEMORY_FRACTION = 0.5
 #: Bytes the in-memory route needs per byte of embeddings (the matrix, the fit's working
@@ -181,13 +183,54 @@ class ParquetLog:
             x = x.astype(self.dtype)
         return x
 
-    def blocks(self, columns):
-        """``(row0, embeddings, table)`` of every row group in order (read ahead)."""
+    def blocks(self, columns, rows=None):
+        """``(row0, embeddings, table)`` of every row in order, in blocks of at most ``rows``
+        rows decoded straight from the row groups' pages (one block read ahead): the
+        working set is a few blocks, not whole row groups (decoding a 65,536-row group of
+        384-d float32 as one table peaks at about 250 MB). Columns that are not in the
+        files (hive partitions) fall back to whole row-group tables."""
+        import pyarrow.parquet as pq
+
+        from ._parquet import prefetched
+        rows = int(rows or BLOCK_ROWS)
         col = self.args.embedding_column
         cols = list(dict.fromkeys([col] + [c for c in columns if c]))
-        for i, t in self._tables(cols):
-            r0 = int(self.data.offsets[i])
+        first = self.data.pieces[0]
+        with pq.ParquetFile(first.path) as pf:
+            physical = set(pf.schema_arrow.names)
+        if not set(cols) <= physical:
+            for i, t in self._tables(cols):
+                r0 = int(self.data.offsets[i])
+                yield r0, self._block(t, r0), t
+            return
+        n_blocks = int(sum(-(-int(r) // rows) for r in self.data.piece_rows))
+        it = self._batches(cols, rows)
+        for _, (r0, t) in prefetched(lambda _j: next(it), range(n_blocks), depth=2):
             yield r0, self._block(t, r0), t
+
+    def _batches(self, cols, rows):
+        """``(row0, table)`` blocks of ``rows`` rows of every row group, in order (pages
+        checksummed; a read error names the file and the row group)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        for i, piece in enumerate(self.data.pieces):
+            r0 = int(self.data.offsets[i])
+            pa.default_memory_pool().release_unused()
+            try:
+                with pq.ParquetFile(piece.path, pre_buffer=False, buffer_size=1 << 22,
+                                    page_checksum_verification=True) as pf:
+                    for b in pf.iter_batches(batch_size=rows, columns=cols, use_threads=False,
+                                             row_groups=[piece.row_groups[0].id]):
+                        t = pa.Table.from_batches([b])
+                        yield r0, t
+                        r0 += t.num_rows
+            except (OSError, pa.ArrowException) as e:
+                raise InputError(f"cannot read {self.path} ({self.data.where(i)}): "
+                                 f"{e}") from None
+            got = r0 - int(self.data.offsets[i])
+            if got != int(self.data.piece_rows[i]):
+                raise InputError(f"{self.path} ({self.data.where(i)}): {got} rows read; the "
+                                 f"metadata says {int(self.data.piece_rows[i])}")
 
     def write(self, writer, drop, results, st=None):
         """Copy every row group of the input (minus ``drop``) with the result columns
@@ -215,10 +258,12 @@ def fit_stream(log, args, console):
     if args.schedule == "critical":
         raise CLIError("--schedule critical needs the embeddings in memory; use the default "
                        "schedule out of core, or raise --memory-limit")
-    stream = ParquetStream(log.data, args.embedding_column, args.weight_column, None,
-                           metric_code(args.metric), log.dtype)
+    def local_stream():
+        return ParquetStream(log.data, args.embedding_column, args.weight_column, None,
+                             metric_code(args.metric), log.dtype)
     suggestion = None
     if args.k == "auto":
+        stream = local_stream()
         # choosing K out of core: the phase-transition path on a uniform sample of the
         # row groups (suggest_k's max_rows), then the mini-batch fit with that K
         from .choose_k import STREAM_ROWS, suggest_k
@@ -232,20 +277,24 @@ def fit_stream(log, args, console):
             raise CLIError(f"cannot read {e}") from None
         except ValueError as e:
             raise CLIError(f"cannot rank K: {_as_flags(e)}") from None
-        stream = ParquetStream(log.data, args.embedding_column, args.weight_column, None,
-                               metric_code(args.metric), log.dtype)
     kw = dict(n_clusters=int(args.k) if suggestion is None else int(suggestion.best),
               metric=args.metric,
               responsibilities=args.responsibilities, schedule=args.schedule,
               n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars)
     if args.checkpoint:
         kw["checkpoint"] = args.checkpoint
-    est = MiniBatchAnnealedKMeans(**kw)
     from ._parquet import ParquetReadError
+    # the fit's passes: on the Dask workers (each reads its own row groups) or in this process
+    if args.backend == "dask":
+        kw["scheduler"] = args._dask_scheduler
+        data = dask_inputs(log, args, console)
+    else:
+        data = local_stream()
+    est = MiniBatchAnnealedKMeans(**kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            est.fit(stream)
+            est.fit(data)
         except ParquetReadError as e:
             raise CLIError(f"cannot read {e}") from None
         except ValueError as e:
@@ -253,6 +302,23 @@ def fit_stream(log, args, console):
     if suggestion is not None:
         est.n_clusters_, est.k_suggestion_ = int(suggestion.best), suggestion
     return fit_result(est, args, console, caught)
+
+
+def dask_inputs(log, args, console):
+    """The row groups of ``log`` as lazy Dask arrays (:func:`fastanneal.dask.
+    read_parquet_embeddings`: one chunk per row group, read by the worker that needs it), for
+    the mini-batch fit on the cluster of ``--backend dask``: the client and the scheduler
+    see metadata and moments only."""
+    from .cli import CLIError
+    from .dask import read_parquet_embeddings
+    try:
+        arrays = read_parquet_embeddings(log.path, args.embedding_column,
+                                         weight=args.weight_column, dtype=log.dtype)
+    except (OSError, ValueError) as e:
+        raise CLIError(f"cannot read {log.path} on the Dask cluster: {e}") from None
+    console.note(f"out of core on the Dask cluster: {arrays.X.numblocks[0]:,} chunks (row "
+                 "groups), each read by the worker that needs it")
+    return arrays
 
 
 class StreamLabels:

@@ -504,14 +504,11 @@ def run_cluster(args, console):
                      else default_memory_limit())
             route = log.route(limit)
             if route == "stream":
-                if args.backend == "dask":
-                    raise CLIError(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
-                                   f"--memory-limit {fmt_bytes(limit)}; --backend dask reads "
-                                   "them in this process: raise --memory-limit, or run without "
-                                   "--backend dask (out of core in this process)")
                 console.note(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
                              f"--memory-limit {fmt_bytes(limit)}: clustering out of core "
-                             "(mini-batch annealing over the row groups)")
+                             "(mini-batch annealing over the row groups" +
+                             (", read by the Dask workers; labels written by this process, "
+                              "row group by row group)" if args.backend == "dask" else ")"))
         X = None
         stream_note = (lambda dt: f"ids and weights of {n_rows:,} rows in {dt:.1f} s (the "
                        "embeddings are read row group by row group)")

@@ -274,6 +274,73 @@ def test_cluster_out_of_core_matches_in_memory(tmp_path, capsys, monkeypatch):
     assert "ambiguous" in (tmp_path / "ooc.html").read_text().lower()
 
 
+def test_labelling_blocks_are_bounded_and_complete(tmp_path):
+    """The labelling pass reads the row groups in blocks of at most ``rows`` rows (not whole
+    row groups): every row once, in order, embeddings and texts as in the file; a column
+    that lives in the folder names (hive partitions) falls back to whole row groups."""
+    from types import SimpleNamespace
+
+    from fastanneal._cli_stream import ParquetLog
+    p = tmp_path / "log.parquet"
+    X, lab, t = make_log(p, n=2000, row_group=700)
+    args = SimpleNamespace(embedding_column="emb", weight_column=None, id_column="id",
+                           truth_column=None, text_column="query")
+    log = ParquetLog(p, args)
+    got = list(log.blocks(["query"], rows=256))
+    sizes = [x.shape[0] for _, x, _ in got]
+    assert max(sizes) <= 256 and sum(sizes) == 2000 and len(got) == 3 + 3 + 3   # groups of 700, 700, 600
+    assert [r0 for r0, _, _ in got] == list(np.cumsum([0] + sizes[:-1]))
+    np.testing.assert_array_equal(np.concatenate([x for _, x, _ in got]), X)
+    assert sum((tb.column("query").to_pylist() for _, _, tb in got), []) == \
+        t.column("query").to_pylist()
+    # hive partitions: the partition column is not in the files
+    root = tmp_path / "hive"
+    for k in (0, 1):
+        d = root / f"part={k}"
+        d.mkdir(parents=True)
+        pq.write_table(t.slice(k * 1000, 1000), d / "a.parquet", row_group_size=400)
+    args.text_column = "part"
+    log = ParquetLog(root, args)
+    got = list(log.blocks(["part"], rows=256))
+    assert sum(x.shape[0] for _, x, _ in got) == 2000
+    np.testing.assert_array_equal(np.concatenate([x for _, x, _ in got]), X)
+
+
+@pytest.mark.dask
+def test_cluster_out_of_core_on_dask_workers(tmp_path, capsys, monkeypatch):
+    """``--backend dask`` above ``--memory-limit``: the mini-batch fit runs on the Dask
+    workers, which read the row groups themselves (the in-process row-group stream is never
+    opened for the fit); this process then labels and writes the output row group by row
+    group. Same rows, ids and partition as the in-memory route."""
+    p = tmp_path / "log.parquet"
+    X, lab, t = make_log(p, n=2400, row_group=300)
+    common = ["cluster", p, "--embedding-column", "emb", "--id-column", "id", "--weight-column",
+              "count", "--k", 6, "-q"]
+    rc, _, err = _run(capsys, *common, "-o", tmp_path / "mem.parquet")
+    assert rc == 0, err
+    from fastanneal import _cli_stream, _parquet
+
+    def no_matrix(self, st=None):
+        raise AssertionError("the out-of-core route read the whole embedding matrix")
+
+    class NoLocalStream:
+        def __init__(self, *a, **k):
+            raise AssertionError("the Dask route fitted on the in-process row-group stream")
+    monkeypatch.setattr(_cli_stream.ParquetLog, "embeddings", no_matrix)
+    monkeypatch.setattr(_parquet, "ParquetStream", NoLocalStream)
+    rc, _, err = _run(capsys, *common[:-1], "-o", tmp_path / "dask.parquet", "--memory-limit",
+                      "1K", "--backend", "dask", "--workers", 1)
+    assert rc == 0, err
+    assert "read by the Dask workers" in err and "8 chunks" in err, err
+    mem = pq.read_table(tmp_path / "mem.parquet")
+    dsk = pq.read_table(tmp_path / "dask.parquet")
+    assert dsk.column_names == mem.column_names
+    assert dsk.column("id").to_pylist() == t.column("id").to_pylist()
+    assert adjusted_rand_index(lab, dsk.column("cluster").to_numpy()) == pytest.approx(1.0)
+    assert adjusted_rand_index(mem.column("cluster").to_numpy(),
+                               dsk.column("cluster").to_numpy()) == pytest.approx(1.0)
+
+
 def test_in_memory_parquet_route_labels_like_the_library(tmp_path, capsys):
     """The Parquet in-memory route (embeddings decoded row group by row group, output
     written row group by row group) gives the library's labelled clusters."""
