@@ -365,8 +365,11 @@ def label_stream(log, est, w, ids, args, st=None):
         if text_col is not None:
             from ._io import text_list
             texts = text_list(t, text_col, log.path)
-        summ.add(r0, lab, p, mar, sec, cos, w[r0:r0 + m], texts,
-                 None if ids is None else ids[r0:r0 + m])
+        bids = None
+        if ids is not None:         # an Arrow column (out of core) or an array
+            bids = (ids.slice(r0, m).to_numpy(zero_copy_only=False) if hasattr(ids, "slice")
+                    else ids[r0:r0 + m])
+        summ.add(r0, lab, p, mar, sec, cos, w[r0:r0 + m], texts, bids)
         if st is not None:
             st.update(m)
     return StreamLabels(labels, prob, margin, ru, summ)

@@ -335,7 +335,9 @@ def check_ids(table, name, path):
     first = _first_null(col)
     if first is not None:
         raise InputError(f"{path}: id column {name!r} has a missing value at row {first + 1}")
-    if len(pc.unique(col)) != len(col):
+    # count_distinct: the hash table only, not a copy of the unique values (10 million
+    # string ids: ~170 MB less at the peak)
+    if pc.count_distinct(col, mode="all").as_py() != len(col):
         seen = {}
         for i, v in enumerate(col.to_pylist()):
             if v in seen:

@@ -534,8 +534,15 @@ def run_cluster(args, console):
         if args.id_column:
             check_ids(table, args.id_column, src)
             ids = table.column(args.id_column)
-            # a NumPy array for Parquet logs (8 bytes a numeric id, not a Python int)
-            ids = ids.to_numpy() if log is not None else ids.to_pylist()
+            # a NumPy array for Parquet logs (8 bytes a numeric id, not a Python int); out of
+            # core the Arrow column itself (the labelling pass converts one block at a time:
+            # 10 million string ids are ~600 MB as Python objects, ~170 MB in Arrow)
+            if route == "stream":
+                pass
+            elif log is not None:
+                ids = ids.to_numpy()
+            else:
+                ids = ids.to_pylist()
         w = (weight_vector(table, args.weight_column, src) if args.weight_column
              else np.ones(n))
         texts = None
@@ -550,6 +557,9 @@ def run_cluster(args, console):
             if args.truth_column not in table.column_names:
                 raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
             truth = table.column(args.truth_column).to_pylist()
+        if route == "stream":
+            table = None        # ids (Arrow), weights and truth are taken; the rest is read
+            #                     again row group by row group
         auto = args.k == "auto"
         K = int(args.k_max) if auto else int(args.k)
         flag = "--k-max" if auto else "--k"

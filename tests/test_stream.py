@@ -269,8 +269,12 @@ def test_cluster_out_of_core_matches_in_memory(tmp_path, capsys, monkeypatch):
     assert np.all((p_ooc > 0) & (p_ooc <= 1))
     cm = pa.csv.read_csv(tmp_path / "mem.clusters.csv")
     co = pa.csv.read_csv(tmp_path / "ooc.clusters.csv")
-    for c in ("cluster", "size", "weight", "label", "terms"):
+    for c in ("cluster", "size", "weight", "label", "terms", "central_id", "central_row"):
         assert co.column(c).to_pylist() == cm.column(c).to_pylist(), c
+    # the central ids are the ids of the central rows (the id column stays Arrow out of core)
+    ids = t.column("id").to_pylist()
+    assert co.column("central_id").to_pylist() == [ids[r - 1] for r in
+                                                  co.column("central_row").to_pylist()]
     assert "ambiguous" in (tmp_path / "ooc.html").read_text().lower()
 
 
