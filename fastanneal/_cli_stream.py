@@ -19,7 +19,8 @@ from ._io import InputError, embedding_matrix
 
 __all__ = ["parse_size", "default_memory_limit", "ParquetLog"]
 
-#: Rows per block of the labelling pass out of core (:meth:`ParquetLog.blocks`).
+#: Rows per decoded block of the embeddings (:meth:`ParquetLog.embeddings`, and the
+#: labelling pass out of core: :meth:`ParquetLog.blocks`).
 BLOCK_ROWS = 16384
 #: The default ``--memory-limit``: this share of the machine's memory.
 MEMORY_FRACTION = 0.5
@@ -146,31 +147,13 @@ class ParquetLog:
     def embeddings(self, st=None):
         """The embedding column as one ``(n, D)`` matrix, decoded row group by row group
         into it (checked: no missing rows, equal widths, finite values)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        col = self.args.embedding_column
         X = np.empty((self.n_rows, self.dim), dtype=self.dtype)
-        r0 = 0
         # small batches straight into X (no row group held whole); pages are checksummed
-        for piece in self.data.pieces:
-            pa.default_memory_pool().release_unused()
-            try:
-                with pq.ParquetFile(piece.path, pre_buffer=False, buffer_size=1 << 22,
-                                    page_checksum_verification=True) as pf:
-                    for b in pf.iter_batches(batch_size=16384, columns=[col],
-                                             row_groups=[piece.row_groups[0].id],
-                                             use_threads=False):
-                        x = self._block(pa.Table.from_batches([b]), r0)
-                        X[r0:r0 + x.shape[0]] = x
-                        r0 += x.shape[0]
-                        if st is not None:
-                            st.update(x.shape[0])
-            except (OSError, pa.ArrowException) as e:
-                raise InputError(f"cannot read {self.path} ({os.path.basename(piece.path)} "
-                                 f"row group {piece.row_groups[0].id}): {e}") from None
-        if r0 != self.n_rows:
-            raise InputError(f"{self.path}: {r0} embeddings read; the metadata says "
-                             f"{self.n_rows} rows")
+        for r0, t in self._batches([self.args.embedding_column], BLOCK_ROWS):
+            x = self._block(t, r0)
+            X[r0:r0 + x.shape[0]] = x
+            if st is not None:
+                st.update(x.shape[0])
         return X
 
     def _block(self, table, row0):
@@ -365,11 +348,9 @@ def label_stream(log, est, w, ids, args, st=None):
         if text_col is not None:
             from ._io import text_list
             texts = text_list(t, text_col, log.path)
-        bids = None
-        if ids is not None:         # an Arrow column (out of core) or an array
-            bids = (ids.slice(r0, m).to_numpy(zero_copy_only=False) if hasattr(ids, "slice")
-                    else ids[r0:r0 + m])
-        summ.add(r0, lab, p, mar, sec, cos, w[r0:r0 + m], texts, bids)
+        # ids: the Arrow column, converted one block at a time
+        summ.add(r0, lab, p, mar, sec, cos, w[r0:r0 + m], texts,
+                 None if ids is None else ids.slice(r0, m).to_numpy(zero_copy_only=False))
         if st is not None:
             st.update(m)
     return StreamLabels(labels, prob, margin, ru, summ)

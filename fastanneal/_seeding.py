@@ -98,14 +98,14 @@ def critical_temperature(source, mean, rng, n_iter=100):
     """``T_c = 2 lambda_max(C)``: exact (the D x D covariance and its top eigenvalue) where
     the source can form the covariance, else Lanczos on additive covariance-vector
     products."""
-    from ._sources import top_eigenvalue
+    from ._sources import EIG_SEED, top_eigenvalue
     cov = source.covariance(mean)
     if cov is not None:
         return 2.0 * max(top_eigenvalue(cov), 0.0)
     # Lanczos from its own start vector (T_c does not draw from the fit's random stream),
     # stopped when the Ritz value changes by < 1e-6 between checks (its error is then about
     # 1e-8: the attribute and the warnings need far less)
-    own = np.random.default_rng(0x7C)
+    own = np.random.default_rng(EIG_SEED)
     top = source.cluster_top_eigenvalues
     kw = {"tol": TC_LANCZOS_TOL} if _takes(top, "tol") else {}
     return 2.0 * float(top(mean[None, :], n_iter, own, **kw)[0])

@@ -280,6 +280,9 @@ def _about(centers, means):
     return np.ascontiguousarray(means)
 
 
+#: Seed of the start vectors of the whole-data top eigenvalue (``critical_temperature_``):
+#: its own generator, so computing T_c does not move the fit's random stream.
+EIG_SEED = 0x7C
 #: Largest D for which sources form the exact D x D covariance (else Lanczos).
 COVARIANCE_MAX_D = 2048
 #: Above this D an in-memory source leaves the critical temperature to Lanczos on its rows
@@ -320,7 +323,7 @@ def top_eigenvalue(A):
     if D <= 64:
         return float(np.linalg.eigvalsh(A)[-1])
     from scipy.sparse.linalg import ArpackNoConvergence, eigsh
-    v0 = np.random.default_rng(0x7C).standard_normal(D)    # own stream: fits' unchanged
+    v0 = np.random.default_rng(EIG_SEED).standard_normal(D)    # not the fit's stream
     try:
         return float(eigsh(A, k=1, which="LA", return_eigenvectors=False, tol=0.0,
                            v0=v0)[0])

@@ -537,12 +537,8 @@ def run_cluster(args, console):
             # a NumPy array for Parquet logs (8 bytes a numeric id, not a Python int); out of
             # core the Arrow column itself (the labelling pass converts one block at a time:
             # 10 million string ids are ~600 MB as Python objects, ~170 MB in Arrow)
-            if route == "stream":
-                pass
-            elif log is not None:
-                ids = ids.to_numpy()
-            else:
-                ids = ids.to_pylist()
+            if route != "stream":
+                ids = ids.to_numpy() if log is not None else ids.to_pylist()
         w = (weight_vector(table, args.weight_column, src) if args.weight_column
              else np.ones(n))
         texts = None
