@@ -29,4 +29,8 @@ CUDA_SPARSE_FRACTION = 0.08
 #: distances of rows whose every other center is provably beyond the responsibility drop
 #: threshold (``docs/theory.md``, "Pruning"). ``FASTANNEAL_PRUNE=0`` turns it off.
 PRUNE = __import__("os").environ.get("FASTANNEAL_PRUNE", "1") != "0"
-PRUNE_RESET_EACH_STEP = __import__("os").environ.get("FASTANNEAL_PRUNE_RESET", "1") != "0"
+#: The bounds are forgotten at every temperature step only when the fit saves checkpoints
+#: there (a resumed fit then repeats the uninterrupted one bit for bit); without a checkpoint
+#: they are kept across steps (a fit with and one without a checkpoint agree to rounding).
+#: ``FASTANNEAL_PRUNE_RESET=1`` forgets them at every step in any case.
+PRUNE_RESET_EACH_STEP = __import__("os").environ.get("FASTANNEAL_PRUNE_RESET", "0") != "0"

@@ -477,9 +477,10 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
     reset = getattr(source, "reset_bounds", None)
     from . import _config
     if reset is not None and (hook is not None or _config.PRUNE_RESET_EACH_STEP):
-        # A resumed fit starts without the source's per-row bounds: forget them at every
-        # step boundary (where states are saved), so that a fit with or without a
-        # checkpoint, resumed or not, takes exactly the same passes (bit-identical).
+        # A resumed fit starts without the source's per-row bounds: a fit that saves
+        # states forgets them at every step boundary (where it saves), so that resumed or
+        # not it takes exactly the same passes (bit-identical). Without checkpoints the
+        # bounds live on across steps (pruning the first pass of each step too).
         save = hook
 
         def hook(st):

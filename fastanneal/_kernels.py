@@ -762,11 +762,14 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
             m += 1
         if m == 0:
             continue
-        for r in range(m):
-            for j in range(D):
-                Xg[r, j] = X[idx[r], j]
+        if m == b1 - b0:
+            Xb = X[b0:b1]           # no row of the block pruned: no gathered copy
+        else:
+            for r in range(m):
+                for j in range(D):
+                    Xg[r, j] = X[idx[r], j]
+            Xb = Xg[:m]
         Gb = G[:m]
-        Xb = Xg[:m]
         _block_distances(Xb, Ct, csq, metric, Gb)
         blk_nnz = 0
         for r in range(m):

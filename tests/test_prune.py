@@ -152,3 +152,38 @@ def test_a_far_jump_of_one_center_does_not_void_the_bounds():
     np.testing.assert_allclose(
         a.hard_counts, compute_moments(X, w, C2, 0.0, 0, 2, None, False).hard_counts,
         rtol=1e-12)
+
+
+def test_bounds_live_across_steps_unless_the_fit_saves_checkpoints(monkeypatch, tmp_path):
+    """Without a checkpoint the bounds are kept from one temperature step to the next (the
+    first pass of a step is pruned too); a fit that saves states forgets them at every step
+    (bit-identical resume). Both give the same fit up to rounding."""
+    rng = np.random.default_rng(21)
+    M = rng.uniform(0, 60, (12, 2))
+    X = M[rng.integers(0, 12, 3000)] + rng.standard_normal((3000, 2))
+    pruned = {}
+    resets = {}
+    real_moments, real_reset = InMemorySource.moments, InMemorySource.reset_bounds
+
+    def moments(self, *a, **k):
+        out = real_moments(self, *a, **k)
+        if self._bounds is not None:
+            pruned[mode] = pruned.get(mode, 0) + self._bounds.pruned
+        return out
+
+    def reset(self):
+        resets[mode] = resets.get(mode, 0) + 1
+        real_reset(self)
+    monkeypatch.setattr(InMemorySource, "moments", moments)
+    monkeypatch.setattr(InMemorySource, "reset_bounds", reset)
+    fits = {}
+    for mode in ("plain", "checkpoint"):
+        ck = tmp_path / "ck" if mode == "checkpoint" else None
+        fits[mode] = fastanneal.AnnealedKMeans(12, random_state=3, checkpoint=ck).fit(X)
+    a, b = fits["plain"], fits["checkpoint"]
+    assert resets["plain"] == 1                  # only the estimator's final statistics
+    assert resets["checkpoint"] >= a.n_steps_
+    assert pruned["plain"] > pruned["checkpoint"] + 0.5 * X.shape[0] * a.n_steps_
+    np.testing.assert_array_equal(a.labels_, b.labels_)
+    np.testing.assert_allclose(a.cluster_centers_, b.cluster_centers_, rtol=1e-12, atol=1e-12)
+    assert a.inertia_ == pytest.approx(b.inertia_, rel=1e-12)
