@@ -31,7 +31,6 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False, tol=
     start), mixed with a random part so that no start is orthogonal to the top eigenvector;
     rows of zeros start at random.
     """
-    from scipy.linalg import eigh_tridiagonal
     K, D = mu.shape
     m = int(max(1, min(n_iter, D)))
     wsafe = np.where(wk > 0, wk, 1.0)
@@ -56,31 +55,25 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False, tol=
     steps = 0
 
     def ritz(j):
-        lam_j = np.zeros(K)
-        for k in range(K):
-            a = alpha[:j + 1, k]
-            if j == 0:
-                lam_j[k] = a[0]
-                Y[k, 0] = 1.0
-                continue
-            ev, vec = eigh_tridiagonal(a, beta[:j, k])
-            lam_j[k] = ev[-1]
-            Y[k, :j + 1] = vec[:, -1]
-        return lam_j
-
-    def ritz_values(j):
-        """The top Ritz values of all clusters in one stacked ``eigvalsh`` (the convergence
-        checks: one LAPACK call instead of K; the final values and vectors come from
-        :func:`ritz`)."""
+        """Top Ritz values and their vectors' Lanczos coefficients (into ``Y``), all
+        clusters in one stacked ``eigh`` of the (K, j+1, j+1) tridiagonal matrices; the
+        sign is fixed so that a vector has a non-negative component along its start."""
         n = j + 1
         if n == 1:
+            Y[:, 0] = 1.0
             return alpha[0].copy()
-        T = np.zeros((K, n, n))
-        d = np.arange(n)
-        T[:, d, d] = alpha[:n].T
-        T[:, d[:-1], d[1:]] = beta[:j].T
-        T[:, d[1:], d[:-1]] = beta[:j].T
-        return np.linalg.eigvalsh(T)[:, -1]
+        ev, vec = np.linalg.eigh(_tridiagonals(alpha, beta, j))
+        top = vec[:, :, -1]
+        top *= np.where(top[:, :1] < 0.0, -1.0, 1.0)
+        Y[:, :n] = top
+        return ev[:, -1]
+
+    def ritz_values(j):
+        """The top Ritz values of all clusters (the convergence checks; the final values
+        and vectors come from :func:`ritz`)."""
+        if j == 0:
+            return alpha[0].copy()
+        return np.linalg.eigvalsh(_tridiagonals(alpha, beta, j))[:, -1]
 
     for j in range(m):
         U = matvec(mu, Q[j]) / wsafe[:, None]
@@ -100,13 +93,25 @@ def power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors=False, tol=
             lam = new
             if done or not ok.any():
                 break
-    lam = ritz(steps - 1)                 # final values and Ritz vectors, cluster by cluster
+    lam = ritz(steps - 1) if return_vectors else ritz_values(steps - 1)
     lam = np.where(wk > 0, np.maximum(lam, 0.0), 0.0)
     if not return_vectors:
         return lam
     V = np.einsum("kj,jkd->kd", Y[:, :steps], Q[:steps])
     V /= np.maximum(np.linalg.norm(V, axis=1, keepdims=True), 1e-300)
     return lam, V
+
+
+def _tridiagonals(alpha, beta, j):
+    """The Lanczos tridiagonal matrices of all clusters after step ``j``: (K, j+1, j+1)."""
+    n = j + 1
+    K = alpha.shape[1]
+    T = np.zeros((K, n, n))
+    d = np.arange(n)
+    T[:, d, d] = alpha[:n].T
+    T[:, d[:-1], d[1:]] = beta[:j].T
+    T[:, d[1:], d[:-1]] = beta[:j].T
+    return T
 
 
 #: Weight of the random part of a warm Lanczos start (:func:`power_iteration_eigs`).
