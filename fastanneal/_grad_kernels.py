@@ -136,6 +136,10 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
         Sb = np.empty((K, D))
         cand = np.empty(K)
         cidx = np.empty(K, np.int64)
+        # thread-local sums, copied out once (no cache line shared while adding)
+        lN = np.zeros(K)
+        lS = np.zeros((K, D))
+        lH = 0.0
         for b0 in range(r0, r1, block):
             m = min(b0 + block, r1) - b0
             _load_block(X, b0, m, Xb, xsq)
@@ -143,15 +147,18 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
             _fill_distances(P, xsq, csq, metric, K, m, G)
             for i in range(m):
                 wi = w[b0 + i]
-                accH[t] += wi * _row_probs(G, i, T, resp, cand, cidx, sort_max)
+                lH += wi * _row_probs(G, i, T, resp, cand, cidx, sort_max)
                 for k in range(K):
                     wr = wi * G[i, k]
                     G[i, k] = wr
-                    accN[t, k] += wr
+                    lN[k] += wr
             np.dot(G[:m].T, Xb[:m], Sb)
             for k in range(K):
                 for j in range(D):
-                    accS[t, k, j] += Sb[k, j]
+                    lS[k, j] += Sb[k, j]
+        accN[t] = lN
+        accS[t] = lS
+        accH[t] = lH
     N = np.zeros(K)
     S = np.zeros((K, D))
     H = 0.0
@@ -210,6 +217,10 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
         tb = np.empty(K)
         cand = np.empty(K)
         cidx = np.empty(K, np.int64)
+        # thread-local sums, copied out once (no cache line shared while adding)
+        lA = np.zeros((K2, D))
+        la = np.zeros(K2)
+        lC = 0.0
         for b0 in range(r0, r1, block):
             m = min(b0 + block, r1) - b0
             _load_block(X, b0, m, Xb, xsq)
@@ -228,7 +239,7 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
                     if q < 0.0:
                         q = 0.0
                     e = P[i, K2 + k] - gmu[k]
-                    accC[t] += wr * q
+                    lC += wr * q
                     ta[k] = wr * q * invW - lam * rho * e
                     tb[k] = rho * e
                     sa += ta[k]
@@ -280,11 +291,14 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
             np.dot(GG[:m].T, Xb[:m], Ab)
             for k in range(K2):
                 for j in range(D):
-                    accA[t, k, j] += Ab[k, j]
+                    lA[k, j] += Ab[k, j]
                 s = 0.0
                 for i in range(m):
                     s += GG[i, k]
-                acca[t, k] += s
+                la[k] += s
+        accA[t] = lA
+        acca[t] = la
+        accC[t] = lC
     A = np.zeros((K2, D))
     a = np.zeros(K2)
     comp = 0.0

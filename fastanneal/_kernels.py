@@ -381,6 +381,13 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
         cidx = np.empty(K, np.int64)
         scratch = np.empty((2, K))
         ibits = np.empty(K, np.int64)
+        # thread-local sums, copied out once (see _pruned_ranges)
+        lN = np.zeros(K)
+        lS = np.zeros((K, D))
+        lHN = np.zeros(K)
+        lHS = np.zeros((HK, D))
+        lSc = np.zeros(N_SCALARS)
+        lmin = np.inf
         for b0 in range(r0, r1, block):
             b1 = min(b0 + block, r1)
             m = b1 - b0
@@ -392,29 +399,29 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                 wi = w[b0 + i]
                 soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
                     Gb, i, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max,
-                    accN[t], scratch, ibits)
+                    lN, scratch, ibits)
                 blk_nnz += nnz
-                accSc[t, S_SOFT_DIST] += wi * soft
-                accSc[t, S_ENTROPY] += wi * ent
-                accSc[t, S_FREE] += wi * free
-                accSc[t, S_HARD] += wi * d1
-                accSc[t, S_WEIGHT] += wi
-                accSc[t, S_ROWS] += 1.0
+                lSc[S_SOFT_DIST] += wi * soft
+                lSc[S_ENTROPY] += wi * ent
+                lSc[S_FREE] += wi * free
+                lSc[S_HARD] += wi * d1
+                lSc[S_WEIGHT] += wi
+                lSc[S_ROWS] += 1.0
                 if K > 1 and wi > 0.0:
                     marg = d2 - d1
-                    if marg < accMin[t]:
-                        accMin[t] = marg
+                    if marg < lmin:
+                        lmin = marg
                     if T > 0.0:
-                        accSc[t, S_MARGIN] += wi * math.exp(-marg / T)
-                accHN[t, kmin] += wi
+                        lSc[S_MARGIN] += wi * math.exp(-marg / T)
+                lHN[kmin] += wi
                 if hard_sums:
                     for j in range(D):
-                        accHS[t, kmin, j] += wi * np.float64(Xb[i, j])
+                        lHS[kmin, j] += wi * np.float64(Xb[i, j])
                 if resp == RESP_HARD and not hard_sums:
                     # (with hard sums the soft sums are the same numbers: copied at the end)
                     for j in range(D):
-                        accS[t, kmin, j] += wi * np.float64(Xb[i, j])
-            accSc[t, S_NNZ] += blk_nnz
+                        lS[kmin, j] += wi * np.float64(Xb[i, j])
+            lSc[S_NNZ] += blk_nnz
             if resp == RESP_HARD:
                 continue
             if blk_nnz <= sparse_fraction * m * K:
@@ -423,12 +430,18 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                         r = np.float64(Gb[i, k])
                         if r != 0.0:
                             for j in range(D):
-                                accS[t, k, j] += r * np.float64(Xb[i, j])
+                                lS[k, j] += r * np.float64(Xb[i, j])
             else:
                 np.dot(Gb.T, Xb, Sb)
                 for k in range(K):
                     for j in range(D):
-                        accS[t, k, j] += Sb[k, j]
+                        lS[k, j] += Sb[k, j]
+        accN[t] = lN
+        accS[t] = lS
+        accHN[t] = lHN
+        accHS[t] = lHS
+        accSc[t] = lSc
+        accMin[t] = lmin
     return _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums)
 
 
@@ -599,6 +612,7 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
         diff = np.empty(D)
+        loc = np.zeros((K, D))          # thread-local (no cache line shared while adding)
         for i in range(r0, r1):
             k = labels[i]
             s = 0.0
@@ -607,7 +621,8 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
                 s += diff[j] * V[k, j]
             s *= w[i]
             for j in range(D):
-                acc[t, k, j] += s * diff[j]
+                loc[k, j] += s * diff[j]
+        acc[t] = loc
     out = np.zeros((K, D))
     for t in range(nch):
         out += acc[t]
@@ -629,6 +644,7 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
         G = np.empty((block, m), X.dtype)
+        loc = np.zeros(m)               # thread-local (no cache line shared while adding)
         for b0 in range(r0, r1, block):
             b1 = min(b0 + block, r1)
             Gb = G[:b1 - b0]
@@ -642,7 +658,8 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
                     d = d if d > 0.0 else 0.0
                     v = d if d < ci else ci
                     out[j, i] = v
-                    acc[t, j] += wi * v
+                    loc[j] += wi * v
+        acc[t] = loc
     pots = np.zeros(m)
     for u in range(nch):
         for j in range(m):
@@ -833,11 +850,22 @@ def _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, 
     n = X.shape[0]
     nch = accMin.shape[0]
     for t in prange(nch):
+        # thread-local sums, copied out once: neighbouring rows of the shared accumulators
+        # can sit on one cache line, which the threads' every update would bounce
+        lN = np.zeros_like(accN[t])
+        lS = np.zeros_like(accS[t])
+        lHN = np.zeros_like(accHN[t])
+        lHS = np.zeros_like(accHS[t])
+        lSc = np.zeros_like(accSc[t])
         mn, p = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
                               metric, resp, block, hard_sums, log_eps, sparse_fraction,
                               sort_max, gap, slack, t * n // nch, (t + 1) * n // nch, lab, ub,
-                              lb, movers, dnm, dnm2, top_nm, accN[t], accS[t], accHN[t],
-                              accHS[t], accSc[t])
+                              lb, movers, dnm, dnm2, top_nm, lN, lS, lHN, lHS, lSc)
+        accN[t] = lN
+        accS[t] = lS
+        accHN[t] = lHN
+        accHS[t] = lHS
+        accSc[t] = lSc
         accMin[t] = mn
         accP[t] = p
 
