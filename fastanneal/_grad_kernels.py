@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._kernels import (METRIC_COSINE, RESP_ENTMAX15, entmax15_support_probs,
+from ._kernels import (METRIC_COSINE, PAD, RESP_ENTMAX15, entmax15_support_probs,
                        n_row_ranges)
 
 PHI_IDENTITY = 0
@@ -123,9 +123,9 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
     n, D = X.shape
     K = Ct.shape[1]
     nch = n_row_ranges(n, block, nth)
-    accN = np.zeros((nch, K))
-    accS = np.zeros((nch, K, D))
-    accH = np.zeros(nch)
+    accN = np.zeros((nch, K + PAD))          # padded per thread: see _kernels.PAD
+    accS = np.zeros((nch, K + (PAD + D - 1) // D, D))
+    accH = np.zeros((nch, PAD))
     for t in prange(nch):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
@@ -136,10 +136,6 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
         Sb = np.empty((K, D))
         cand = np.empty(K)
         cidx = np.empty(K, np.int64)
-        # thread-local sums, copied out once (no cache line shared while adding)
-        lN = np.zeros(K)
-        lS = np.zeros((K, D))
-        lH = 0.0
         for b0 in range(r0, r1, block):
             m = min(b0 + block, r1) - b0
             _load_block(X, b0, m, Xb, xsq)
@@ -147,25 +143,22 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
             _fill_distances(P, xsq, csq, metric, K, m, G)
             for i in range(m):
                 wi = w[b0 + i]
-                lH += wi * _row_probs(G, i, T, resp, cand, cidx, sort_max)
+                accH[t, 0] += wi * _row_probs(G, i, T, resp, cand, cidx, sort_max)
                 for k in range(K):
                     wr = wi * G[i, k]
                     G[i, k] = wr
-                    lN[k] += wr
+                    accN[t, k] += wr
             np.dot(G[:m].T, Xb[:m], Sb)
             for k in range(K):
                 for j in range(D):
-                    lS[k, j] += Sb[k, j]
-        accN[t] = lN
-        accS[t] = lS
-        accH[t] = lH
+                    accS[t, k, j] += Sb[k, j]
     N = np.zeros(K)
     S = np.zeros((K, D))
     H = 0.0
     for t in range(nch):
-        N += accN[t]
-        S += accS[t]
-        H += accH[t]
+        N += accN[t, :K]
+        S += accS[t, :K]
+        H += accH[t, 0]
     return N, S, H
 
 
@@ -198,9 +191,9 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
     entmax = resp == RESP_ENTMAX15
     twoT = 2.0 / T
     want_gx = gX.shape[0] == n and n > 0    # a 0-row gX: sums only (the solver's pass)
-    accA = np.zeros((nch, K2, D))
-    acca = np.zeros((nch, K2))
-    accC = np.zeros(nch)
+    accA = np.zeros((nch, K2 + (PAD + D - 1) // D, D))     # padded per thread: see PAD
+    acca = np.zeros((nch, K2 + PAD))
+    accC = np.zeros((nch, PAD))
     for t in prange(nch):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
@@ -217,10 +210,6 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
         tb = np.empty(K)
         cand = np.empty(K)
         cidx = np.empty(K, np.int64)
-        # thread-local sums, copied out once (no cache line shared while adding)
-        lA = np.zeros((K2, D))
-        la = np.zeros(K2)
-        lC = 0.0
         for b0 in range(r0, r1, block):
             m = min(b0 + block, r1) - b0
             _load_block(X, b0, m, Xb, xsq)
@@ -239,7 +228,7 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
                     if q < 0.0:
                         q = 0.0
                     e = P[i, K2 + k] - gmu[k]
-                    lC += wr * q
+                    accC[t, 0] += wr * q
                     ta[k] = wr * q * invW - lam * rho * e
                     tb[k] = rho * e
                     sa += ta[k]
@@ -291,21 +280,18 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
             np.dot(GG[:m].T, Xb[:m], Ab)
             for k in range(K2):
                 for j in range(D):
-                    lA[k, j] += Ab[k, j]
+                    accA[t, k, j] += Ab[k, j]
                 s = 0.0
                 for i in range(m):
                     s += GG[i, k]
-                la[k] += s
-        accA[t] = lA
-        acca[t] = la
-        accC[t] = lC
+                acca[t, k] += s
     A = np.zeros((K2, D))
     a = np.zeros(K2)
     comp = 0.0
     for t in range(nch):
-        A += accA[t]
-        a += acca[t]
-        comp += accC[t]
+        A += accA[t, :K2]
+        a += acca[t, :K2]
+        comp += accC[t, 0]
     return comp, A, a
 
 

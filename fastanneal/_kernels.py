@@ -39,6 +39,10 @@ S_NNZ = 7         # number of non-zero responsibilities kept
 N_SCALARS = 8
 
 LOG_EPS32 = math.log(2.0 ** -24)
+#: Padding (float64 entries: one 64-byte cache line) after each thread's row of a per-thread
+#: accumulator, so that no two threads update the same cache line (an update per row of a
+#: shared line bounced it between the cores: ~30 % of a small pruned pass).
+PAD = 8
 LOG_EPS64 = math.log(2.0 ** -53)
 
 
@@ -246,7 +250,7 @@ def _softmax_row_finish(G, i, log_eps, w, zrow, ebuf, scale2, Nacc):
     return s, sed, sez, nnz
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max,
                           Nacc, scratch, ibits):
     """Turn the distance row ``G[i]`` into weighted responsibilities ``w * r_i`` in place,
@@ -273,21 +277,33 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
                 zmax = z
     if not use_prior and resp != RESP_HARD:
         zmax = -d1 / T
-    nnz = 0
     if resp == RESP_HARD:
         # the caller accumulates the single entry (row i, kmin) directly; G is left as is
         Nacc[kmin] += w
         return d1, 0.0, d1, d1, d2, kmin, 1
+    if resp == RESP_SOFTMAX and not use_prior and \
+            (d2 - d1) - 4e-16 * d2 > (1e-9 - log_eps) * T:
+        # Every other logit is below log_eps (the drop threshold), with room for the
+        # rounding of z: the row is exactly one-hot, as the general path would find after
+        # K exponentials. Common at low T; K = 1 lands here too (d2 = inf).
+        for k in range(K):
+            G[i, k] = 0.0
+        G[i, kmin] = w
+        Nacc[kmin] += w
+        return d1, 0.0, d1, d1, d2, kmin, 1
+    return _row_soft(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max, Nacc,
+                     scratch, ibits, d1, d2, kmin, zmax)
+
+
+@njit(cache=True, nogil=True)
+def _row_soft(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max, Nacc, scratch,
+              ibits, d1, d2, kmin, zmax):
+    """The soft part of :func:`_row_responsibilities` (softmax or entmax-1.5 over the row),
+    a function of its own: the common hard and one-hot rows are inlined into the kernels
+    (a call per row costs ~30 ns at small K), this larger part is compiled once."""
+    K = G.shape[1]
+    nnz = 0
     if resp == RESP_SOFTMAX:
-        if not use_prior and (d2 - d1) - 4e-16 * d2 > (1e-9 - log_eps) * T:
-            # Every other logit is below log_eps (the drop threshold), with room for the
-            # rounding of z: the row is exactly one-hot, as the general path would find after
-            # K exponentials. Common at low T; K = 1 lands here too (d2 = inf).
-            for k in range(K):
-                G[i, k] = 0.0
-            G[i, kmin] = w
-            Nacc[kmin] += w
-            return d1, 0.0, d1, d1, d2, kmin, 1
         s, sed, sez, nnz = _softmax_row(G, i, logp, use_prior, T, log_eps, w, zmax, cand,
                                         scratch[0], ibits, scratch[1], Nacc)
         soft = sed / s
@@ -332,21 +348,24 @@ def _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums):
     """Sum the per-thread accumulators serially, in a fixed order (bit-identical run to
     run): ``(N, S, scalars, hard_counts, hard_S, min_margin)``. A plain function, so the
     array sums do not become parfors of the parallel kernels that call it."""
-    nch, K, D = accS.shape
+    nch = accS.shape[0]
+    D = accS.shape[2]
+    K = accN.shape[1] - PAD
+    HK = K if hard_sums else 0
     N = np.zeros(K)
     S = np.zeros((K, D))
     HN = np.zeros(K)
-    HS = np.zeros((accHS.shape[1], D))
-    sc = np.zeros(accSc.shape[1])
+    HS = np.zeros((HK, D))
+    sc = np.zeros(N_SCALARS)
     mn = np.inf
     for u in range(nch):
-        N += accN[u]
-        S += accS[u]
-        HN += accHN[u]
-        HS += accHS[u]
-        sc += accSc[u]
-        if accMin[u] < mn:
-            mn = accMin[u]
+        N += accN[u, :K]
+        S += accS[u, :K]
+        HN += accHN[u, :K]
+        HS += accHS[u, :HK]
+        sc += accSc[u, :N_SCALARS]
+        if accMin[u, 0] < mn:
+            mn = accMin[u, 0]
     if resp == RESP_HARD and hard_sums:
         S[:, :] = HS            # (with hard sums the soft sums are these numbers)
     return N, S, sc, HN, HS, mn
@@ -366,12 +385,13 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
     nch = n_row_ranges(n, block, nth)
     Ct = C.T
     HK = K if hard_sums else 0
-    accN = np.zeros((nch, K))
-    accS = np.zeros((nch, K, D))
-    accHN = np.zeros((nch, K))
-    accHS = np.zeros((nch, HK, D))
-    accSc = np.zeros((nch, N_SCALARS))
-    accMin = np.full(nch, np.inf)
+    pk = (PAD + D - 1) // D               # padding rows of D entries (see PAD)
+    accN = np.zeros((nch, K + PAD))
+    accS = np.zeros((nch, K + pk, D))
+    accHN = np.zeros((nch, K + PAD))
+    accHS = np.zeros((nch, HK + pk, D))
+    accSc = np.zeros((nch, N_SCALARS + PAD))
+    accMin = np.full((nch, PAD), np.inf)
     for t in prange(nch):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
@@ -381,13 +401,6 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
         cidx = np.empty(K, np.int64)
         scratch = np.empty((2, K))
         ibits = np.empty(K, np.int64)
-        # thread-local sums, copied out once (see _pruned_ranges)
-        lN = np.zeros(K)
-        lS = np.zeros((K, D))
-        lHN = np.zeros(K)
-        lHS = np.zeros((HK, D))
-        lSc = np.zeros(N_SCALARS)
-        lmin = np.inf
         for b0 in range(r0, r1, block):
             b1 = min(b0 + block, r1)
             m = b1 - b0
@@ -399,29 +412,29 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                 wi = w[b0 + i]
                 soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
                     Gb, i, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max,
-                    lN, scratch, ibits)
+                    accN[t], scratch, ibits)
                 blk_nnz += nnz
-                lSc[S_SOFT_DIST] += wi * soft
-                lSc[S_ENTROPY] += wi * ent
-                lSc[S_FREE] += wi * free
-                lSc[S_HARD] += wi * d1
-                lSc[S_WEIGHT] += wi
-                lSc[S_ROWS] += 1.0
+                accSc[t, S_SOFT_DIST] += wi * soft
+                accSc[t, S_ENTROPY] += wi * ent
+                accSc[t, S_FREE] += wi * free
+                accSc[t, S_HARD] += wi * d1
+                accSc[t, S_WEIGHT] += wi
+                accSc[t, S_ROWS] += 1.0
                 if K > 1 and wi > 0.0:
                     marg = d2 - d1
-                    if marg < lmin:
-                        lmin = marg
+                    if marg < accMin[t, 0]:
+                        accMin[t, 0] = marg
                     if T > 0.0:
-                        lSc[S_MARGIN] += wi * math.exp(-marg / T)
-                lHN[kmin] += wi
+                        accSc[t, S_MARGIN] += wi * math.exp(-marg / T)
+                accHN[t, kmin] += wi
                 if hard_sums:
                     for j in range(D):
-                        lHS[kmin, j] += wi * np.float64(Xb[i, j])
+                        accHS[t, kmin, j] += wi * np.float64(Xb[i, j])
                 if resp == RESP_HARD and not hard_sums:
                     # (with hard sums the soft sums are the same numbers: copied at the end)
                     for j in range(D):
-                        lS[kmin, j] += wi * np.float64(Xb[i, j])
-            lSc[S_NNZ] += blk_nnz
+                        accS[t, kmin, j] += wi * np.float64(Xb[i, j])
+            accSc[t, S_NNZ] += blk_nnz
             if resp == RESP_HARD:
                 continue
             if blk_nnz <= sparse_fraction * m * K:
@@ -430,18 +443,12 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                         r = np.float64(Gb[i, k])
                         if r != 0.0:
                             for j in range(D):
-                                lS[k, j] += r * np.float64(Xb[i, j])
+                                accS[t, k, j] += r * np.float64(Xb[i, j])
             else:
                 np.dot(Gb.T, Xb, Sb)
                 for k in range(K):
                     for j in range(D):
-                        lS[k, j] += Sb[k, j]
-        accN[t] = lN
-        accS[t] = lS
-        accHN[t] = lHN
-        accHS[t] = lHS
-        accSc[t] = lSc
-        accMin[t] = lmin
+                        accS[t, k, j] += Sb[k, j]
     return _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums)
 
 
@@ -607,12 +614,11 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
     n, D = X.shape
     K = mu.shape[0]
     nch = min(nth, max(n, 1))
-    acc = np.zeros((nch, K, D))
+    acc = np.zeros((nch, K + (PAD + D - 1) // D, D))        # padded: see PAD
     for t in prange(nch):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
         diff = np.empty(D)
-        loc = np.zeros((K, D))          # thread-local (no cache line shared while adding)
         for i in range(r0, r1):
             k = labels[i]
             s = 0.0
@@ -621,11 +627,10 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
                 s += diff[j] * V[k, j]
             s *= w[i]
             for j in range(D):
-                loc[k, j] += s * diff[j]
-        acc[t] = loc
+                acc[t, k, j] += s * diff[j]
     out = np.zeros((K, D))
     for t in range(nch):
-        out += acc[t]
+        out += acc[t, :K]
     return out
 
 
@@ -639,12 +644,11 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
     n = X.shape[0]
     m = CcT.shape[1]
     nch = n_row_ranges(n, block, nth)
-    acc = np.zeros((nch, m))
+    acc = np.zeros((nch, m + PAD))                          # padded: see PAD
     for t in prange(nch):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
         G = np.empty((block, m), X.dtype)
-        loc = np.zeros(m)               # thread-local (no cache line shared while adding)
         for b0 in range(r0, r1, block):
             b1 = min(b0 + block, r1)
             Gb = G[:b1 - b0]
@@ -658,8 +662,7 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
                     d = d if d > 0.0 else 0.0
                     v = d if d < ci else ci
                     out[j, i] = v
-                    loc[j] += wi * v
-        acc[t] = loc
+                    acc[t, j] += wi * v
     pots = np.zeros(m)
     for u in range(nch):
         for j in range(m):
@@ -672,26 +675,50 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
 MAX_MOVERS = 8
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+@njit(cache=True, nogil=True, inline="always")
 def _own_distance(X, i, C, a, metric):
     """The kernel's squared distance of row ``i`` to center ``a`` (cosine: ``2 - 2 x.c``),
-    in float64; re-association lets the sum vectorise."""
-    s = 0.0
+    in float64, in four interleaved partial sums; inlined (see :func:`_sqnorm`)."""
+    D = X.shape[1]
+    s0 = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    s3 = 0.0
+    j = 0
     if metric == METRIC_COSINE:
-        for j in range(X.shape[1]):
-            s += np.float64(X[i, j]) * np.float64(C[a, j])
-        d = 2.0 - 2.0 * s
+        while j + 4 <= D:
+            s0 += np.float64(X[i, j]) * np.float64(C[a, j])
+            s1 += np.float64(X[i, j + 1]) * np.float64(C[a, j + 1])
+            s2 += np.float64(X[i, j + 2]) * np.float64(C[a, j + 2])
+            s3 += np.float64(X[i, j + 3]) * np.float64(C[a, j + 3])
+            j += 4
+        while j < D:
+            s0 += np.float64(X[i, j]) * np.float64(C[a, j])
+            j += 1
+        d = 2.0 - 2.0 * ((s0 + s1) + (s2 + s3))
         return d if d > 0.0 else 0.0
-    for j in range(X.shape[1]):
-        t = np.float64(X[i, j]) - np.float64(C[a, j])
-        s += t * t
-    return s
+    while j + 4 <= D:
+        t0 = np.float64(X[i, j]) - np.float64(C[a, j])
+        t1 = np.float64(X[i, j + 1]) - np.float64(C[a, j + 1])
+        t2 = np.float64(X[i, j + 2]) - np.float64(C[a, j + 2])
+        t3 = np.float64(X[i, j + 3]) - np.float64(C[a, j + 3])
+        s0 += t0 * t0
+        s1 += t1 * t1
+        s2 += t2 * t2
+        s3 += t3 * t3
+        j += 4
+    while j < D:
+        t0 = np.float64(X[i, j]) - np.float64(C[a, j])
+        s0 += t0 * t0
+        j += 1
+    return (s0 + s1) + (s2 + s3)
 
 
 @njit(cache=True, nogil=True)
 def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                   block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, r0, r1,
-                  lab, ub, lb, movers, dnm, dnm2, top_nm, accN, accS, accHN, accHS, accSc):
+                  lab, ub, lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS,
+                  accHN, accHS, accSc):
     """Moments of rows ``r0:r1`` with per-row distance bounds (Hamerly): a row whose every
     other center is provably beyond the drop threshold contributes one-hot, at the cost of
     one distance to its own center; the other rows are gathered into blocks and take the
@@ -720,6 +747,8 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
     ibits = np.empty(K, np.int64)
     mn = np.inf
     pruned = 0
+    soft_bound = resp != RESP_HARD and T > 0.0 and gap > 0.0
+    e_gap = math.exp(-gap / T) if soft_bound else 0.0
     for b0 in range(r0, r1, block):
         b1 = min(b0 + block, r1)
         m = 0
@@ -740,14 +769,20 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
                     ue = d1 + coff[a]
                     ue = math.sqrt(ue) if ue > 0.0 else 0.0
                 if lo > 0.0 and lo * lo - ue * ue > need:
-                    # the few centers that moved far: their distances, exactly
-                    for q in range(movers.shape[0]):
-                        k = movers[q]
-                        if k != a:
-                            dk = _own_distance(X, i, C, k, metric) + coff[k] - slack
-                            dk = math.sqrt(dk) if dk > 0.0 else 0.0
-                            if dk < lo:
-                                lo = dk
+                    # with every center's move subtracted the row may prune already (common
+                    # near convergence, where the largest moves are tiny but uneven);
+                    # else the few centers that moved far: their distances, exactly
+                    lo_all = lb[i] - (dall2 if a == top_all else dall)
+                    if lo_all > 0.0 and lo_all * lo_all - ue * ue > need:
+                        lo = lo_all
+                    else:
+                        for q in range(movers.shape[0]):
+                            k = movers[q]
+                            if k != a:
+                                dk = _own_distance(X, i, C, k, metric) + coff[k] - slack
+                                dk = math.sqrt(dk) if dk > 0.0 else 0.0
+                                if dk < lo:
+                                    lo = dk
                     if lo * lo - ue * ue > need:
                         pruned += 1
                         ub[i] = ue
@@ -757,7 +792,11 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
                             if mlb < mn:
                                 mn = mlb
                             if T > 0.0:
-                                accSc[S_MARGIN] += wi * math.exp(-mlb / T)
+                                # a soft pass prunes only margins above ``gap``: its term
+                                # is below e_gap (an upper bound, one exp per pass instead
+                                # of one per row: that exp was half of a pruned row's cost)
+                                accSc[S_MARGIN] += wi * (e_gap if soft_bound
+                                                         else math.exp(-mlb / T))
                         accN[a] += wi
                         accHN[a] += wi
                         for j in range(D):
@@ -845,28 +884,17 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
 @njit(parallel=True, cache=True, nogil=True)
 def _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
-                   lb, movers, dnm, dnm2, top_nm, accN, accS, accHN, accHS, accSc, accMin,
-                   accP):
+                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS, accHN,
+                   accHS, accSc, accMin, accP):
     n = X.shape[0]
     nch = accMin.shape[0]
     for t in prange(nch):
-        # thread-local sums, copied out once: neighbouring rows of the shared accumulators
-        # can sit on one cache line, which the threads' every update would bounce
-        lN = np.zeros_like(accN[t])
-        lS = np.zeros_like(accS[t])
-        lHN = np.zeros_like(accHN[t])
-        lHS = np.zeros_like(accHS[t])
-        lSc = np.zeros_like(accSc[t])
         mn, p = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
                               metric, resp, block, hard_sums, log_eps, sparse_fraction,
                               sort_max, gap, slack, t * n // nch, (t + 1) * n // nch, lab, ub,
-                              lb, movers, dnm, dnm2, top_nm, lN, lS, lHN, lHS, lSc)
-        accN[t] = lN
-        accS[t] = lS
-        accHN[t] = lHN
-        accHS[t] = lHS
-        accSc[t] = lSc
-        accMin[t] = mn
+                              lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN[t],
+                              accS[t], accHN[t], accHS[t], accSc[t])
+        accMin[t, 0] = mn
         accP[t] = p
 
 
@@ -910,17 +938,21 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     for k in range(K):
         if logp[k] > maxlogp:
             maxlogp = logp[k]
-    accN = np.zeros((nch, K))
-    accS = np.zeros((nch, K, D))
-    accHN = np.zeros((nch, K))
-    accHS = np.zeros((nch, HK, D))
-    accSc = np.zeros((nch, N_SCALARS))
-    accMin = np.full(nch, np.inf)
+    pk = (PAD + D - 1) // D               # padding rows of D entries (see PAD)
+    accN = np.zeros((nch, K + PAD))
+    accS = np.zeros((nch, K + pk, D))
+    accHN = np.zeros((nch, K + PAD))
+    accHS = np.zeros((nch, HK + pk, D))
+    accSc = np.zeros((nch, N_SCALARS + PAD))
+    accMin = np.full((nch, PAD), np.inf)
     accP = np.zeros(nch, np.int64)
+    dall = drift[order[0]] if top > 0 else 0.0          # the largest move of all centers
+    dall2 = drift[order[1]] if top > 1 else 0.0
+    top_all = order[0] if top > 0 else -1
     _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
-                   lb, movers, dnm, dnm2, top_nm, accN, accS, accHN, accHS, accSc, accMin,
-                   accP)
+                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS, accHN,
+                   accHS, accSc, accMin, accP)
     N, S, sc, HN, HS, mn = _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp,
                                           hard_sums)
     return N, S, sc, HN, HS, mn, accP.sum()
