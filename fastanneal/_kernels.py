@@ -344,6 +344,17 @@ def _row_soft(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max, 
 
 # ----------------------------------------------------------------------------- kernels
 @njit(cache=True, nogil=True)
+def _range_accumulators(nch, K, D, HK):
+    """Zeroed per-thread accumulators of a moments pass (``nch`` row ranges; ``HK`` rows of
+    hard sums): ``(N, S, hard N, hard S, scalars, min margin)``, each thread's row padded by
+    a cache line (see ``PAD``); :func:`_reduce_ranges` reads the unpadded part."""
+    pk = (PAD + D - 1) // D               # padding rows of D entries
+    return (np.zeros((nch, K + PAD)), np.zeros((nch, K + pk, D)), np.zeros((nch, K + PAD)),
+            np.zeros((nch, HK + pk, D)), np.zeros((nch, N_SCALARS + PAD)),
+            np.full((nch, PAD), np.inf))
+
+
+@njit(cache=True, nogil=True)
 def _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums):
     """Sum the per-thread accumulators serially, in a fixed order (bit-identical run to
     run): ``(N, S, scalars, hard_counts, hard_S, min_margin)``. A plain function, so the
@@ -385,13 +396,7 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
     nch = n_row_ranges(n, block, nth)
     Ct = C.T
     HK = K if hard_sums else 0
-    pk = (PAD + D - 1) // D               # padding rows of D entries (see PAD)
-    accN = np.zeros((nch, K + PAD))
-    accS = np.zeros((nch, K + pk, D))
-    accHN = np.zeros((nch, K + PAD))
-    accHS = np.zeros((nch, HK + pk, D))
-    accSc = np.zeros((nch, N_SCALARS + PAD))
-    accMin = np.full((nch, PAD), np.inf)
+    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(nch, K, D, HK)
     for t in prange(nch):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
@@ -938,13 +943,7 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     for k in range(K):
         if logp[k] > maxlogp:
             maxlogp = logp[k]
-    pk = (PAD + D - 1) // D               # padding rows of D entries (see PAD)
-    accN = np.zeros((nch, K + PAD))
-    accS = np.zeros((nch, K + pk, D))
-    accHN = np.zeros((nch, K + PAD))
-    accHS = np.zeros((nch, HK + pk, D))
-    accSc = np.zeros((nch, N_SCALARS + PAD))
-    accMin = np.full((nch, PAD), np.inf)
+    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(nch, K, D, HK)
     accP = np.zeros(nch, np.int64)
     dall = drift[order[0]] if top > 0 else 0.0          # the largest move of all centers
     dall2 = drift[order[1]] if top > 1 else 0.0
