@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._kernels import (METRIC_COSINE, PAD, RESP_ENTMAX15, entmax15_support_probs,
-                       n_row_ranges)
+                       n_row_ranges, pad_rows)
 
 PHI_IDENTITY = 0
 PHI_LOG = 1
@@ -124,7 +124,7 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
     K = Ct.shape[1]
     nch = n_row_ranges(n, block, nth)
     accN = np.zeros((nch, K + PAD))          # padded per thread: see _kernels.PAD
-    accS = np.zeros((nch, K + (PAD + D - 1) // D, D))
+    accS = np.zeros((nch, K + pad_rows(D), D))
     accH = np.zeros((nch, PAD))
     for t in prange(nch):
         r0 = t * n // nch
@@ -191,7 +191,7 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
     entmax = resp == RESP_ENTMAX15
     twoT = 2.0 / T
     want_gx = gX.shape[0] == n and n > 0    # a 0-row gX: sums only (the solver's pass)
-    accA = np.zeros((nch, K2 + (PAD + D - 1) // D, D))     # padded per thread: see PAD
+    accA = np.zeros((nch, K2 + pad_rows(D), D))     # padded per thread: see PAD
     acca = np.zeros((nch, K2 + PAD))
     accC = np.zeros((nch, PAD))
     for t in prange(nch):

@@ -39,11 +39,18 @@ S_NNZ = 7         # number of non-zero responsibilities kept
 N_SCALARS = 8
 
 LOG_EPS32 = math.log(2.0 ** -24)
+LOG_EPS64 = math.log(2.0 ** -53)
 #: Padding (float64 entries: one 64-byte cache line) after each thread's row of a per-thread
 #: accumulator, so that no two threads update the same cache line (an update per row of a
 #: shared line bounced it between the cores: ~30 % of a small pruned pass).
 PAD = 8
-LOG_EPS64 = math.log(2.0 ** -53)
+
+
+@njit(cache=True, nogil=True)
+def pad_rows(D):
+    """Rows of ``D`` float64 entries that make up one ``PAD`` (the padding of a per-thread
+    ``(rows, D)`` accumulator)."""
+    return (PAD + D - 1) // D
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -348,7 +355,7 @@ def _range_accumulators(nch, K, D, HK):
     """Zeroed per-thread accumulators of a moments pass (``nch`` row ranges; ``HK`` rows of
     hard sums): ``(N, S, hard N, hard S, scalars, min margin)``, each thread's row padded by
     a cache line (see ``PAD``); :func:`_reduce_ranges` reads the unpadded part."""
-    pk = (PAD + D - 1) // D               # padding rows of D entries
+    pk = pad_rows(D)
     return (np.zeros((nch, K + PAD)), np.zeros((nch, K + pk, D)), np.zeros((nch, K + PAD)),
             np.zeros((nch, HK + pk, D)), np.zeros((nch, N_SCALARS + PAD)),
             np.full((nch, PAD), np.inf))
@@ -619,7 +626,7 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
     n, D = X.shape
     K = mu.shape[0]
     nch = min(nth, max(n, 1))
-    acc = np.zeros((nch, K + (PAD + D - 1) // D, D))        # padded: see PAD
+    acc = np.zeros((nch, K + pad_rows(D), D))               # padded: see PAD
     for t in prange(nch):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
@@ -683,7 +690,9 @@ MAX_MOVERS = 8
 @njit(cache=True, nogil=True, inline="always")
 def _own_distance(X, i, C, a, metric):
     """The kernel's squared distance of row ``i`` to center ``a`` (cosine: ``2 - 2 x.c``),
-    in float64, in four interleaved partial sums; inlined (see :func:`_sqnorm`)."""
+    in float64, in four interleaved partial sums (a sequential float64 sum is a latency
+    chain at large D). Inlined: a call per row costs more than the sum at small D (Numba
+    touches the array arguments' reference counts on every call)."""
     D = X.shape[1]
     s0 = 0.0
     s1 = 0.0

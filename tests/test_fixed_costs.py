@@ -111,3 +111,42 @@ def test_blas_single_thread_pins_and_restores():
             assert all(n == 1 for n in counts())
         assert all(n == 1 for n in counts())
     assert counts() == before
+
+
+def test_lanczos_ritz_vectors_of_all_clusters_at_once():
+    """The final Ritz values and vectors of every cluster come from one stacked ``eigh``:
+    values equal each cluster's top covariance eigenvalue, vectors its top eigenvector, with
+    the sign rule (non-negative component along the Lanczos start vector)."""
+    from fastanneal._sources import power_iteration_eigs
+    rng = np.random.default_rng(31)
+    K, D, n = 5, 12, 400
+    X = rng.standard_normal((n, D)) * np.linspace(3.0, 0.5, D)
+    X = X @ np.linalg.qr(rng.standard_normal((D, D)))[0]
+    labels = rng.integers(0, K, n)
+    w = rng.uniform(0.5, 2.0, n)
+    mu = np.stack([np.average(X[labels == k], axis=0, weights=w[labels == k])
+                   for k in range(K)])
+    wk = np.bincount(labels, weights=w, minlength=K)
+
+    def matvec(m, V):
+        Z = X - m[labels]
+        return np.stack([(w[labels == k, None] * Z[labels == k]).T
+                         @ (Z[labels == k] @ V[k]) for k in range(K)])
+    start = np.random.default_rng(7).standard_normal((K, D))
+    lam, V = power_iteration_eigs(matvec, mu, wk, D, np.random.default_rng(8),
+                                  return_vectors=True, tol=1e-12, start=start)
+    # the Lanczos start: the warm start mixed with the generator's first draw (WARM_NOISE)
+    noise = np.random.default_rng(8).standard_normal((K, D))
+    noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+    q0 = start / np.linalg.norm(start, axis=1, keepdims=True) + _sources.WARM_NOISE * noise
+    assert np.all(np.einsum("kd,kd->k", V, q0) >= 0.0)
+    for k in range(K):
+        Z = X[labels == k] - mu[k]
+        C = (w[labels == k, None] * Z).T @ Z / wk[k]
+        ev, vec = np.linalg.eigh(C)
+        assert lam[k] == pytest.approx(ev[-1], rel=1e-10)
+        assert abs(abs(V[k] @ vec[:, -1]) - 1.0) < 1e-8
+    # the same call without vectors returns the same values
+    lam2 = power_iteration_eigs(matvec, mu, wk, D, np.random.default_rng(8), tol=1e-12,
+                                start=start)
+    np.testing.assert_allclose(lam2, lam, rtol=1e-12)
