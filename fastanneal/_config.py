@@ -34,3 +34,8 @@ PRUNE = __import__("os").environ.get("FASTANNEAL_PRUNE", "1") != "0"
 #: they are kept across steps (a fit with and one without a checkpoint agree to rounding).
 #: ``FASTANNEAL_PRUNE_RESET=1`` forgets them at every step in any case.
 PRUNE_RESET_EACH_STEP = __import__("os").environ.get("FASTANNEAL_PRUNE_RESET", "0") != "0"
+
+#: Passes below this much work (rows x (K + D)) run in the calling thread, without waking
+#: the kernel threads (``fastanneal/_pool.py``); ``FASTANNEAL_PARALLEL_MIN_WORK=0`` always
+#: splits the rows over ``numba.get_num_threads()`` threads.
+PARALLEL_MIN_WORK = int(__import__("os").environ.get("FASTANNEAL_PARALLEL_MIN_WORK", 1 << 19))

@@ -17,8 +17,11 @@ Design (see ``docs/benchmarking.md`` for why):
 """
 import math
 
+import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
+
+from . import _pool
 
 METRIC_EUCLIDEAN = 0
 METRIC_COSINE = 1
@@ -54,6 +57,11 @@ def pad_rows(D):
 
 
 # ----------------------------------------------------------------------------- helpers
+def row_ranges(n, block, nth):
+    """:func:`n_row_ranges` for the Python drivers (no Numba call)."""
+    return max(1, min((n + block - 1) // block, nth))
+
+
 @njit(cache=True, nogil=True)
 def n_row_ranges(n, block, nth):
     """Number of static row ranges of a parallel pass: one per thread, no more than there
@@ -118,10 +126,27 @@ def _block_distances(Xb, Ct, csq, metric, G):
 
 
 @njit(cache=True, nogil=True)
+def _sorted_descending(v, n):
+    """A copy of ``v[:n]`` in descending order (Shell sort, Ciura's gaps: a few lines that
+    compile in a fraction of the ~2 s Numba's ``np.sort`` takes; the values, not the order
+    of equal ones, are what the caller uses)."""
+    s = v[:n].copy()
+    for gap in (701, 301, 132, 57, 23, 10, 4, 1):
+        for i in range(gap, n):
+            x = s[i]
+            j = i
+            while j >= gap and s[j - gap] < x:
+                s[j] = s[j - gap]
+                j -= gap
+            s[j] = x
+    return s
+
+
+@njit(cache=True, nogil=True)
 def entmax15_tau_sort(v, n):
     """Exact entmax-1.5 threshold of the first ``n`` entries of ``v`` (already halved and
     shifted so that max = 0) by sorting (docs/theory.md section 4.2)."""
-    s = np.sort(v[:n])[::-1]
+    s = _sorted_descending(v, n)
     cs = 0.0
     cs2 = 0.0
     count = 0
@@ -268,7 +293,7 @@ def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx
     K = G.shape[1]
     d1 = np.inf
     d2 = np.inf
-    kmin = 0
+    kmin = np.int64(0)          # (not the literal 0: see _row_soft's n)
     zmax = -np.inf
     for k in range(K):
         d = np.float64(G[i, k])
@@ -318,8 +343,10 @@ def _row_soft(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max, 
         # without a prior -T * zmax is d1 exactly: keeps F <= J exact for K = 1
         free = (d1 if not use_prior else -T * zmax) - T * math.log(s)
         return soft, ent, free, d1, d2, kmin, nnz
-    # entmax-1.5: z' = (z - zmax) / 2; only z' > -1 can be in the support
-    n = 0
+    # entmax-1.5: z' = (z - zmax) / 2; only z' > -1 can be in the support. ``n`` starts as
+    # np.int64(0), not 0: a literal start makes Numba compile the callee a second time for
+    # the argument type Literal[int](0) (seen in the compile log: ~4 s of a cold start)
+    n = np.int64(0)
     for k in range(K):
         z = -np.float64(G[i, k]) / T
         if use_prior:
@@ -389,30 +416,57 @@ def _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums):
     return N, S, sc, HN, HS, mn
 
 
-@njit(parallel=True, cache=True, nogil=True)
 def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
                    log_eps, sparse_fraction, sort_max, nth):
     """Fused moments of all rows of ``X``.
 
     Returns ``(N, S, scalars, hard_counts, hard_S, min_margin)``; ``hard_S`` is ``(0, D)``
-    when ``hard_sums`` is False. ``nth`` is the number of row ranges (one per thread; passed
-    in because ``numba.get_num_threads`` inside a kernel defeats ``cache=True``).
+    when ``hard_sums`` is False. ``nth`` is the number of threads (``_pool.threads_for``
+    decides whether the pass is worth more than the calling thread).
     """
     n, D = X.shape
     K = C.shape[0]
-    nch = n_row_ranges(n, block, nth)
+    nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
+    args = (X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums, log_eps,
+            sparse_fraction, sort_max)
+    if nch == 1:
+        return _moments_serial(*args)
+    accs = _range_accumulators(nch, K, D, K if hard_sums else 0)
+    _pool.run(_moments_ranges, args + accs, nch)
+    return _reduce_ranges(*accs, resp, hard_sums)
+
+
+@njit(cache=True, nogil=True)
+def _moments_serial(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
+                    log_eps, sparse_fraction, sort_max):
+    """:func:`moments_kernel` in the calling thread, in one call (one row range)."""
+    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(
+        1, C.shape[0], X.shape[1], C.shape[0] if hard_sums else 0)
+    _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
+                    log_eps, sparse_fraction, sort_max, accN, accS, accHN, accHS, accSc,
+                    accMin, 0, 1)
+    return _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums)
+
+
+@njit(cache=True, nogil=True)
+def _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
+                    log_eps, sparse_fraction, sort_max, accN, accS, accHN, accHS, accSc,
+                    accMin, t0, t1):
+    """Row ranges ``t0:t1`` (of ``accMin.shape[0]``) of :func:`moments_kernel`, each into
+    its own row of the per-range accumulators."""
+    n, D = X.shape
+    K = C.shape[0]
+    nch = accMin.shape[0]
     Ct = C.T
-    HK = K if hard_sums else 0
-    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(nch, K, D, HK)
-    for t in prange(nch):
+    G = np.empty((block, K), X.dtype)
+    Sb = np.empty((K, D), X.dtype)
+    cand = np.empty(K)
+    cidx = np.empty(K, np.int64)
+    scratch = np.empty((2, K))
+    ibits = np.empty(K, np.int64)
+    for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
-        G = np.empty((block, K), X.dtype)
-        Sb = np.empty((K, D), X.dtype)
-        cand = np.empty(K)
-        cidx = np.empty(K, np.int64)
-        scratch = np.empty((2, K))
-        ibits = np.empty(K, np.int64)
         for b0 in range(r0, r1, block):
             b1 = min(b0 + block, r1)
             m = b1 - b0
@@ -461,18 +515,17 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
                 for k in range(K):
                     for j in range(D):
                         accS[t, k, j] += Sb[k, j]
-    return _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def responsibilities_kernel(X, C, csq, logp, use_prior, T, metric, resp, block, log_eps,
+@njit(cache=True, nogil=True)
+def _responsibilities_rows(X, C, csq, logp, use_prior, T, metric, resp, block, log_eps,
                             sort_max, out):
     """Write the (unweighted) responsibilities of every row into ``out`` (n x K)."""
     n = X.shape[0]
     K = C.shape[0]
     nb = (n + block - 1) // block
     Ct = C.T
-    for b in prange(nb):
+    for b in range(nb):
         b0 = b * block
         b1 = min(b0 + block, n)
         Gb = out[b0:b1]
@@ -491,13 +544,13 @@ def responsibilities_kernel(X, C, csq, logp, use_prior, T, metric, resp, block, 
                 Gb[i, res[5]] = 1.0
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def distances_kernel(X, C, csq, metric, block, out):
+@njit(cache=True, nogil=True)
+def _distances_rows(X, C, csq, metric, block, out):
     """Squared distances of every row to every center into ``out`` (n x K)."""
     n = X.shape[0]
     nb = (n + block - 1) // block
     Ct = C.T
-    for b in prange(nb):
+    for b in range(nb):
         b0 = b * block
         b1 = min(b0 + block, n)
         _block_distances(X[b0:b1], Ct, csq, metric, out[b0:b1])
@@ -524,15 +577,15 @@ def _two_nearest(G, i):
     return d1, d2, kmin, k2
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
+@njit(cache=True, nogil=True)
+def _assign_rows(X, C, csq, metric, block, labels, dmin, margin, second):
     """Nearest center, its squared distance, the second-best margin and the second-nearest
     center (-1 for K = 1) of every row."""
     n = X.shape[0]
     K = C.shape[0]
     nb = (n + block - 1) // block
     Ct = C.T
-    for b in prange(nb):
+    for b in range(nb):
         b0 = b * block
         b1 = min(b0 + block, n)
         m = b1 - b0
@@ -546,8 +599,8 @@ def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
             second[b0 + i] = k2
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def label_kernel(X, C, csq, metric, block, logp, invT, labels, dmin, margin, second, prob):
+@njit(cache=True, nogil=True)
+def _label_rows(X, C, csq, metric, block, logp, invT, labels, dmin, margin, second, prob):
     """:func:`assign_kernel` and, from the same distances, the probability of the nearest
     center under ``softmax_k(logp_k - d_k * invT)`` (the labelling pass: one GEMM per block
     instead of one for the labels and one for the probabilities). Terms more than 40 below
@@ -557,7 +610,7 @@ def label_kernel(X, C, csq, metric, block, logp, invT, labels, dmin, margin, sec
     K = C.shape[0]
     nb = (n + block - 1) // block
     Ct = C.T
-    for b in prange(nb):
+    for b in range(nb):
         b0 = b * block
         b1 = min(b0 + block, n)
         m = b1 - b0
@@ -614,23 +667,31 @@ def entmax15_rows(Z, method_bisect, out):
                 out[i, idx[j]] = t * t
 
 
-@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
     """``out_k = sum_{i: labels_i = k} w_i (x_i - mu_k) ((x_i - mu_k) . v_k)`` (K x D, float64).
 
     One power-iteration step for the top eigenvector of every cluster's (unnormalised)
     covariance at once; with all labels 0 and ``mu`` the mean, of the whole data.
-    Re-association lets the dot product vectorise (a sequential float64 sum made this
-    memory-light pass latency-bound: 2-3x slower); no ``nnan``/``ninf``.
     """
     n, D = X.shape
     K = mu.shape[0]
-    nch = min(nth, max(n, 1))
+    nch = max(1, min(_pool.threads_for(nth, n * D), n))
     acc = np.zeros((nch, K + pad_rows(D), D))               # padded: see PAD
-    for t in prange(nch):
+    _pool.run(_matvec_ranges, (X, w, labels, mu, V, acc), nch)
+    return acc[0, :K].copy() if nch == 1 else acc[:, :K].sum(axis=0)
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _matvec_ranges(X, w, labels, mu, V, acc, t0, t1):
+    """Row ranges ``t0:t1`` (of ``acc.shape[0]``) of :func:`cluster_cov_matvec_kernel`.
+    Re-association lets the dot product vectorise (a sequential float64 sum made this
+    memory-light pass latency-bound: 2-3x slower); no ``nnan``/``ninf``."""
+    n, D = X.shape
+    nch = acc.shape[0]
+    diff = np.empty(D)
+    for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
-        diff = np.empty(D)
         for i in range(r0, r1):
             k = labels[i]
             s = 0.0
@@ -640,27 +701,32 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
             s *= w[i]
             for j in range(D):
                 acc[t, k, j] += s * diff[j]
-    out = np.zeros((K, D))
-    for t in range(nch):
-        out += acc[t, :K]
-    return out
 
 
-@njit(parallel=True, cache=True, nogil=True)
 def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
     """One greedy k-means++ step, fused: for each candidate center (column ``j`` of ``CcT``,
     in the dtype of ``X``) write ``out[j, i] = min(closest[i], ||x_i - c_j||^2)`` and return
     the potentials ``sum_i w_i out[j, i]`` (float64). Per row block one small GEMM and one
     epilogue, instead of a float64 copy of ``X`` and five full-length temporaries per step.
     ``closest`` may hold ``inf`` (first step)."""
+    n, D = X.shape
+    m = CcT.shape[1]
+    nch = row_ranges(n, block, _pool.threads_for(nth, n * (m + D)))
+    acc = np.zeros((nch, m + PAD))                          # padded: see PAD
+    _pool.run(_kpp_ranges, (X, xsq, CcT, csq, w, closest, out, block, acc), nch)
+    return acc[0, :m].copy() if nch == 1 else acc[:, :m].sum(axis=0)
+
+
+@njit(cache=True, nogil=True)
+def _kpp_ranges(X, xsq, CcT, csq, w, closest, out, block, acc, t0, t1):
+    """Row ranges ``t0:t1`` (of ``acc.shape[0]``) of :func:`kpp_candidates_kernel`."""
     n = X.shape[0]
     m = CcT.shape[1]
-    nch = n_row_ranges(n, block, nth)
-    acc = np.zeros((nch, m + PAD))                          # padded: see PAD
-    for t in prange(nch):
+    nch = acc.shape[0]
+    G = np.empty((block, m), X.dtype)
+    for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
-        G = np.empty((block, m), X.dtype)
         for b0 in range(r0, r1, block):
             b1 = min(b0 + block, r1)
             Gb = G[:b1 - b0]
@@ -675,11 +741,49 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
                     v = d if d < ci else ci
                     out[j, i] = v
                     acc[t, j] += wi * v
-    pots = np.zeros(m)
-    for u in range(nch):
-        for j in range(m):
-            pots[j] += acc[u, j]
-    return pots
+
+
+# ----------------------------------------------------------------------------- row drivers
+# Same signatures as the serial kernels above; the rows are split over the threads when the
+# pass is worth it (``_pool.threads_for``), each range writing its own rows of the outputs.
+def _row_split(X, K, block):
+    n = X.shape[0]
+    return n, row_ranges(n, block, _pool.threads_for(_threads(), n * (K + X.shape[1])))
+
+
+def _threads():
+    return numba.get_num_threads()
+
+
+def responsibilities_kernel(X, C, csq, logp, use_prior, T, metric, resp, block, log_eps,
+                            sort_max, out):
+    """Write the (unweighted) responsibilities of every row into ``out`` (n x K)."""
+    n, nch = _row_split(X, C.shape[0], block)
+    _pool.run_rows(_responsibilities_rows, n, nch, lambda a, b: (
+        X[a:b], C, csq, logp, use_prior, T, metric, resp, block, log_eps, sort_max, out[a:b]))
+
+
+def distances_kernel(X, C, csq, metric, block, out):
+    """Squared distances of every row to every center into ``out`` (n x K)."""
+    n, nch = _row_split(X, C.shape[0], block)
+    _pool.run_rows(_distances_rows, n, nch,
+                   lambda a, b: (X[a:b], C, csq, metric, block, out[a:b]))
+
+
+def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
+    """Nearest center, its squared distance, the second-best margin and the second-nearest
+    center (-1 for K = 1) of every row."""
+    n, nch = _row_split(X, C.shape[0], block)
+    _pool.run_rows(_assign_rows, n, nch, lambda a, b: (
+        X[a:b], C, csq, metric, block, labels[a:b], dmin[a:b], margin[a:b], second[a:b]))
+
+
+def label_kernel(X, C, csq, metric, block, logp, invT, labels, dmin, margin, second, prob):
+    """:func:`_label_rows` (the labelling pass) over every row."""
+    n, nch = _row_split(X, C.shape[0], block)
+    _pool.run_rows(_label_rows, n, nch, lambda a, b: (
+        X[a:b], C, csq, metric, block, logp, invT, labels[a:b], dmin[a:b], margin[a:b],
+        second[a:b], prob[a:b]))
 
 
 # ----------------------------------------------------------------------------- pruning
@@ -895,14 +999,41 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
     return mn, pruned
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
+def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block,
+                          hard_sums, log_eps, sparse_fraction, sort_max, nth, gap, slack, lab,
+                          ub, lb, drift):
+    """:func:`moments_kernel` with per-row bounds (``lab``, ``ub``, ``lb``, updated in
+    place; ``drift[k]``: how far center ``k`` moved since the bounds were made). Same
+    return values plus the number of rows pruned."""
+    n, D = X.shape
+    K = C.shape[0]
+    nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
+    args = (X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, hard_sums, log_eps,
+            sparse_fraction, sort_max, gap, slack, lab, ub, lb, drift)
+    if nch == 1:
+        return _pruned_serial(*args)
+    movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp = _pruned_plan(
+        coff, logp, drift)
+    accs = _range_accumulators(nch, K, D, K if hard_sums else 0)
+    accP = np.zeros(nch, np.int64)
+    _pool.run(_pruned_ranges, (X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T,
+                               metric, resp, block, hard_sums, log_eps, sparse_fraction,
+                               sort_max, gap, slack, lab, ub, lb, movers, dnm, dnm2, top_nm,
+                               dall, dall2, top_all) + accs + (accP,), nch)
+    N, S, sc, HN, HS, mn = _reduce_ranges(*accs, resp, hard_sums)
+    return N, S, sc, HN, HS, mn, int(accP.sum())
+
+
+@njit(cache=True, nogil=True)
+def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
                    lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS, accHN,
-                   accHS, accSc, accMin, accP):
+                   accHS, accSc, accMin, accP, t0, t1):
+    """Row ranges ``t0:t1`` (of ``accMin.shape[0]``) of :func:`pruned_moments_kernel`."""
     n = X.shape[0]
     nch = accMin.shape[0]
-    for t in prange(nch):
+    Ct = C.T
+    for t in range(t0, t1):
         mn, p = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
                               metric, resp, block, hard_sums, log_eps, sparse_fraction,
                               sort_max, gap, slack, t * n // nch, (t + 1) * n // nch, lab, ub,
@@ -913,17 +1044,10 @@ def _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, 
 
 
 @njit(cache=True, nogil=True)
-def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block,
-                          hard_sums, log_eps, sparse_fraction, sort_max, nth, gap, slack, lab,
-                          ub, lb, drift):
-    """:func:`moments_kernel` with per-row bounds (``lab``, ``ub``, ``lb``, updated in
-    place; ``drift[k]``: how far center ``k`` moved since the bounds were made). Same
-    return values plus the number of rows pruned."""
-    n, D = X.shape
-    K = C.shape[0]
-    nch = n_row_ranges(n, block, nth)
-    Ct = C.T
-    HK = K if hard_sums else 0
+def _pruned_plan(coff, logp, drift):
+    """What a pruned pass needs of the centers' moves: ``(movers, dnm, dnm2, top_nm, dall,
+    dall2, top_all, maxoff, maxlogp)`` (see :func:`_pruned_range`)."""
+    K = drift.shape[0]
     # movers: the leading centers by drift, up to the last big gap (4x) among the 8 largest
     # (a partial selection of the top MAX_MOVERS + 2: no sort to compile)
     top = min(K, MAX_MOVERS + 2)
@@ -952,15 +1076,26 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     for k in range(K):
         if logp[k] > maxlogp:
             maxlogp = logp[k]
-    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(nch, K, D, HK)
-    accP = np.zeros(nch, np.int64)
     dall = drift[order[0]] if top > 0 else 0.0          # the largest move of all centers
     dall2 = drift[order[1]] if top > 1 else 0.0
     top_all = order[0] if top > 0 else -1
-    _pruned_ranges(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
+    return movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp
+
+
+@njit(cache=True, nogil=True)
+def _pruned_serial(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, hard_sums,
+                   log_eps, sparse_fraction, sort_max, gap, slack, lab, ub, lb, drift):
+    """:func:`pruned_moments_kernel` in the calling thread, in one call (one row range)."""
+    K = C.shape[0]
+    movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp = _pruned_plan(
+        coff, logp, drift)
+    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(
+        1, K, X.shape[1], K if hard_sums else 0)
+    accP = np.zeros(1, np.int64)
+    _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
                    lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS, accHN,
-                   accHS, accSc, accMin, accP)
+                   accHS, accSc, accMin, accP, 0, 1)
     N, S, sc, HN, HS, mn = _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp,
                                           hard_sums)
-    return N, S, sc, HN, HS, mn, accP.sum()
+    return N, S, sc, HN, HS, mn, accP[0]

@@ -402,7 +402,8 @@ _THREAD_SCRIPT = textwrap.dedent("""
 
 
 def _moments_in_subprocess(tmp_path, threads):
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    # every pass split over the threads, however small (fastanneal/_pool.py)
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), FASTANNEAL_PARALLEL_MIN_WORK="0")
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / f"out{threads}.npz"
@@ -415,7 +416,7 @@ def _moments_in_subprocess(tmp_path, threads):
     return got
 
 
-def test_no_drift_with_thread_count(rng, tmp_path):
+def test_no_drift_with_thread_count(rng, tmp_path, monkeypatch):
     """NUMBA_NUM_THREADS=1 and =3 (subprocesses; 3 whatever the core count, so the row ranges
     always differ) vs the default thread count (here).
 
@@ -425,6 +426,7 @@ def test_no_drift_with_thread_count(rng, tmp_path):
     X, C = make_data(rng, n=3000)
     w = rng.uniform(0.0, 2.0, 3000)
     T = scale_of(X, C)
+    monkeypatch.setattr(_config, "PARALLEL_MIN_WORK", 0)
     np.savez(tmp_path / "in.npz", Xf32=X.astype(np.float32), Xf64=X, C=C, w=w, T=T)
     runs = {1: _moments_in_subprocess(tmp_path, 1), 3: _moments_in_subprocess(tmp_path, 3)}
     dist = ref.sqeuclidean(X, C)

@@ -35,7 +35,9 @@ class Chunk:
 
 def _serialized():
     """A lock unless Numba's threading layer is known to be thread-safe (OpenMP, TBB): the
-    workqueue layer aborts when two threads launch parallel kernels at once."""
+    workqueue layer aborts when two threads launch parallel kernels at once. Only the
+    gradient's kernels are Numba-parallel; the moments, labelling and power-iteration
+    kernels run on fastanneal's own threads (``fastanneal/_pool.py``) and need no lock."""
     try:
         layer = numba.threading_layer()
     except ValueError:   # no parallel kernel has run yet in this process
@@ -111,8 +113,7 @@ def chunk_stats(chunk):
 
 def chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads):
     set_threads(nthreads)
-    with _serialized():
-        return compute_moments(chunk.X, chunk.w, C, T, metric, resp, log_prior, hard_sums)
+    return compute_moments(chunk.X, chunk.w, C, T, metric, resp, log_prior, hard_sums)
 
 
 def chunk_grad_moments(chunk, C, T, gmetric, resp, g, nthreads):
@@ -158,8 +159,7 @@ def chunk_labels(chunk, C, metric, nthreads):
     set_threads(nthreads)
     if chunk.rows == 0:
         return np.zeros(0, dtype=np.int64)
-    with _serialized():
-        return assign(chunk.X, C, metric, _prepared=True)[0]
+    return assign(chunk.X, C, metric, _prepared=True)[0]
 
 
 def chunk_bincount(chunk, labels, K):
@@ -175,8 +175,7 @@ def chunk_cov_matvec(chunk, labels, mu, V, nthreads):
         return np.zeros(mu.shape)
     if labels is None:
         labels = np.zeros(chunk.rows, dtype=np.int64)
-    with _serialized():
-        return K_.cluster_cov_matvec_kernel(chunk.X, chunk.w, labels, mu, V, nth)
+    return K_.cluster_cov_matvec_kernel(chunk.X, chunk.w, labels, mu, V, nth)
 
 
 def on_prepared(x, w, ids, index, row0, metric, dtype, work, **kwargs):

@@ -1,0 +1,85 @@
+"""The threads of the CPU kernels: serial Numba kernels (``nogil``) on a pool of Python threads.
+
+The kernels used to be Numba ``parallel=True`` functions (``prange`` over the row ranges).
+They are plain serial functions now, each taking the row ranges it owns, and this module runs
+them: range 0 in the calling thread, the others on a process-wide pool of worker threads.
+Why (measured; ``BENCHMARKS.md`` §6):
+
+* **compile time**: Numba's parfor machinery compiles every parallel kernel twice (the
+  function and its gufunc) and was about a third of the cold compile of a default fit;
+* **small passes**: a parallel region wakes the sleeping worker threads on every call
+  (``OMP_WAIT_POLICY=PASSIVE``, which fastanneal sets so that shared cores are not burnt by
+  spinning); on a few thousand rows that wake-up cost more than the second core gained.
+  Passes below :data:`fastanneal._config.PARALLEL_MIN_WORK` now run in the calling thread.
+
+The thread count is still Numba's (``numba.get_num_threads()`` of the calling thread, so
+``NUMBA_NUM_THREADS`` and ``numba.set_num_threads`` keep working, also per Dask worker
+thread). Results depend on the number of row ranges only through the association of the
+sums, as before.
+"""
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from . import _config
+
+_lock = threading.Lock()
+_pool = None
+_pool_size = 0
+_pool_pid = None
+
+
+def threads_for(nth, work):
+    """Row ranges to use for a pass of about ``work`` element operations with ``nth``
+    threads available: one (the calling thread) below ``_config.PARALLEL_MIN_WORK``."""
+    nth = int(nth)
+    if nth <= 1 or work < _config.PARALLEL_MIN_WORK:
+        return 1
+    return nth
+
+
+def _executor(workers):
+    global _pool, _pool_size, _pool_pid
+    with _lock:
+        pid = os.getpid()
+        if _pool is None or _pool_pid != pid or _pool_size < workers:
+            old = _pool if _pool_pid == pid else None    # a forked child: threads are gone
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fastanneal")
+            _pool_size, _pool_pid = workers, pid
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def run(fn, args, nch):
+    """``fn(*args, t, t + 1)`` for ``t`` in ``range(nch)``: ``t = 0`` in the calling thread,
+    the others on the pool. Waits for every range before returning or raising (no range may
+    still write into the caller's arrays), then re-raises the first error."""
+    if nch <= 1:
+        fn(*args, 0, nch)
+        return
+    futures = [_executor(nch - 1).submit(fn, *args, t, t + 1) for t in range(1, nch)]
+    error = None
+    try:
+        fn(*args, 0, 1)
+    except BaseException as e:      # noqa: B902 -- re-raised below, after the others end
+        error = e
+    wait(futures)
+    if error is not None:
+        raise error
+    for f in futures:
+        f.result()
+
+
+def run_rows(fn, n, nch, args_of):
+    """Row-parallel kernels: ``fn(*args_of(r0, r1))`` over ``nch`` contiguous row ranges
+    (``args_of`` slices the per-row arguments), in the same way as :func:`run`."""
+    if nch <= 1:
+        fn(*args_of(0, n))
+        return
+    run(_rows_task, (fn, n, nch, args_of), nch)
+
+
+def _rows_task(fn, n, nch, args_of, t0, t1):
+    for t in range(t0, t1):
+        fn(*args_of(t * n // nch, (t + 1) * n // nch))

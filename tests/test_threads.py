@@ -1,0 +1,144 @@
+"""The kernels' threads (``fastanneal/_pool.py``): serial Numba kernels over row ranges, range 0
+in the calling thread and the others on a pool of Python threads; small passes stay in the
+calling thread.
+
+Tolerances: the row ranges change only the association of the sums, so float64 records agree
+to 1e-12 (relative to the largest entry) between one and several ranges; per-row outputs
+(labels, distances, responsibilities) are written by the same code whichever thread runs a row
+and must be identical.
+"""
+import threading
+import time
+
+import numba
+import numpy as np
+import pytest
+
+import fastanneal as fa
+from fastanneal import _config, _kernels, _pool
+from fastanneal._moments import compute_moments
+from fastanneal._seeding import kmeans_plusplus
+from fastanneal._sources import InMemorySource
+
+FIELDS = ("N", "S", "hard_counts", "hard_sums", "soft_distortion", "entropy", "free_energy",
+          "hard_distortion", "weight", "margin_sum", "min_margin")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record the number of ranges of every ``_pool.run`` call and the threads that ran
+    them, still running them."""
+    calls = []
+    real = _pool.run
+
+    def run(fn, args, nch):
+        names = set()
+
+        def tracked(*a):
+            names.add(threading.current_thread().name)
+            return fn(*a)
+        real(tracked, args, nch)
+        calls.append((nch, names))
+    monkeypatch.setattr(_pool, "run", run)
+    return calls
+
+
+def _close(a, b, what, tol=1e-12):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    scale = max(float(np.max(np.abs(b), initial=0.0)), 1e-300)
+    assert float(np.max(np.abs(a - b), initial=0.0)) <= tol * scale, what
+
+
+def _data(seed, n=5000, K=12, D=6):
+    rng = np.random.default_rng(seed)
+    M = rng.standard_normal((K, D)) * 3.0
+    X = M[rng.integers(0, K, n)] + rng.standard_normal((n, D))
+    return X, rng.uniform(0.5, 2.0, n), M + 0.3 * rng.standard_normal((K, D))
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two Numba threads")
+def test_ranges_on_pool_threads_equal_one_range(monkeypatch, spy):
+    X, w, C = _data(11)
+    K = C.shape[0]
+    old = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        results = {}
+        for mode, min_work in (("serial", 1 << 62), ("threads", 0)):
+            monkeypatch.setattr(_config, "PARALLEL_MIN_WORK", min_work)
+            spy.clear()
+            r = {}
+            for resp in (0, 1, 2):
+                r["m", resp] = compute_moments(X, w, C, 0.7, 0, resp, None, True)
+            src = InMemorySource(X, w, 0)
+            r["pruned"] = [src.moments(C * s, T) for s, T in ((1.0, 0.05), (1.01, 0.02))]
+            r["assign"] = fa.assign(X, C, return_second=True)
+            r["resp"] = fa.responsibilities(X, C, 0.3)
+            r["dist"] = fa.pairwise_distances(X, C)
+            r["kpp"] = kmeans_plusplus(X, w, K, np.random.default_rng(0))
+            r["matvec"] = _kernels.cluster_cov_matvec_kernel(
+                X, w, r["assign"][0], C, np.ones((K, X.shape[1])), 2)
+            r["calls"] = list(spy)
+            results[mode] = r
+        serial, threads = results["serial"], results["threads"]
+        # the serial mode never used the pool; the threaded one split every pass in two and
+        # ran the second range on a pool thread
+        assert all(n == 1 for n, _ in serial["calls"]) and len(serial["calls"]) > 0
+        assert len(threads["calls"]) >= len(serial["calls"])
+        assert all(n == 2 for n, _ in threads["calls"])
+        assert all(any(t.startswith("fastanneal") for t in names)
+                   for _, names in threads["calls"])
+        for resp in (0, 1, 2):
+            a, b = threads["m", resp], serial["m", resp]
+            for f in FIELDS:
+                _close(getattr(a, f), getattr(b, f), (resp, f))
+            assert a.rows == b.rows and a.nnz == b.nnz
+        for a, b in zip(threads["pruned"], serial["pruned"]):
+            for f in FIELDS:
+                _close(getattr(a, f), getattr(b, f), ("pruned", f))
+        for a, b in zip(threads["assign"], serial["assign"]):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(threads["resp"], serial["resp"])
+        np.testing.assert_array_equal(threads["dist"], serial["dist"])
+        np.testing.assert_array_equal(threads["kpp"], serial["kpp"])
+        _close(threads["matvec"], serial["matvec"], "matvec")
+    finally:
+        numba.set_num_threads(old)
+
+
+def test_small_passes_stay_in_the_calling_thread(monkeypatch, spy):
+    """Below ``PARALLEL_MIN_WORK`` no pool thread runs (the wake-up would cost more than
+    the second core gains); above it the rows are split over the threads."""
+    X, w, C = _data(12, n=800)
+    monkeypatch.setattr(_config, "PARALLEL_MIN_WORK", 1 << 19)
+    fa.AnnealedKMeans(12, random_state=0).fit(X)
+    assert spy and all(n == 1 for n, _ in spy)
+    assert all(names == {threading.current_thread().name} for _, names in spy)
+    if numba.get_num_threads() >= 2:
+        spy.clear()
+        monkeypatch.setattr(_config, "PARALLEL_MIN_WORK", 0)
+        compute_moments(X, w, C, 0.5)
+        assert spy[-1][0] == numba.get_num_threads()
+
+
+def test_run_waits_for_every_range_then_raises():
+    """An error in one range is raised only after the other ranges have finished (none may
+    still write into the caller's arrays), in the calling thread."""
+    done = []
+
+    def body(out, t0, t1):
+        for t in range(t0, t1):
+            if t == 1:
+                raise ValueError("range one failed")
+            time.sleep(0.05)
+            out[t] = t + 1
+            done.append(t)
+
+    out = np.zeros(4)
+    with pytest.raises(ValueError, match="range one failed"):
+        _pool.run(body, (out,), 4)
+    assert sorted(done) == [0, 2, 3]
+    np.testing.assert_array_equal(out, [1, 0, 3, 4])
