@@ -22,15 +22,18 @@ Both passes call the same row routine (:func:`_row_probs`: softmax without trunc
 small entries, or entmax-1.5 with the shared exact thresholds of :mod:`fastanneal._kernels`),
 so the responsibilities of pass 2 are bit-identical to those behind ``N`` and ``S``.
 
-BLAS (``np.dot``) runs inside the parallel region: the caller pins it to one thread.
+The row ranges run on fastanneal's threads (``fastanneal/_pool.py``: serial kernels, range 0
+in the calling thread); BLAS (``np.dot``) runs inside them: the caller pins it to one thread.
 """
 import math
 
+import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from . import _pool
 from ._kernels import (METRIC_COSINE, PAD, RESP_ENTMAX15, entmax15_support_probs,
-                       n_row_ranges, pad_rows)
+                       pad_rows, row_ranges)
 
 PHI_IDENTITY = 0
 PHI_LOG = 1
@@ -112,21 +115,31 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
     return (4.0 / 3.0) * (1.0 - p15)
 
 
-@njit(parallel=True, cache=True, nogil=True)
 def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
     """Pass 1: ``(N, S, sum_i w_i H_i)`` of all rows of ``X``.
 
     ``Ct`` is the C-contiguous float64 ``C.T`` (D x K), ``csq`` the squared center norms;
-    ``nth`` the number of row ranges (passed in: ``numba.get_num_threads`` inside a cached
-    kernel defeats ``cache=True``).
+    ``nth`` the number of threads.
     """
     n, D = X.shape
     K = Ct.shape[1]
-    nch = n_row_ranges(n, block, nth)
+    nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
     accN = np.zeros((nch, K + PAD))          # padded per thread: see _kernels.PAD
     accS = np.zeros((nch, K + pad_rows(D), D))
     accH = np.zeros((nch, PAD))
-    for t in prange(nch):
+    _pool.run(_grad_forward_ranges, (X, w, Ct, csq, T, metric, resp, block, sort_max, accN,
+                                     accS, accH), nch)
+    return accN[:, :K].sum(axis=0), accS[:, :K].sum(axis=0), float(accH[:, 0].sum())
+
+
+@njit(cache=True, nogil=True)
+def _grad_forward_ranges(X, w, Ct, csq, T, metric, resp, block, sort_max, accN, accS, accH,
+                         t0, t1):
+    """Row ranges ``t0:t1`` (of ``accN.shape[0]``) of :func:`grad_forward_kernel`."""
+    n, D = X.shape
+    K = Ct.shape[1]
+    nch = accN.shape[0]
+    for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
         Xb = np.empty((block, D))
@@ -152,17 +165,8 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
             for k in range(K):
                 for j in range(D):
                     accS[t, k, j] += Sb[k, j]
-    N = np.zeros(K)
-    S = np.zeros((K, D))
-    H = 0.0
-    for t in range(nch):
-        N += accN[t, :K]
-        S += accS[t, :K]
-        H += accH[t, 0]
-    return N, S, H
 
 
-@njit(parallel=True, cache=True, nogil=True)
 def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, resp, block,
                          sort_max, nth, gX):
     """Pass 2: write ``dL/dX`` into ``gX`` (input dtype) and return
@@ -183,18 +187,30 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
     + (2/T) sum_k g_ik c_k`` (Euclidean adds ``-(2/T) (sum_k g_ik) x_i``, zero up to rounding).
     """
     n, D = X.shape
+    K2 = 2 * (B.shape[0] // 3)
+    nch = row_ranges(n, block, _pool.threads_for(nth, n * (B.shape[0] + D)))
+    accA = np.zeros((nch, K2 + pad_rows(D), D))     # padded per thread: see PAD
+    acca = np.zeros((nch, K2 + PAD))
+    accC = np.zeros((nch, PAD))
+    _pool.run(_grad_backward_ranges, (X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric,
+                                      resp, block, sort_max, gX, accA, acca, accC), nch)
+    return float(accC[:, 0].sum()), accA[:, :K2].sum(axis=0), acca[:, :K2].sum(axis=0)
+
+
+@njit(cache=True, nogil=True)
+def _grad_backward_ranges(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, resp, block,
+                          sort_max, gX, accA, acca, accC, t0, t1):
+    """Row ranges ``t0:t1`` (of ``accA.shape[0]``) of :func:`grad_backward_kernel`."""
+    n, D = X.shape
     K3 = B.shape[0]
     K = K3 // 3
     K2 = 2 * K
-    nch = n_row_ranges(n, block, nth)
+    nch = accA.shape[0]
     cosine = metric == METRIC_COSINE
     entmax = resp == RESP_ENTMAX15
     twoT = 2.0 / T
     want_gx = gX.shape[0] == n and n > 0    # a 0-row gX: sums only (the solver's pass)
-    accA = np.zeros((nch, K2 + pad_rows(D), D))     # padded per thread: see PAD
-    acca = np.zeros((nch, K2 + PAD))
-    accC = np.zeros((nch, PAD))
-    for t in prange(nch):
+    for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
         Xb = np.empty((block, D))
@@ -285,17 +301,8 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
                 for i in range(m):
                     s += GG[i, k]
                 acca[t, k] += s
-    A = np.zeros((K2, D))
-    a = np.zeros(K2)
-    comp = 0.0
-    for t in range(nch):
-        A += accA[t, :K2]
-        a += acca[t, :K2]
-        comp += accC[t, 0]
-    return comp, A, a
 
 
-@njit(parallel=True, cache=True, nogil=True)
 def separation_kernel(mu, active, phi, margin, eps):
     """``(sum_{k<l} phi(s_kl), dLsep/dmu)`` over pairs of active clusters, without the
     ``2/(K(K-1))`` factor, ``s_kl = ||mu_k - mu_l||^2`` from exact differences (no GEMM
@@ -303,10 +310,22 @@ def separation_kernel(mu, active, phi, margin, eps):
     ``log(s + eps)``, hinge ``-max(0, margin - s)`` (derivative 0 at ``s == margin``).
     Returns the derivative as ``sum_l phi'(s_kl) 2 (mu_k - mu_l)`` (K x D)."""
     K, D = mu.shape
+    nch = max(1, min(K, _pool.threads_for(numba.get_num_threads(), K * K * D)))
     grad = np.zeros((K, D))
     part = np.zeros(K)
-    for k in prange(K):
-        if active[k]:
+    _pool.run(_separation_ranges, (mu, active, phi, margin, eps, grad, part, nch), nch)
+    return sum(part.tolist()), grad      # left to right, as the serial loop it replaces
+
+
+@njit(cache=True, nogil=True)
+def _separation_ranges(mu, active, phi, margin, eps, grad, part, nch, t0, t1):
+    """Clusters ``t * K // nch`` to ``(t + 1) * K // nch`` for ``t`` in ``t0:t1`` (``nch``
+    ranges in all; each writes its own rows of ``grad`` and entries of ``part``)."""
+    K, D = mu.shape
+    for t in range(t0, t1):
+        for k in range(t * K // nch, (t + 1) * K // nch):
+            if not active[k]:
+                continue
             for l in range(K):
                 if l != k and active[l]:
                     s = 0.0
@@ -331,7 +350,3 @@ def separation_kernel(mu, active, phi, margin, eps):
                     if fp != 0.0:
                         for j in range(D):
                             grad[k, j] += 2.0 * fp * (mu[k, j] - mu[l, j])
-    total = 0.0
-    for k in range(K):
-        total += part[k]
-    return total, grad

@@ -7,6 +7,9 @@ Design (see ``docs/benchmarking.md`` for why):
 * Rows are split into one contiguous range per thread (static schedule, so a fixed thread
   count gives bit-identical results run to run). Each thread walks its range in blocks of
   ``block`` rows and owns private ``K x D`` float64 accumulators, reduced serially at the end.
+  The kernels themselves are serial Numba functions over the ranges they are given; the
+  Python drivers of the same names run the ranges on fastanneal's threads
+  (``fastanneal/_pool.py``), or the whole pass in the calling thread when it is small.
 * Per block, distances come from one single-threaded GEMM ``X_b C^T`` (GEMM form
   ``||x||^2 - 2 x.c + ||c||^2``, clamped at 0), responsibilities are computed row by row in
   the log domain and written over the distance buffer, and ``S_k += R_b^T X_b`` is a second
@@ -391,8 +394,8 @@ def _range_accumulators(nch, K, D, HK):
 @njit(cache=True, nogil=True)
 def _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums):
     """Sum the per-thread accumulators serially, in a fixed order (bit-identical run to
-    run): ``(N, S, scalars, hard_counts, hard_S, min_margin)``. A plain function, so the
-    array sums do not become parfors of the parallel kernels that call it."""
+    run): ``(N, S, scalars, hard_counts, hard_S, min_margin)``. Explicit loops: Numba's
+    array expressions on slices (``S += accS[u, :K]``) cost seconds of compile here."""
     nch = accS.shape[0]
     D = accS.shape[2]
     K = accN.shape[1] - PAD
@@ -404,15 +407,22 @@ def _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums):
     sc = np.zeros(N_SCALARS)
     mn = np.inf
     for u in range(nch):
-        N += accN[u, :K]
-        S += accS[u, :K]
-        HN += accHN[u, :K]
-        HS += accHS[u, :HK]
-        sc += accSc[u, :N_SCALARS]
+        for k in range(K):
+            N[k] += accN[u, k]
+            HN[k] += accHN[u, k]
+            for j in range(D):
+                S[k, j] += accS[u, k, j]
+        for k in range(HK):
+            for j in range(D):
+                HS[k, j] += accHS[u, k, j]
+        for q in range(N_SCALARS):
+            sc[q] += accSc[u, q]
         if accMin[u, 0] < mn:
             mn = accMin[u, 0]
     if resp == RESP_HARD and hard_sums:
-        S[:, :] = HS            # (with hard sums the soft sums are these numbers)
+        for k in range(K):      # (with hard sums the soft sums are these numbers)
+            for j in range(D):
+                S[k, j] = HS[k, j]
     return N, S, sc, HN, HS, mn
 
 

@@ -81,6 +81,9 @@ def test_ranges_on_pool_threads_equal_one_range(monkeypatch, spy):
             r["kpp"] = kmeans_plusplus(X, w, K, np.random.default_rng(0))
             r["matvec"] = _kernels.cluster_cov_matvec_kernel(
                 X, w, r["assign"][0], C, np.ones((K, X.shape[1])), 2)
+            for resp in ("softmax", "entmax15"):
+                r["grad", resp] = fa.value_and_grad(X, C, 0.5, lam=0.5, phi="log", weights=w,
+                                                    responsibilities=resp)
             r["calls"] = list(spy)
             results[mode] = r
         serial, threads = results["serial"], results["threads"]
@@ -105,6 +108,13 @@ def test_ranges_on_pool_threads_equal_one_range(monkeypatch, spy):
         np.testing.assert_array_equal(threads["dist"], serial["dist"])
         np.testing.assert_array_equal(threads["kpp"], serial["kpp"])
         _close(threads["matvec"], serial["matvec"], "matvec")
+        for resp in ("softmax", "entmax15"):
+            a, b = threads["grad", resp], serial["grad", resp]
+            _close(a.value, b.value, ("grad value", resp))
+            _close(a.grad_centers, b.grad_centers, ("grad centers", resp))
+            # the rows of dL/dX are computed from the same per-row numbers, except the
+            # soft counts N that enter every row (summed over the ranges)
+            _close(a.grad_X, b.grad_X, ("grad X", resp), tol=1e-10)
     finally:
         numba.set_num_threads(old)
 
