@@ -8,16 +8,6 @@ Heavy modules (the estimator pulls in scikit-learn) load on first use, so that
 """
 __version__ = "0.1.0"
 
-import os as _os
-
-# Numba's OpenMP threads spin while waiting by default. When the cores are shared (Dask
-# workers, other processes, a CI box) every parallel region then waits for a time slice:
-# a 4,500-row moments pass took 84 ms instead of 11 ms at load 7 on two cores. Our parallel
-# regions are long (milliseconds), so passive waiting costs nothing measurable when the
-# machine is idle. Only a default: an explicit OMP_WAIT_POLICY is respected, and it takes
-# effect only if OpenMP has not been initialised before fastanneal is imported.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from ._moments import (Moments, assign, entmax15, moments, pairwise_distances,  # noqa: F401
                        responsibilities)
 

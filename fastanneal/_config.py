@@ -38,4 +38,4 @@ PRUNE_RESET_EACH_STEP = __import__("os").environ.get("FASTANNEAL_PRUNE_RESET", "
 #: Passes below this much work (rows x (K + D)) run in the calling thread, without waking
 #: the kernel threads (``fastanneal/_pool.py``); ``FASTANNEAL_PARALLEL_MIN_WORK=0`` always
 #: splits the rows over ``numba.get_num_threads()`` threads.
-PARALLEL_MIN_WORK = int(__import__("os").environ.get("FASTANNEAL_PARALLEL_MIN_WORK", 1 << 19))
+PARALLEL_MIN_WORK = int(__import__("os").environ.get("FASTANNEAL_PARALLEL_MIN_WORK", 1 << 18))

@@ -7,10 +7,13 @@ Why (measured; ``BENCHMARKS.md`` §6):
 
 * **compile time**: Numba's parfor machinery compiles every parallel kernel twice (the
   function and its gufunc) and was about a third of the cold compile of a default fit;
-* **small passes**: a parallel region wakes the sleeping worker threads on every call
-  (``OMP_WAIT_POLICY=PASSIVE``, which fastanneal sets so that shared cores are not burnt by
-  spinning); on a few thousand rows that wake-up cost more than the second core gained.
-  Passes below :data:`fastanneal._config.PARALLEL_MIN_WORK` now run in the calling thread.
+* **small passes**: a parallel region wakes sleeping worker threads on every call. On a
+  few thousand rows that costs more than the second core gains, so passes below
+  :data:`fastanneal._config.PARALLEL_MIN_WORK` now run in the calling thread. (fastanneal
+  used to set ``OMP_WAIT_POLICY=PASSIVE`` for Numba's OpenMP threads; it runs no OpenMP
+  region any more and leaves the variable -- which also governs scikit-learn's threads in
+  the same process -- alone.) A hand-off to the pool costs about 80 us on this machine
+  (a thread wake-up, the GIL for the worker's call, another wake-up at the end).
 
 The thread count is still Numba's (``numba.get_num_threads()`` of the calling thread, so
 ``NUMBA_NUM_THREADS`` and ``numba.set_num_threads`` keep working, also per Dask worker
