@@ -32,6 +32,7 @@ suggested K, whether a clear plateau supports it (``KSuggestion.supported``) and
 Prints a table per set (K found per seed, seconds) and an overview (how often each method
 hits the true K), and writes JSON atomically (``benchmarks/results/bench_choose_k.json``).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import time
 import warnings

@@ -5,6 +5,7 @@ at ``k_max`` (the issue's cost target), on the synthetic sets of ``bench_choose_
 
 Prints one line per set (seconds, one run each after a warm-up; read loosely).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import sys, time, numpy as np, warnings
 sys.path.insert(0, "/work/main/benchmarks")
 import _known_answers as ka, fastanneal

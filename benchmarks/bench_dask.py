@@ -35,6 +35,7 @@
 Prints a table and writes JSON (default ``benchmarks/results/bench_dask.json``;
 ``--chunk-scaling`` alone: ``benchmarks/results/bench_dask_chunks.json``).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import json
 import os

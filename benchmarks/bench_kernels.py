@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py            # N=200,000, D=384, K in {64, 256, 1024}
     python benchmarks/bench_kernels.py --quick    # N=20,000, K in {64, 256}
+    python benchmarks/bench_kernels.py --compile-only   # cold / warm compile and first fit
 
 Prints a table and writes JSON (default ``benchmarks/results/bench_kernels.json``).
 Rows: fastanneal softmax at high T (dense), softmax at low T (sparse), entmax15 at low T,
@@ -15,6 +16,7 @@ peak extra memory of one pass at N=1,000,000, K=1024 (``--memory``), each in a s
 Timing rules of ``docs/benchmarking.md``: BLAS warmed up first, interleaved repeats,
 medians, ratios to the GEMM timed in the same run.
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import json
 import os
@@ -101,6 +103,23 @@ def subprocess_compile_times():
             "warm_import_plus_first_call_s": float(warm[0]) + float(warm[1])}
 
 
+def subprocess_fit_compile_times():
+    """Cold-cache and warm-cache first default fit (``AnnealedKMeans(5).fit`` on 500 x 8
+    float32): what a new user's first fit waits for, import of the estimator included."""
+    code = (
+        "import time; t=time.perf_counter(); import numpy as np; "
+        "from fastanneal import AnnealedKMeans; ti=time.perf_counter()-t; "
+        "X=np.random.default_rng(0).standard_normal((500,8)).astype(np.float32); "
+        "t=time.perf_counter(); AnnealedKMeans(5, random_state=0).fit(X); "
+        "print(ti, time.perf_counter()-t)")
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        cold, warm = (subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                     text=True, check=True).stdout.split() for _ in range(2))
+    return {"fit_cold_import_s": float(cold[0]), "fit_cold_first_fit_s": float(cold[1]),
+            "fit_warm_import_s": float(warm[0]), "fit_warm_first_fit_s": float(warm[1])}
+
+
 def subprocess_memory(n, k, d=384):
     """Peak RSS growth of one moments pass beyond X itself (MB), in a fresh process."""
     code = f"""
@@ -140,6 +159,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--memory", action="store_true", help="also measure N=1e6, K=1024 memory")
     ap.add_argument("--no-sklearn", action="store_true")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only the compile / first-call times (JSON: results/bench_compile.json)")
     ap.add_argument("--json", default=str(HERE / "results" / "bench_kernels.json"))
     args = ap.parse_args(argv)
     n = args.n or (20_000 if args.quick else 200_000)
@@ -147,6 +168,18 @@ def main(argv=None):
                                                                else [64, 256, 1024])
     d = 384
     compile_info = subprocess_compile_times()
+    compile_info.update(subprocess_fit_compile_times())
+    if args.compile_only:
+        print("compile / import (s):", json.dumps(compile_info))
+        path = Path(args.json if args.json != ap.get_default("json")
+                    else HERE / "results" / "bench_compile.json")
+        out = {"compile": compile_info, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "cpus": os.cpu_count(), "numba": __import__("numba").__version__}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        os.replace(tmp, path)
+        print(f"wrote {path}")
+        return out
     import fastanneal as fa
     from threadpoolctl import threadpool_info
     rng = np.random.default_rng(0)

@@ -42,6 +42,7 @@ the ratios, and those of one run loosely). Prints a table per set and an overvie
 JSON atomically (``benchmarks/results/bench_known_answers.json``, ``--quick``:
 ``bench_known_answers_quick.json``).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import time
 import warnings

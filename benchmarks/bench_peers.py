@@ -13,6 +13,7 @@ for every method, its ratio to the best SSE of the run, and ARI against the true
 BLAS is warmed up first (``docs/benchmarking.md``). Prints a table, writes JSON
 (default ``benchmarks/results/bench_peers.json``).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import logging
 import time

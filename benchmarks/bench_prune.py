@@ -11,6 +11,7 @@ whether the two fits agree (labels identical, inertia to 1e-6). Also scikit-lear
 Writes ``benchmarks/results/bench_prune.json``. The kernel-level ratios (one pass against
 one GEMM) are in ``bench_kernels.py``.
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import os
 import sys

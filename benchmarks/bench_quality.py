@@ -16,6 +16,7 @@ of ``AnnealedKMeans(schedule=...)``; ``NAME-norealloc`` adds ``reallocate=False`
 faiss (``Kmeans``, 25 iterations; spherical for cosine) runs when installed. Prints a
 table, writes JSON (default ``benchmarks/results/bench_quality.json``).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import json
 import os

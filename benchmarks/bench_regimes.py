@@ -41,6 +41,7 @@ polish, unless said otherwise):
 Writes ``benchmarks/results/bench_regimes.json`` (``--quick``: ``bench_regimes_quick.json``):
 all runs with their temperature, entropy and gradient-norm paths, the summary, the winners.
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import json
 import math

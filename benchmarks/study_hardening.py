@@ -42,6 +42,7 @@ the k-means objective), blobs-overlapping, anisotropic. Four parts (docs/theory.
 
 Prints one table per part; writes JSON (default ``benchmarks/results/study_hardening.json``).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import sys
 import time

@@ -18,6 +18,7 @@ responsibilities resolve along an annealing schedule.
 
 Prints tables, writes JSON (default ``benchmarks/results/study_hubness.json``).
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import time
 import warnings

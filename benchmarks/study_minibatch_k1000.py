@@ -9,6 +9,7 @@ topics, each at least 67 rows here) into memory and fits K = 1,000 with scikit-l
 batches. Prints seconds and ARI against the topics; writes JSON. (It was written to find out
 why the 10-million-row run of BENCHMARKS section 16 first reached ARI 0.61; see there.)
 """
+import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
 import json
 import os
