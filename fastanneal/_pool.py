@@ -3,7 +3,7 @@
 The kernels used to be Numba ``parallel=True`` functions (``prange`` over the row ranges).
 They are plain serial functions now, each taking the row ranges it owns, and this module runs
 them: range 0 in the calling thread, the others on a process-wide pool of worker threads.
-Why (measured; ``BENCHMARKS.md`` §6):
+Why (measured; ``BENCHMARKS.md`` §14):
 
 * **compile time**: Numba's parfor machinery compiles every parallel kernel twice (the
   function and its gufunc) and was about a third of the cold compile of a default fit;
