@@ -83,41 +83,41 @@ def timed(fn, repeats):
     return out
 
 
+def _cold_then_warm(code):
+    """Run ``code`` (which prints two numbers) twice in fresh processes sharing a new Numba
+    cache: the first compiles (cold), the second loads the cache (warm)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        return [[float(v) for v in subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+            check=True).stdout.split()] for _ in range(2)]
+
+
 def subprocess_compile_times():
     """Cold-cache compile of all kernels for one dtype, and warm import + first call."""
-    code = (
+    cold, warm = _cold_then_warm(
         "import time; t=time.perf_counter(); import numpy as np; import fastanneal as fa; "
         "ti=time.perf_counter()-t; X=np.random.rand(300,8).astype(np.float32); "
         "C=X[:5].copy(); t=time.perf_counter(); "
         "[fa.moments(X,C,0.5,responsibilities=r) for r in ('softmax','entmax15','hard')]; "
         "fa.assign(X,C); fa.responsibilities(X,C,0.5); fa.pairwise_distances(X,C); "
         "print(ti, time.perf_counter()-t)")
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-        cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, check=True).stdout.split()
-        warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, check=True).stdout.split()
-    return {"cold_import_s": float(cold[0]), "cold_first_calls_s": float(cold[1]),
-            "warm_import_s": float(warm[0]), "warm_first_calls_s": float(warm[1]),
-            "warm_import_plus_first_call_s": float(warm[0]) + float(warm[1])}
+    return {"cold_import_s": cold[0], "cold_first_calls_s": cold[1],
+            "warm_import_s": warm[0], "warm_first_calls_s": warm[1],
+            "warm_import_plus_first_call_s": warm[0] + warm[1]}
 
 
 def subprocess_fit_compile_times():
     """Cold-cache and warm-cache first default fit (``AnnealedKMeans(5).fit`` on 500 x 8
     float32): what a new user's first fit waits for, import of the estimator included."""
-    code = (
+    cold, warm = _cold_then_warm(
         "import time; t=time.perf_counter(); import numpy as np; "
         "from fastanneal import AnnealedKMeans; ti=time.perf_counter()-t; "
         "X=np.random.default_rng(0).standard_normal((500,8)).astype(np.float32); "
         "t=time.perf_counter(); AnnealedKMeans(5, random_state=0).fit(X); "
         "print(ti, time.perf_counter()-t)")
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-        cold, warm = (subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                                     text=True, check=True).stdout.split() for _ in range(2))
-    return {"fit_cold_import_s": float(cold[0]), "fit_cold_first_fit_s": float(cold[1]),
-            "fit_warm_import_s": float(warm[0]), "fit_warm_first_fit_s": float(warm[1])}
+    return {"fit_cold_import_s": cold[0], "fit_cold_first_fit_s": cold[1],
+            "fit_warm_import_s": warm[0], "fit_warm_first_fit_s": warm[1]}
 
 
 def subprocess_memory(n, k, d=384):
