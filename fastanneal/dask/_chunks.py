@@ -1,7 +1,6 @@
 """Worker-side functions of the Dask backend. Each runs on one chunk of rows (or merges the
 results of chunks) and calls the same Numba kernels as the in-memory source."""
 import os
-import threading
 from dataclasses import dataclass
 
 import numba
@@ -10,8 +9,6 @@ import numpy as np
 from .. import _kernels as K_
 from .._moments import assign, compute_moments
 from .._validation import check_range, normalize_rows
-
-_lock = threading.Lock()
 
 
 @dataclass
@@ -31,26 +28,6 @@ class Chunk:
         n = self.rows
         return (f"chunk {self.index} (rows {self.row0}-{self.row0 + n - 1})" if n
                 else f"chunk {self.index} (no rows)")
-
-
-def _serialized():
-    """A lock unless Numba's threading layer is known to be thread-safe (OpenMP, TBB): the
-    workqueue layer aborts when two threads launch parallel kernels at once. Only the
-    gradient's kernels are Numba-parallel; the moments, labelling and power-iteration
-    kernels run on fastanneal's own threads (``fastanneal/_pool.py``) and need no lock."""
-    try:
-        layer = numba.threading_layer()
-    except ValueError:   # no parallel kernel has run yet in this process
-        return _lock
-    return _NoLock() if layer in ("omp", "tbb") else _lock
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def set_threads(nthreads):
@@ -120,8 +97,7 @@ def chunk_grad_moments(chunk, C, T, gmetric, resp, g, nthreads):
     """The gradient's backward sums of a chunk (:class:`fastanneal.gradient.GradMoments`)."""
     from ..gradient import backward_moments
     set_threads(nthreads)
-    with _serialized():
-        return backward_moments(chunk.X, chunk.w, C, T, gmetric, resp, g)
+    return backward_moments(chunk.X, chunk.w, C, T, gmetric, resp, g)
 
 
 def merge_moments(*parts):
