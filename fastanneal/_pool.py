@@ -56,22 +56,36 @@ def _executor(workers):
 
 def run(fn, args, nch):
     """``fn(*args, t, t + 1)`` for ``t`` in ``range(nch)``: ``t = 0`` in the calling thread,
-    the others on the pool. Waits for every range before returning or raising (no range may
-    still write into the caller's arrays), then re-raises the first error."""
+    the others on the pool. A range no pool thread has started by the time the calling
+    thread is done with its own is taken back and run here (``Future.cancel``): the caller
+    never sleeps waiting for a thread that has not woken up yet (on a busy or oversubscribed
+    machine a wake-up can take longer than a small range). Waits for every range before
+    returning or raising (no range may still write into the caller's arrays), then
+    re-raises the first error."""
     if nch <= 1:
         fn(*args, 0, nch)
         return
-    futures = [_executor(nch - 1).submit(fn, *args, t, t + 1) for t in range(1, nch)]
+    pool = _executor(nch - 1)
+    futures = [(t, pool.submit(fn, *args, t, t + 1)) for t in range(1, nch)]
     error = None
     try:
         fn(*args, 0, 1)
     except BaseException as e:      # noqa: B902 -- re-raised below, after the others end
         error = e
-    wait(futures)
+    for t, f in futures:
+        if f.cancel():              # not started: run it in this thread
+            try:
+                fn(*args, t, t + 1)
+            except BaseException as e:   # noqa: B902
+                error = error or e
+    # (a cancelled future counts as done for ``wait`` only once a pool thread dequeued it)
+    running = [f for _, f in futures if not f.cancelled()]
+    wait(running)
+    for f in running:
+        if error is None:
+            error = f.exception()
     if error is not None:
         raise error
-    for f in futures:
-        f.result()
 
 
 def run_rows(fn, n, nch, args_of):
