@@ -185,3 +185,28 @@ def test_ranges_no_thread_has_started_run_in_the_caller():
         release.set()
         for b in blockers:
             b.result()
+
+
+def test_concurrent_callers_share_the_pool(monkeypatch):
+    """Two user threads fitting at once (as two Dask worker threads do) share the pool and
+    get exactly the results of the same fits run one after the other."""
+    monkeypatch.setattr(_config, "PARALLEL_MIN_WORK", 0)      # every pass split
+    data = [_data(21 + i, n=3000)[0] for i in range(2)]
+    solo = [fa.AnnealedKMeans(12, random_state=i).fit(X).cluster_centers_ for i, X in
+            enumerate(data)]
+    got = [None, None]
+    errors = []
+
+    def fit(i):
+        try:
+            got[i] = fa.AnnealedKMeans(12, random_state=i).fit(data[i]).cluster_centers_
+        except BaseException as e:     # noqa: B902 -- reported by the assertion below
+            errors.append(e)
+    threads = [threading.Thread(target=fit, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors and all(not th.is_alive() for th in threads)
+    for a, b in zip(got, solo):
+        np.testing.assert_array_equal(a, b)
