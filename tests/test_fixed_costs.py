@@ -150,3 +150,54 @@ def test_lanczos_ritz_vectors_of_all_clusters_at_once():
     lam2 = power_iteration_eigs(matvec, mu, wk, D, np.random.default_rng(8), tol=1e-12,
                                 start=start)
     np.testing.assert_allclose(lam2, lam, rtol=1e-12)
+
+
+def test_no_literal_typed_second_compile_of_the_row_rules(tmp_path):
+    """The moments kernel compiles the row rules once each: a callee called with a
+    variable that starts as the literal ``0`` gets a second compile for the type
+    ``Literal[int](0)`` (seconds of a cold start); the kernels start such variables as
+    ``np.int64(0)``. In a fresh process with an empty Numba cache (from a cache the callees
+    are not compiled at all and list no signature)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np, fastanneal as fa; from fastanneal import _kernels as k\n"
+            "X = np.random.default_rng(3).standard_normal((600, 4)).astype(np.float32)\n"
+            "fa.moments(X, X[:4].copy(), 0.5)\n"
+            "for f in (k._row_soft, k.entmax15_support_probs, k.entmax15_tau_sort,\n"
+            "          k.entmax15_tau_bisect):\n"
+            "    print(f.__name__, len(f.signatures), "
+            "sum('Literal' in str(s) for s in f.signatures))\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600, check=True).stdout.split("\n")
+    rows = [line.split() for line in out if line.strip()]
+    assert len(rows) == 4
+    for name, n_sigs, n_literal in rows:
+        assert (int(n_sigs), int(n_literal)) == (1, 0), (name, n_sigs, n_literal)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 48, 702, 3000])
+def test_sorted_descending_matches_numpy(n):
+    """The Shell sort that replaced Numba's ``np.sort`` in entmax (compile time) sorts like
+    NumPy, ties and sizes beyond its largest gap included, and leaves its input alone."""
+    from fastanneal._kernels import _sorted_descending
+    rng = np.random.default_rng(n)
+    v = rng.standard_normal(n + 5)
+    v[:n:9] = 0.25                                    # ties
+    before = v.copy()
+    np.testing.assert_array_equal(_sorted_descending(v, n), np.sort(v[:n])[::-1])
+    np.testing.assert_array_equal(v, before)
+
+
+def test_import_leaves_the_openmp_wait_policy_alone():
+    """fastanneal runs no OpenMP region; importing it must not change ``OMP_WAIT_POLICY``,
+    which also governs scikit-learn's threads in the same process."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", "import os, fastanneal; "
+                          "print(os.environ.get('OMP_WAIT_POLICY'))"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "None"
