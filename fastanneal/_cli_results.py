@@ -2,7 +2,7 @@
 probability, margin), the labelled cluster table, the adjusted Rand index and the summary."""
 import numpy as np
 
-__all__ = ["adjusted_rand_index", "assignments", "summary_items", "print_summary",
+__all__ = ["adjusted_rand_index", "adjusted_rand_index_from_counts", "assignments", "summary_items", "print_summary",
            "label_clusters", "Labelled", "ClusterSummary"]
 
 
@@ -15,12 +15,35 @@ def adjusted_rand_index(a, b):
         return 1.0
     nb = int(bi.max()) + 1
     cont = np.bincount(ai * nb + bi, minlength=(int(ai.max()) + 1) * nb).astype(np.float64)
+    return _ari_from_table(cont.reshape(-1, nb), n)
 
+
+def adjusted_rand_index_from_counts(pairs):
+    """The adjusted Rand index from a contingency table given as ``{(a, b): count}`` (the
+    pairs of the two labelings and how many rows have each): the form that is added up
+    over the blocks of a log that is never held whole."""
+    if not pairs:
+        return 1.0
+    keys = list(pairs)
+    _, ai = np.unique(np.array([str(type(k[0])) + repr(k[0]) for k in keys]),
+                      return_inverse=True)
+    _, bi = np.unique(np.array([k[1] for k in keys]), return_inverse=True)
+    counts = np.array([pairs[k] for k in keys], dtype=np.float64)
+    nb = int(bi.max()) + 1
+    cont = np.bincount(ai * nb + bi, weights=counts,
+                       minlength=(int(ai.max()) + 1) * nb).reshape(-1, nb)
+    n = int(counts.sum())
+    if n < 2:
+        return 1.0
+    return _ari_from_table(cont, n)
+
+
+def _ari_from_table(cont, n):
     def comb2(x):
         return float((x * (x - 1) / 2).sum())
     s = comb2(cont)
-    sa = comb2(cont.reshape(-1, nb).sum(axis=1))
-    sb = comb2(cont.reshape(-1, nb).sum(axis=0))
+    sa = comb2(cont.sum(axis=1))
+    sb = comb2(cont.sum(axis=0))
     total = n * (n - 1) / 2
     expected = sa * sb / total
     top = (sa + sb) / 2
@@ -209,6 +232,46 @@ class ClusterSummary:
                     for j in best.tolist())
                 self.ambiguous.sort(key=lambda r: (r[0], r[1]))
                 del self.ambiguous[self.n_amb:]
+
+    def merge(self, other):
+        """Add the summary of other rows (another block range, e.g. the row groups a Dask
+        worker labelled): the result is the summary of both row sets as :meth:`add` would
+        have made it in row order, whatever the order of the merges (each part's best
+        candidates are kept exactly; sums up to the order of the additions). Returns self."""
+        if (other.K, other.n_rows, other.n_rep, other.text_sample, other.n_amb) != \
+                (self.K, self.n_rows, self.n_rep, self.text_sample, self.n_amb):
+            raise ValueError("cannot merge the summaries of different labellings")
+        self.size += other.size
+        self.weight += other.weight
+        self.cos_sum += other.cos_sum
+        theirs, mine = other.central_row, self.central_row
+        better = (theirs >= 0) & ((other.central_cos > self.central_cos)
+                                  | ((other.central_cos == self.central_cos)
+                                     & ((mine < 0) | (theirs < mine))))
+        for k in np.flatnonzero(better).tolist():
+            self.central_cos[k] = other.central_cos[k]
+            self.central_row[k] = theirs[k]
+            self.central_text[k] = other.central_text[k]
+            self.central_id[k] = other.central_id[k]
+        for k in range(self.K):
+            if not other.reps[k]:
+                continue
+            cand = sorted(self.reps[k] + other.reps[k], key=lambda r: (r[0], r[1]))
+            keep, kept = [], set()
+            for r in cand:
+                if r[2] not in kept:
+                    kept.add(r[2])
+                    keep.append(r)
+                    if len(keep) == self.n_rep:
+                        break
+            self.reps[k] = keep
+        self.terms.merge(other.terms)
+        if other.has_texts is not None:
+            self.has_texts = bool(self.has_texts) or bool(other.has_texts)
+        if other.ambiguous:
+            self.ambiguous = sorted(self.ambiguous + other.ambiguous,
+                                    key=lambda r: (r[0], r[1]))[:self.n_amb]
+        return self
 
     def order(self):
         """Clusters largest (weight) first; ties: lower number first."""

@@ -56,6 +56,74 @@ def fmt_bytes(b):
     return f"{b} B"
 
 
+def checked_embeddings(table, column, source, row0, dim, dtype):
+    """The embedding column of a block of the log as ``(n, dim)`` rows of ``dtype``
+    (checked: no missing or non-finite values, the log's width)."""
+    x = embedding_matrix(table, column, source, row0)
+    if x.shape[1] != dim:
+        raise InputError(f"{source}: ragged embeddings in column {column!r}: row {row0 + 1} "
+                         f"has {x.shape[1]} values, row 1 has {dim}")
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    return x
+
+
+class LogPiece:
+    """One row group of a :class:`ParquetLog`: all that a process (a Dask worker) needs to
+    read it on its own -- the fragment, the dataset's schema, its first row's number in
+    the log and the embedding column's width and type. Picklable (about 2 kB)."""
+
+    def __init__(self, log, i):
+        d = log.data
+        self.source = log.path
+        self.fragment = d.pieces[i]
+        self.schema = d.schema
+        self.index = int(i)
+        self.row0 = int(d.offsets[i])
+        self.n_rows = int(d.piece_rows[i])
+        self.where = d.where(i)
+        self.column = log.args.embedding_column
+        self.dim = log.dim
+        self.dtype = log.dtype
+
+    def embeddings(self, table, row0):
+        return checked_embeddings(table, self.column, self.source, row0, self.dim, self.dtype)
+
+    def batches(self, cols, rows=BLOCK_ROWS):
+        """``(row0, table)`` blocks of at most ``rows`` rows of ``cols``, in order, decoded
+        from the row group's pages (checksummed); columns that are not in the file (hive
+        partitions) from the fragment's table, sliced. A read error names the file and the
+        row group; so does a row count that differs from the metadata."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        cols = list(cols)
+        rows = int(rows)
+        r0 = self.row0
+        pa.default_memory_pool().release_unused()
+        try:
+            with pq.ParquetFile(self.fragment.path, pre_buffer=False, buffer_size=1 << 22,
+                                page_checksum_verification=True) as pf:
+                physical = set(pf.schema_arrow.names) >= set(cols) and cols
+                if physical:
+                    for b in pf.iter_batches(batch_size=rows, columns=cols, use_threads=False,
+                                             row_groups=[self.fragment.row_groups[0].id]):
+                        t = pa.Table.from_batches([b])
+                        yield r0, t
+                        r0 += t.num_rows
+            if not physical:
+                t = self.fragment.to_table(schema=self.schema, columns=cols, use_threads=False)
+                for s in range(0, t.num_rows, rows):
+                    b = t.slice(s, rows)
+                    yield r0, b
+                    r0 += b.num_rows
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"cannot read {self.source} ({self.where}): {e}") from None
+        got = r0 - self.row0
+        if got != self.n_rows:
+            raise InputError(f"{self.source} ({self.where}): {got} rows read; the metadata "
+                             f"says {self.n_rows}")
+
+
 class ParquetLog:
     """A Parquet input of ``fastanneal cluster``: its row groups, the checked columns, the
     embedding width and the route (``"memory"`` or ``"stream"``) under a memory limit."""
@@ -157,35 +225,23 @@ class ParquetLog:
         return X
 
     def _block(self, table, row0):
-        x = embedding_matrix(table, self.args.embedding_column, self.path, row0)
-        if x.shape[1] != self.dim:
-            raise InputError(f"{self.path}: ragged embeddings in column "
-                             f"{self.args.embedding_column!r}: row {row0 + 1} has "
-                             f"{x.shape[1]} values, row 1 has {self.dim}")
-        if x.dtype != self.dtype:
-            x = x.astype(self.dtype)
-        return x
+        return checked_embeddings(table, self.args.embedding_column, self.path, row0,
+                                  self.dim, self.dtype)
+
+    def piece(self, i):
+        """Row group ``i`` as a :class:`LogPiece` (what a Dask worker needs to read it)."""
+        return LogPiece(self, i)
 
     def blocks(self, columns, rows=None):
         """``(row0, embeddings, table)`` of every row in order, in blocks of at most ``rows``
         rows decoded straight from the row groups' pages (one block read ahead): the
         working set is a few blocks, not whole row groups (decoding a 65,536-row group of
         384-d float32 as one table peaks at about 250 MB). Columns that are not in the
-        files (hive partitions) fall back to whole row-group tables."""
-        import pyarrow.parquet as pq
-
+        files (hive partitions) come from whole row-group tables, sliced."""
         from ._parquet import prefetched
         rows = int(rows or BLOCK_ROWS)
         col = self.args.embedding_column
         cols = list(dict.fromkeys([col] + [c for c in columns if c]))
-        first = self.data.pieces[0]
-        with pq.ParquetFile(first.path) as pf:
-            physical = set(pf.schema_arrow.names)
-        if not set(cols) <= physical:
-            for i, t in self._tables(cols):
-                r0 = int(self.data.offsets[i])
-                yield r0, self._block(t, r0), t
-            return
         n_blocks = int(sum(-(-int(r) // rows) for r in self.data.piece_rows))
         it = self._batches(cols, rows)
         for _, (r0, t) in prefetched(lambda _j: next(it), range(n_blocks), depth=2):
@@ -194,26 +250,8 @@ class ParquetLog:
     def _batches(self, cols, rows):
         """``(row0, table)`` blocks of ``rows`` rows of every row group, in order (pages
         checksummed; a read error names the file and the row group)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        for i, piece in enumerate(self.data.pieces):
-            r0 = int(self.data.offsets[i])
-            pa.default_memory_pool().release_unused()
-            try:
-                with pq.ParquetFile(piece.path, pre_buffer=False, buffer_size=1 << 22,
-                                    page_checksum_verification=True) as pf:
-                    for b in pf.iter_batches(batch_size=rows, columns=cols, use_threads=False,
-                                             row_groups=[piece.row_groups[0].id]):
-                        t = pa.Table.from_batches([b])
-                        yield r0, t
-                        r0 += t.num_rows
-            except (OSError, pa.ArrowException) as e:
-                raise InputError(f"cannot read {self.path} ({self.data.where(i)}): "
-                                 f"{e}") from None
-            got = r0 - int(self.data.offsets[i])
-            if got != int(self.data.piece_rows[i]):
-                raise InputError(f"{self.path} ({self.data.where(i)}): {got} rows read; the "
-                                 f"metadata says {int(self.data.piece_rows[i])}")
+        for i in range(len(self.data.pieces)):
+            yield from self.piece(i).batches(cols, rows)
 
     def write(self, writer, drop, results, st=None):
         """Copy every row group of the input (minus ``drop``) with the result columns

@@ -295,8 +295,11 @@ def embedding_matrix(table, name, path, row0=0):
     return X
 
 
-def weight_vector(table, name, path):
-    """The weight column as float64, checked: numeric, no missing values, finite, >= 0, sum > 0."""
+def weight_vector(table, name, path, row0=0, whole=True):
+    """The weight column as float64, checked: numeric, no missing values, finite, >= 0, sum > 0.
+    ``row0``: the log's number of the table's first row (the table is a block of a larger
+    log: messages name the log's rows); ``whole=False``: the block may sum to zero (the
+    caller checks the total)."""
     col = require_column(table, name, path, "weight column")
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
@@ -306,35 +309,40 @@ def weight_vector(table, name, path):
             for i, v in enumerate(col.to_pylist()):
                 if v is None or not v.strip():
                     raise InputError(f"{path}: weight column {name!r} has a missing value at "
-                                     f"row {i + 1}") from None
+                                     f"row {row0 + i + 1}") from None
                 try:
                     float(v)
                 except ValueError:
                     raise InputError(f"{path}: weight column {name!r} is not numeric (row "
-                                     f"{i + 1}: {v[:30]!r})") from None
+                                     f"{row0 + i + 1}: {v[:30]!r})") from None
             raise InputError(f"{path}: weight column {name!r} is not numeric") from None
     elif not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)):
         raise InputError(f"{path}: weight column {name!r} has type {t}; expected numbers")
     first = _first_null(col)
     if first is not None:
-        raise InputError(f"{path}: weight column {name!r} has a missing value at row {first + 1}")
+        raise InputError(f"{path}: weight column {name!r} has a missing value at row "
+                         f"{row0 + first + 1}")
     w = np.asarray(pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
     bad = ~np.isfinite(w) | (w < 0)
     if bad.any():
         i = int(np.argmax(bad))
-        raise InputError(f"{path}: weight column {name!r} has an invalid weight {w[i]!r} at row "
-                         f"{i + 1} (weights must be finite and >= 0)")
-    if not w.sum() > 0:
+        raise InputError(f"{path}: weight column {name!r} has an invalid weight {float(w[i])!r} at row "
+                         f"{row0 + i + 1} (weights must be finite and >= 0)")
+    if whole and not w.sum() > 0:
         raise InputError(f"{path}: weight column {name!r} sums to zero")
     return np.ascontiguousarray(w)
 
 
-def check_ids(table, name, path):
-    """Ids must be present and unique."""
+def check_ids(table, name, path, row0=0, unique=True):
+    """Ids must be present and unique (``unique=False``: present only; ``row0`` as in
+    :func:`weight_vector`)."""
     col = require_column(table, name, path, "id column")
     first = _first_null(col)
     if first is not None:
-        raise InputError(f"{path}: id column {name!r} has a missing value at row {first + 1}")
+        raise InputError(f"{path}: id column {name!r} has a missing value at row "
+                         f"{row0 + first + 1}")
+    if not unique:
+        return
     # count_distinct: the hash table only, not a copy of the unique values (10 million
     # string ids: ~170 MB less at the peak)
     if pc.count_distinct(col, mode="all").as_py() != len(col):

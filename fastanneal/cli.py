@@ -507,31 +507,44 @@ def run_cluster(args, console):
                 console.note(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
                              f"--memory-limit {fmt_bytes(limit)}: clustering out of core "
                              "(mini-batch annealing over the row groups" +
-                             (", read by the Dask workers; labels written by this process, "
-                              "row group by row group)" if args.backend == "dask" else ")"))
+                             (", read by the Dask workers, which also check, label and "
+                              "write them)" if args.backend == "dask" else ")"))
         X = None
+        # out of core on a Dask cluster: every per-row step runs on the workers
+        on_workers = route == "stream" and args.backend == "dask"
+        if on_workers and args._dask_scheduler is None:
+            from .dask._cluster import resolve_client
+            handle = resolve_client(None)        # one cluster for the checks, fit, labels
+            stack.callback(handle.close)
+            args._dask_scheduler = handle.client
         stream_note = (lambda dt: f"ids and weights of {n_rows:,} rows in {dt:.1f} s (the "
-                       "embeddings are read row group by row group)")
+                       "embeddings are read row group by row group" +
+                       (", all by the Dask workers)" if on_workers else ")"))
         n_rows = log.n_rows if log is not None else 0
         with console.stage("reading", total=log.n_rows if log is not None else None,
                            done=stream_note if route == "stream" else None) as st:
             if log is None:
                 table = read_table(src, string_columns=[args.text_column, args.id_column])
                 st.update(table.num_rows)
+            elif on_workers:
+                table = None
             else:
                 table = log.small_table(with_text=route == "memory")
                 if route == "memory":
                     X = log.embeddings(st)
-                else:
-                    st.update(log.n_rows)
+            if route == "stream":
+                st.update(log.n_rows)
         n = log.n_rows if log is not None else table.num_rows
         in_cols = log.column_names if log is not None else table.column_names
         missing = [c for c in args.drop_columns if c not in in_cols]
         if missing and not demo:
             raise CLIError(f"--drop-columns: {', '.join(map(repr, missing))} not in {src} "
                            f"(columns: {', '.join(in_cols[:12])})")
+        if on_workers:
+            from ._cli_dask import check_log
+            n_live, _ = check_log(log, args, args._dask_scheduler)
         ids = None
-        if args.id_column:
+        if args.id_column and not on_workers:
             check_ids(table, args.id_column, src)
             ids = table.column(args.id_column)
             # a NumPy array for Parquet logs (8 bytes a numeric id, not a Python int); out of
@@ -539,8 +552,8 @@ def run_cluster(args, console):
             # 10 million string ids are ~600 MB as Python objects, ~170 MB in Arrow)
             if route != "stream":
                 ids = ids.to_numpy() if log is not None else ids.to_pylist()
-        w = (weight_vector(table, args.weight_column, src) if args.weight_column
-             else np.ones(n))
+        w = (None if on_workers else weight_vector(table, args.weight_column, src)
+             if args.weight_column else np.ones(n))
         texts = None
         text_given = args.text_column != "query"
         if route == "memory" and (args.embedding_column is None
@@ -549,7 +562,7 @@ def run_cluster(args, console):
                               allow_null=args.embedding_column is not None,
                               keep_arrow=log is not None)
         truth = None
-        if args.truth_column:
+        if args.truth_column and not on_workers:
             if args.truth_column not in table.column_names:
                 raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
             truth = table.column(args.truth_column).to_pylist()
@@ -559,10 +572,11 @@ def run_cluster(args, console):
         auto = args.k == "auto"
         K = int(args.k_max) if auto else int(args.k)
         flag = "--k-max" if auto else "--k"
-        live = w > 0
-        if K > int(live.sum()):
+        live = None if on_workers else w > 0
+        n_live = n_live if on_workers else int(live.sum())
+        if K > n_live:
             raise CLIError(f"{flag} {K} is larger than the number of rows with weight > 0 "
-                           f"({int(live.sum())})")
+                           f"({n_live})")
         if args.embedding_column is None:
             nd = len({t for t, ok in zip(texts, live) if ok})
             if K > nd:
@@ -625,7 +639,14 @@ def run_cluster(args, console):
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
         with console.stage("labelling", total=n) as st:
-            if route == "stream":
+            if on_workers:
+                from ._cli_dask import RESULT_COLUMNS, label_log
+                from .dask._cluster import ClientHandle
+                client = args._dask_scheduler
+                lab = label_log(log, est, args, client, ClientHandle(client).task_threads(),
+                                st)
+                results = dict.fromkeys(RESULT_COLUMNS)     # written by the workers
+            elif route == "stream":
                 from ._cli_stream import label_stream
                 lab = label_stream(log, est, w, ids, args, st)
                 results = lab.columns()
@@ -649,6 +670,9 @@ def run_cluster(args, console):
                     out = out.drop_columns([name])
                 out = out.append_column(name, pa.array(values))
         ari = adjusted_rand_index(truth, new_labels) if truth is not None else None
+        if on_workers and args.truth_column:
+            from ._cli_results import adjusted_rand_index_from_counts
+            ari = adjusted_rand_index_from_counts(lab.truth)
         timings["assign"] = time.perf_counter() - t0
         if log is not None:
             X = table = texts = None       # the writing pass reads the input again
@@ -659,6 +683,12 @@ def run_cluster(args, console):
                 if log is None:
                     write_table(out, outs.temp_for(output), fmt)
                     st.update(n)
+                elif on_workers:
+                    from ._cli_dask import write_log
+                    keep = [c for c in log.column_names
+                            if c not in set(args.drop_columns) and c not in results]
+                    with TableWriter(outs.temp_for(output), fmt) as wr:
+                        write_log(log, lab, keep, wr, output, args._dask_scheduler, st)
                 else:
                     with TableWriter(outs.temp_for(output), fmt) as wr:
                         log.write(wr, set(args.drop_columns), results, st)

@@ -80,6 +80,21 @@ class TermCounts:
             for g in grams:
                 cnt[g] += wi
 
+    def merge(self, other):
+        """Add the counts of ``other`` (the counts of other rows): the same counts as one
+        :meth:`add` of both row sets, up to the order of the floating-point additions."""
+        if other.n_clusters != self.n_clusters or other.ngram_range != self.ngram_range:
+            raise ValueError("cannot merge term counts of different clusterings")
+        for mine, theirs in zip(self.per_class, other.per_class):
+            mine.update(theirs)
+        return self
+
+    def __getstate__(self):
+        # the tokenizer cache is this process's speed-up, not state: never shipped
+        d = dict(self.__dict__)
+        d["_cache"] = {}
+        return d
+
     def terms(self, top_n=8):
         """Top ``top_n`` ``(term, score)`` of each cluster (see :func:`ctfidf_terms`)."""
         total = Counter()

@@ -1,0 +1,371 @@
+"""``fastanneal cluster --backend dask`` out of core: every per-row step on the Dask workers.
+
+This process (the client) holds the log's metadata, the centers and merged per-cluster
+summaries -- never an array with a row per row of the log. Each step is one task per row
+group (:class:`fastanneal._cli_stream.LogPiece`), run by a worker that reads the row group
+itself:
+
+1. **Checks** (:func:`check_log`): the weight and id columns of the row group, with the
+   in-memory route's one-line errors (row numbers of the whole log); each task returns its
+   live-row count, its weight and the 64-bit keys of its ids (the integer value itself, or
+   FNV-1a of the bytes). The keys are merged and searched for repeats on the workers (a
+   fixed tree of sorted merges); only repeated keys come back, and the ids behind them are
+   then compared exactly, so a hash collision never rejects a log.
+2. The mini-batch fit on the workers (:func:`fastanneal._cli_stream.fit_stream`).
+3. **Labelling** (:func:`label_log`): cluster, probability, margin and runner-up of every
+   row, kept on the worker that computed them; the row groups' cluster summaries
+   (:meth:`fastanneal._cli_results.ClusterSummary.merge`) and, with a truth column, their
+   contingency counts are merged on the workers and only the total comes back.
+4. **Writing** (:func:`write_log`): every worker writes its row groups' output rows (the
+   input columns but the dropped ones, plus the result columns with the clusters numbered
+   largest first) as a Parquet part file into a temporary folder next to the output; this
+   process copies the parts into the output in row order, one block at a time, and removes
+   them. The workers must therefore see the output's folder (a shared filesystem, as they
+   already see the input).
+"""
+import copy
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from ._io import InputError, check_ids, temp_folder, text_list, weight_vector
+
+__all__ = ["check_log", "label_log", "write_log", "id_keys"]
+
+#: Fan-in of the merge trees on the workers.
+SPLIT_EVERY = 8
+#: Result columns, in output order.
+RESULT_COLUMNS = ("cluster", "probability", "margin", "runner_up")
+
+
+# =========================================================================== ids as keys
+@numba.njit(cache=True, nogil=True)
+def _fnv1a(offsets, data, out):
+    for i in range(out.shape[0]):
+        h = np.uint64(0xCBF29CE484222325)
+        for j in range(offsets[i], offsets[i + 1]):
+            h = (h ^ np.uint64(data[j])) * np.uint64(0x100000001B3)
+        out[i] = h
+
+
+def id_keys(col):
+    """64-bit keys of the ids of an Arrow column (no nulls): integers are their own key
+    (exact), every other type is hashed (FNV-1a) from its UTF-8 / binary bytes (a cast to
+    string first for dates, floats, ...). Equal ids have equal keys; unequal ids collide
+    with probability about 2^-64 per pair."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr = arr.dictionary_decode()
+        t = arr.type
+    if pa.types.is_integer(t) or pa.types.is_boolean(t):
+        v = pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False)
+        return np.ascontiguousarray(v, dtype=np.int64).view(np.uint64)
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t)):
+        try:
+            arr = pc.cast(arr, pa.large_string())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            arr = pa.array([repr(v) for v in arr.to_pylist()], type=pa.large_string())
+        t = arr.type
+    n = len(arr)
+    out = np.empty(n, dtype=np.uint64)
+    if n == 0:
+        return out
+    large = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+    bufs = arr.buffers()
+    off = np.frombuffer(bufs[1], dtype=np.int64 if large else np.int32)
+    off = np.ascontiguousarray(off[arr.offset:arr.offset + n + 1], dtype=np.int64)
+    data = (np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None
+            else np.zeros(1, dtype=np.uint8))
+    _fnv1a(off, data, out)
+    return out
+
+
+# =========================================================================== worker tasks
+def check_piece(piece, weight_column, id_column):
+    """Check the weights and ids of one row group; ``{"live", "weight", "keys"}``."""
+    cols = [c for c in (weight_column, id_column) if c]
+    live, wsum, keys = 0, 0.0, []
+    for r0, t in piece.batches(cols):
+        if weight_column:
+            w = weight_vector(t, weight_column, piece.source, row0=r0, whole=False)
+            live += int(np.count_nonzero(w > 0))
+            wsum += float(w.sum())
+        else:
+            live += t.num_rows
+            wsum += float(t.num_rows)
+        if id_column:
+            check_ids(t, id_column, piece.source, row0=r0, unique=False)
+            keys.append(id_keys(t.column(id_column)))
+    k = np.sort(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.uint64)
+    return {"live": live, "weight": wsum, "keys": k}
+
+
+def merge_checks(*parts):
+    """Sum the counts and merge the sorted id keys of several row groups."""
+    keys = np.concatenate([p["keys"] for p in parts])
+    keys.sort(kind="mergesort")          # runs of sorted keys: a merge
+    return {"live": sum(p["live"] for p in parts), "weight": sum(p["weight"] for p in parts),
+            "keys": keys}
+
+
+def repeated_keys(total):
+    """The root of the check tree: counts and the keys that occur more than once."""
+    k = total["keys"]
+    rep = np.unique(k[1:][k[1:] == k[:-1]]) if k.shape[0] > 1 else k[:0]
+    return {"live": total["live"], "weight": total["weight"], "repeated": rep}
+
+
+def ids_with_keys(piece, id_column, keys):
+    """``(row, id)`` of the rows of one row group whose id key is in ``keys``."""
+    out = []
+    for r0, t in piece.batches([id_column]):
+        col = t.column(id_column)
+        hit = np.flatnonzero(np.isin(id_keys(col), keys))
+        if hit.size:
+            vals = col.take(hit).to_pylist()
+            out.extend((r0 + int(i), v) for i, v in zip(hit.tolist(), vals))
+    return out
+
+
+class PieceLabels:
+    """What labelling one row group gives: its cluster summary, its truth contingency
+    counts (or None) and the per-row results (kept on the worker for :func:`write_piece`)."""
+
+    def __init__(self, summary, truth, results):
+        self.summary = summary
+        self.truth = truth
+        self.results = results
+
+
+def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads):
+    """Assignments of every row of one row group and its :class:`ClusterSummary`."""
+    from ._cli_results import ClusterSummary, assignments
+    from .dask._chunks import set_threads
+    set_threads(nthreads)
+    text_col, weight_col, id_col, truth_col = columns
+    K = labeller.cluster_centers_.shape[0]
+    summ = ClusterSummary(K, n_total, n_representatives, with_ids=id_col is not None)
+    n = piece.n_rows
+    ldt = np.int32 if K < 2 ** 31 else np.int64
+    labels, ru = np.empty(n, dtype=ldt), np.empty(n, dtype=ldt)
+    prob, margin = np.empty(n), np.empty(n)
+    truth = Counter() if truth_col else None
+    cols = [c for c in dict.fromkeys([piece.column, text_col, weight_col, id_col, truth_col])
+            if c]
+    for r0, t in piece.batches(cols):
+        x = piece.embeddings(t, r0)
+        m = x.shape[0]
+        lab, p, mar, cos, sec = assignments(labeller, x, runner_up=True)
+        o = r0 - piece.row0
+        labels[o:o + m], prob[o:o + m], margin[o:o + m], ru[o:o + m] = lab, p, mar, sec
+        texts = text_list(t, text_col, piece.source) if text_col else None
+        w = (weight_vector(t, weight_col, piece.source, row0=r0, whole=False) if weight_col
+             else np.ones(m))
+        ids = t.column(id_col).to_numpy(zero_copy_only=False) if id_col else None
+        summ.add(r0, lab, p, mar, sec, cos, w, texts, ids)
+        if truth is not None:
+            truth.update(zip(t.column(truth_col).to_pylist(), lab.tolist()))
+    return PieceLabels(summ, truth, (labels, prob, margin, ru))
+
+
+def merge_labels(*parts):
+    """The summary and truth counts of several row groups (a new object: the parts stay as
+    they are, their rows are written later)."""
+    first = parts[0]
+    summ = copy.deepcopy(first.summary)
+    truth = None if first.truth is None else Counter(first.truth)
+    for p in parts[1:]:
+        summ.merge(p.summary)
+        if truth is not None:
+            truth.update(p.truth)
+    return PieceLabels(summ, truth, None)
+
+
+def write_piece(labelled, rank, piece, keep, schema, part_path):
+    """The output rows of one row group (the ``keep`` input columns, cast to the dataset's
+    ``schema``, plus the result columns, clusters renumbered by ``rank``) as one Parquet
+    file; returns the number of rows written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    labels, prob, margin, ru = labelled.results
+    res = {"cluster": rank[labels], "probability": prob, "margin": margin,
+           "runner_up": np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)}
+    writer = None
+    n = 0
+    try:
+        for r0, t in piece.batches(keep):
+            if keep and t.schema != schema:
+                t = t.cast(schema)
+            o = r0 - piece.row0
+            m = t.num_rows
+            for name in RESULT_COLUMNS:
+                t = t.append_column(name, pa.array(res[name][o:o + m]))
+            if writer is None:
+                writer = pq.ParquetWriter(part_path, t.schema)
+            writer.write_table(t)
+            n += m
+    finally:
+        if writer is not None:
+            writer.close()
+    return n
+
+
+# =========================================================================== the client
+class _Labeller:
+    """What labelling needs of a fitted estimator (centers, metric, probability
+    temperature and cluster masses): small and picklable (the estimator holds the client)."""
+
+    def __init__(self, est):
+        self.cluster_centers_ = np.asarray(est.cluster_centers_)
+        self.metric = est.metric
+        self.probability_temperature_ = float(est.probability_temperature_)
+        self.cluster_weights_ = np.asarray(est.cluster_weights_, dtype=np.float64)
+
+    def _check_X(self, X):
+        if X.shape[1] != self.cluster_centers_.shape[1]:
+            raise ValueError(f"X has {X.shape[1]} features; the fit had "
+                             f"{self.cluster_centers_.shape[1]}")
+        return X
+
+
+def _tree(client, futures, func):
+    futs = list(futures)
+    while len(futs) > 1:
+        futs = [client.submit(func, *futs[i:i + SPLIT_EVERY], pure=False)
+                for i in range(0, len(futs), SPLIT_EVERY)]
+    return futs[0]
+
+
+def _first_error(futures):
+    """Raise the error of the first failed task in ``futures``' order (deterministic
+    messages whatever the scheduling), if any failed."""
+    from distributed import wait
+    wait(futures)
+    for f in futures:
+        if f.status == "error":
+            f.result()
+
+
+def _pieces(log):
+    return [log.piece(i) for i in range(len(log.data.pieces))]
+
+
+def check_log(log, args, client):
+    """Checks of the weight and id columns on the workers; ``(live rows, total weight)``.
+    Raises :class:`InputError` (one line) for a missing, negative or non-finite weight, a
+    zero total weight, a missing id or a repeated id (both rows named)."""
+    wcol, icol = args.weight_column, args.id_column
+    if not wcol and not icol:
+        return log.n_rows, float(log.n_rows)
+    pieces = _pieces(log)
+    futs = [client.submit(check_piece, p, wcol, icol, pure=False) for p in pieces]
+    root = client.submit(repeated_keys, _tree(client, futs, merge_checks), pure=False)
+    try:
+        total = root.result()
+    except BaseException:
+        _first_error(futs)
+        raise
+    finally:
+        del futs
+    if wcol and not total["weight"] > 0:
+        raise InputError(f"{log.path}: weight column {wcol!r} sums to zero")
+    rep = total["repeated"]
+    if icol and rep.shape[0]:
+        hits = client.gather([client.submit(ids_with_keys, p, icol, rep, pure=False)
+                              for p in pieces])
+        rows = {}
+        for part in hits:
+            for r, v in part:
+                rows.setdefault(v, []).append(r)
+        dup = [(sorted(r)[1], sorted(r)[0], v) for v, r in rows.items() if len(r) > 1]
+        if dup:
+            second, first, v = min(dup, key=lambda d: d[0])
+            raise InputError(f"{log.path}: duplicate id {v!r} in column {icol!r} (rows "
+                             f"{first + 1} and {second + 1})")
+    return int(total["live"]), float(total["weight"])
+
+
+class LogLabels:
+    """The labelling of the whole log: the merged summary, its cluster table (clusters
+    renumbered largest first), the truth contingency counts, and the per-row-group results
+    still on the workers (for :func:`write_log`)."""
+
+    def __init__(self, pieces, futures, total, nthreads):
+        from ._cli_results import ranks
+        self.pieces = pieces
+        self.futures = futures
+        self.summary = total.summary
+        self.truth = total.truth
+        self.order = self.summary.order()
+        self.rank = ranks(self.order)
+        self.clusters = self.summary.table(self.order)
+
+    def release(self):
+        for f in self.futures:
+            f.release()
+        self.futures = []
+
+
+def label_log(log, est, args, client, nthreads, st=None, n_representatives=5):
+    """Label every row on the workers (one task per row group); see the module docstring."""
+    from distributed import as_completed
+    pieces = _pieces(log)
+    lab = client.scatter(_Labeller(est), broadcast=True)
+    cols = (args.text_column if log.has_text else None, args.weight_column, args.id_column,
+            args.truth_column)
+    futs = [client.submit(label_piece, p, lab, cols, log.n_rows, n_representatives, nthreads,
+                          pure=False) for p in pieces]
+    root = _tree(client, futs, merge_labels)
+    try:
+        if st is not None:
+            rows = {f.key: p.n_rows for f, p in zip(futs, pieces)}
+            for f in as_completed(futs):
+                if f.status == "error":
+                    break
+                st.update(rows[f.key])
+        total = root.result()
+    except BaseException:
+        _first_error(futs)
+        for f in futs:
+            f.cancel()
+        raise
+    return LogLabels(pieces, futs, total, nthreads)
+
+
+def write_log(log, labels, keep, writer, output, client, st=None):
+    """The output rows: part files written by the workers into a temporary folder next to
+    the output, copied into ``writer`` (a :class:`fastanneal._io.TableWriter`) in row order
+    one block at a time, then removed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    folder = temp_folder(output)
+    try:
+        schema = pa.schema([log.data.schema.field(c) for c in keep])
+        rank = client.scatter(labels.rank, broadcast=True)
+        parts = [str(Path(folder) / f"part-{i:06d}.parquet") for i in range(len(labels.pieces))]
+        futs = [client.submit(write_piece, f, rank, p, keep, schema, path, pure=False)
+                for f, p, path in zip(labels.futures, labels.pieces, parts)]
+        try:
+            written = client.gather(futs)
+        except BaseException:
+            _first_error(futs)
+            raise
+        labels.release()
+        for path, n in zip(parts, written):
+            if not n:
+                continue
+            with pq.ParquetFile(path) as pf:
+                for b in pf.iter_batches(batch_size=65536, use_threads=False):
+                    writer.write(pa.Table.from_batches([b]))
+                    if st is not None:
+                        st.update(b.num_rows)
+            Path(path).unlink()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
