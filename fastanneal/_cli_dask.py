@@ -247,7 +247,10 @@ def _first_error(futures):
     """Raise the error of the first failed task in ``futures``' order (deterministic
     messages whatever the scheduling), if any failed."""
     from distributed import wait
-    wait(futures)
+    if not futures:
+        return
+    with futures[0].client.as_current():
+        wait(futures)
     for f in futures:
         if f.status == "error":
             f.result()
@@ -326,10 +329,11 @@ def label_log(log, est, args, client, nthreads, st=None, n_representatives=5):
     try:
         if st is not None:
             rows = {f.key: p.n_rows for f, p in zip(futs, pieces)}
-            for f in as_completed(futs):
-                if f.status == "error":
-                    break
-                st.update(rows[f.key])
+            with client.as_current():
+                for f in as_completed(futs):
+                    if f.status == "error":
+                        break
+                    st.update(rows[f.key])
         total = root.result()
     except BaseException:
         _first_error(futs)

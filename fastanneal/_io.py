@@ -326,8 +326,9 @@ def weight_vector(table, name, path, row0=0, whole=True):
     bad = ~np.isfinite(w) | (w < 0)
     if bad.any():
         i = int(np.argmax(bad))
-        raise InputError(f"{path}: weight column {name!r} has an invalid weight {float(w[i])!r} at row "
-                         f"{row0 + i + 1} (weights must be finite and >= 0)")
+        raise InputError(f"{path}: weight column {name!r} has an invalid weight "
+                         f"{float(w[i])!r} at row {row0 + i + 1} (weights must be finite "
+                         "and >= 0)")
     if whole and not w.sum() > 0:
         raise InputError(f"{path}: weight column {name!r} sums to zero")
     return np.ascontiguousarray(w)

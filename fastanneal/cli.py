@@ -527,7 +527,9 @@ def run_cluster(args, console):
                 table = read_table(src, string_columns=[args.text_column, args.id_column])
                 st.update(table.num_rows)
             elif on_workers:
+                from ._cli_dask import check_log
                 table = None
+                n_live, _ = check_log(log, args, args._dask_scheduler)
             else:
                 table = log.small_table(with_text=route == "memory")
                 if route == "memory":
@@ -540,9 +542,6 @@ def run_cluster(args, console):
         if missing and not demo:
             raise CLIError(f"--drop-columns: {', '.join(map(repr, missing))} not in {src} "
                            f"(columns: {', '.join(in_cols[:12])})")
-        if on_workers:
-            from ._cli_dask import check_log
-            n_live, _ = check_log(log, args, args._dask_scheduler)
         ids = None
         if args.id_column and not on_workers:
             check_ids(table, args.id_column, src)
