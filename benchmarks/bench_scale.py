@@ -63,9 +63,21 @@ def run_sampled(cmd, env=None, watch=None):
         watch_peaks[name] = 0
     import threading
     out = {}
+    stage_marks.clear()
+    stage_peaks.clear()
+    since = [0]                     # the peak since the last stage line
 
     def drain(name, f):
-        out[name] = f.read()
+        lines = []
+        for ln in f:
+            lines.append(ln)
+            stage = ln[12:].split(":", 1)[0] if ln.startswith("fastanneal: ") else None
+            if name == "err" and stage in STAGES:
+                # a stage line is printed when its stage ends: the peak since the last one
+                stage_marks.append((time.perf_counter() - t0, stage))
+                stage_peaks[stage] = max(stage_peaks.get(stage, 0), since[0])
+                since[0] = 0
+        out[name] = "".join(lines)
     ts = [threading.Thread(target=drain, args=(n, f)) for n, f in
           (("out", proc.stdout), ("err", proc.stderr))]
     for t in ts:
@@ -78,6 +90,7 @@ def run_sampled(cmd, env=None, watch=None):
         except psutil.Error:
             pass
         peak = max(peak, total)
+        since[0] = max(since[0], total)
         for name, pid in watch.items():
             watch_peaks[name] = max(watch_peaks[name], tree_rss(pid))
         time.sleep(0.05)
@@ -88,6 +101,11 @@ def run_sampled(cmd, env=None, watch=None):
 
 #: peak RSS of the processes ``run_sampled`` was asked to watch (the Dask scheduler, ...)
 watch_peaks = {}
+#: the command's peak RSS (its own process tree) per stage of its stderr lines (a stage's
+#: line ends it: "annealing" is the peak between the line before and the annealing line)
+stage_peaks = {}
+stage_marks = []
+STAGES = ("reading", "embedding", "kernels", "annealing", "labelling", "writing")
 
 
 def start_dask_cluster(workdir, n_workers=2):
@@ -269,6 +287,9 @@ def main():
         res[key] = {"wall_s": wall, "peak_rss": peak, "stages": stage_lines(err),
                     "ari": ari_from_output(path, outp),
                     "peak_over_embeddings": peak / res["embedding_bytes"]}
+        res[key]["peak_rss_by_stage"] = dict(stage_peaks)
+        print(f"{name}: peak RSS by stage: " + ", ".join(
+            f"{k} {v / 2**30:.2f} GiB" for k, v in stage_peaks.items()))
         if procs:
             res[key].update({f"peak_rss_{n}": v for n, v in watch_peaks.items()})
             print(f"{name}: client {peak / 2**30:.2f} GiB, scheduler "
