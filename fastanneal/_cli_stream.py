@@ -5,10 +5,13 @@ log is held beyond what the chosen route needs.
   group by row group straight into one float32/float64 matrix (no Arrow copy kept), the
   small columns (weights, ids, texts, truth) are read alone, and the output is written row
   group by row group from the input file (the input table is never held whole).
-* **Out of core** (they do not): mini-batch annealing over the row groups
-  (:class:`fastanneal._parquet.ParquetStream`), then one labelling pass (assignments and
-  :class:`fastanneal._cli_results.ClusterSummary`; only the per-row results are kept, 24
-  bytes a row) and one writing pass. Texts and ids are never Python lists of the whole log.
+* **Out of core** (they do not): the checks of the ids and weights, mini-batch annealing
+  over the row groups (:class:`fastanneal._parquet.ParquetStream`, or the Dask workers),
+  one labelling pass (assignments and :class:`fastanneal._cli_results.ClusterSummary`) and
+  one writing pass, each one row group (:class:`LogPiece`) at a time
+  (:mod:`fastanneal._cli_pieces`): only the per-row results are kept, 24 bytes a row (on
+  the workers with ``--backend dask``). Ids, weights, texts and truth are never columns of
+  the whole log in memory.
 """
 import os
 import re
@@ -88,6 +91,24 @@ class LogPiece:
 
     def embeddings(self, table, row0):
         return checked_embeddings(table, self.column, self.source, row0, self.dim, self.dtype)
+
+    def blocks(self, cols, rows=BLOCK_ROWS, prefetch=0):
+        """``(row0, embeddings, table)`` blocks of at most ``rows`` rows (the embedding
+        column and ``cols``); ``prefetch``: blocks decoded ahead in a background thread."""
+        from ._parquet import prefetched
+        cols = list(dict.fromkeys([self.column] + [c for c in cols if c]))
+        reader = self.batches(cols, rows)
+        it = reader
+        if prefetch:
+            # one call more than the blocks: the last one ends the reader (its row check)
+            n_blocks = -(-self.n_rows // max(int(rows), 1))
+            it = (b for _, b in prefetched(lambda _j: next(reader, None),
+                                           range(n_blocks + 1), depth=prefetch))
+        for b in it:
+            if b is None:
+                return
+            r0, t = b
+            yield r0, self.embeddings(t, r0), t
 
     def batches(self, cols, rows=BLOCK_ROWS):
         """``(row0, table)`` blocks of at most ``rows`` rows of ``cols``, in order, decoded
@@ -234,18 +255,13 @@ class ParquetLog:
 
     def blocks(self, columns, rows=None):
         """``(row0, embeddings, table)`` of every row in order, in blocks of at most ``rows``
-        rows decoded straight from the row groups' pages (one block read ahead): the
+        rows decoded straight from the row groups' pages (two blocks read ahead): the
         working set is a few blocks, not whole row groups (decoding a 65,536-row group of
         384-d float32 as one table peaks at about 250 MB). Columns that are not in the
         files (hive partitions) come from whole row-group tables, sliced."""
-        from ._parquet import prefetched
         rows = int(rows or BLOCK_ROWS)
-        col = self.args.embedding_column
-        cols = list(dict.fromkeys([col] + [c for c in columns if c]))
-        n_blocks = int(sum(-(-int(r) // rows) for r in self.data.piece_rows))
-        it = self._batches(cols, rows)
-        for _, (r0, t) in prefetched(lambda _j: next(it), range(n_blocks), depth=2):
-            yield r0, self._block(t, r0), t
+        for i in range(len(self.data.pieces)):
+            yield from self.piece(i).blocks(columns, rows, prefetch=2)
 
     def _batches(self, cols, rows):
         """``(row0, table)`` blocks of ``rows`` rows of every row group, in order (pages
@@ -340,55 +356,3 @@ def dask_inputs(log, args, console):
     console.note(f"out of core on the Dask cluster: {arrays.X.numblocks[0]:,} chunks (row "
                  "groups), each read by the worker that needs it")
     return arrays
-
-
-class StreamLabels:
-    """Per-row results of the labelling pass (original cluster numbers until
-    :meth:`renumber`) and the :class:`ClusterSummary`."""
-
-    def __init__(self, labels, probability, margin, runner_up, summary):
-        self.raw = labels
-        self.probability = probability
-        self.margin = margin
-        self.raw_runner_up = runner_up
-        self.summary = summary
-        self.order = summary.order()
-        from ._cli_results import ranks
-        self.rank = ranks(self.order)
-        self.clusters = summary.table(self.order)
-
-    def columns(self):
-        """The output columns (clusters renumbered largest first)."""
-        rank = self.rank
-        ru = self.raw_runner_up
-        return {"cluster": rank[self.raw],
-                "probability": self.probability, "margin": self.margin,
-                "runner_up": np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)}
-
-
-def label_stream(log, est, w, ids, args, st=None):
-    """One pass over the row groups: assignments of every row and the cluster summary
-    (texts read per row group, never held whole)."""
-    from ._cli_results import ClusterSummary, assignments
-    n = log.n_rows
-    K = int(np.asarray(est.cluster_centers_).shape[0])
-    summ = ClusterSummary(K, n, with_ids=ids is not None)
-    labels = np.empty(n, dtype=np.int32 if K < 2 ** 31 else np.int64)
-    prob = np.empty(n)
-    margin = np.empty(n)
-    ru = np.empty(n, dtype=labels.dtype)
-    text_col = args.text_column if log.has_text else None
-    for r0, x, t in log.blocks([text_col]):
-        m = x.shape[0]
-        lab, p, mar, cos, sec = assignments(est, x, runner_up=True)
-        labels[r0:r0 + m], prob[r0:r0 + m], margin[r0:r0 + m], ru[r0:r0 + m] = lab, p, mar, sec
-        texts = None
-        if text_col is not None:
-            from ._io import text_list
-            texts = text_list(t, text_col, log.path)
-        # ids: the Arrow column, converted one block at a time
-        summ.add(r0, lab, p, mar, sec, cos, w[r0:r0 + m], texts,
-                 None if ids is None else ids.slice(r0, m).to_numpy(zero_copy_only=False))
-        if st is not None:
-            st.update(m)
-    return StreamLabels(labels, prob, margin, ru, summ)

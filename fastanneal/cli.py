@@ -510,32 +510,32 @@ def run_cluster(args, console):
                              (", read by the Dask workers, which also check, label and "
                               "write them)" if args.backend == "dask" else ")"))
         X = None
-        # out of core on a Dask cluster: every per-row step runs on the workers
-        on_workers = route == "stream" and args.backend == "dask"
+        # out of core: every per-row step one row group at a time (fastanneal._cli_pieces),
+        # on the Dask workers with --backend dask, else in this process
+        stream = route == "stream"
+        on_workers = stream and args.backend == "dask"
         if on_workers and args._dask_scheduler is None:
             from .dask._cluster import resolve_client
             handle = resolve_client(None)        # one cluster for the checks, fit, labels
             stack.callback(handle.close)
             args._dask_scheduler = handle.client
-        stream_note = (lambda dt: f"ids and weights of {n_rows:,} rows in {dt:.1f} s (the "
-                       "embeddings are read row group by row group" +
-                       (", all by the Dask workers)" if on_workers else ")"))
+        stream_note = (lambda dt: f"ids and weights of {n_rows:,} rows checked in {dt:.1f} s "
+                       "(they and the embeddings are read row group by row group" +
+                       (", by the Dask workers)" if on_workers else ")"))
+        client = args._dask_scheduler if on_workers else None
         n_rows = log.n_rows if log is not None else 0
         with console.stage("reading", total=log.n_rows if log is not None else None,
                            done=stream_note if route == "stream" else None) as st:
             if log is None:
                 table = read_table(src, string_columns=[args.text_column, args.id_column])
                 st.update(table.num_rows)
-            elif on_workers:
-                from ._cli_dask import check_log
+            elif stream:
+                from ._cli_pieces import check_log
                 table = None
-                n_live, _ = check_log(log, args, args._dask_scheduler)
+                n_live, _ = check_log(log, args, client, st)
             else:
-                table = log.small_table(with_text=route == "memory")
-                if route == "memory":
-                    X = log.embeddings(st)
-            if route == "stream":
-                st.update(log.n_rows)
+                table = log.small_table(with_text=True)
+                X = log.embeddings(st)
         n = log.n_rows if log is not None else table.num_rows
         in_cols = log.column_names if log is not None else table.column_names
         missing = [c for c in args.drop_columns if c not in in_cols]
@@ -543,15 +543,12 @@ def run_cluster(args, console):
             raise CLIError(f"--drop-columns: {', '.join(map(repr, missing))} not in {src} "
                            f"(columns: {', '.join(in_cols[:12])})")
         ids = None
-        if args.id_column and not on_workers:
+        if args.id_column and not stream:
             check_ids(table, args.id_column, src)
+            # a NumPy array for Parquet logs (8 bytes a numeric id, not a Python int)
             ids = table.column(args.id_column)
-            # a NumPy array for Parquet logs (8 bytes a numeric id, not a Python int); out of
-            # core the Arrow column itself (the labelling pass converts one block at a time:
-            # 10 million string ids are ~600 MB as Python objects, ~170 MB in Arrow)
-            if route != "stream":
-                ids = ids.to_numpy() if log is not None else ids.to_pylist()
-        w = (None if on_workers else weight_vector(table, args.weight_column, src)
+            ids = ids.to_numpy() if log is not None else ids.to_pylist()
+        w = (None if stream else weight_vector(table, args.weight_column, src)
              if args.weight_column else np.ones(n))
         texts = None
         text_given = args.text_column != "query"
@@ -561,18 +558,14 @@ def run_cluster(args, console):
                               allow_null=args.embedding_column is not None,
                               keep_arrow=log is not None)
         truth = None
-        if args.truth_column and not on_workers:
+        if args.truth_column and not stream:
             if args.truth_column not in table.column_names:
                 raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
             truth = table.column(args.truth_column).to_pylist()
-        if route == "stream":
-            table = None        # ids (Arrow), weights and truth are taken; the rest is read
-            #                     again row group by row group
         auto = args.k == "auto"
         K = int(args.k_max) if auto else int(args.k)
         flag = "--k-max" if auto else "--k"
-        live = None if on_workers else w > 0
-        n_live = n_live if on_workers else int(live.sum())
+        n_live = n_live if stream else int((w > 0).sum())
         if K > n_live:
             raise CLIError(f"{flag} {K} is larger than the number of rows with weight > 0 "
                            f"({n_live})")
@@ -638,23 +631,20 @@ def run_cluster(args, console):
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
         with console.stage("labelling", total=n) as st:
-            if on_workers:
-                from ._cli_dask import RESULT_COLUMNS, label_log
-                from .dask._cluster import ClientHandle
-                client = args._dask_scheduler
-                lab = label_log(log, est, args, client, ClientHandle(client).task_threads(),
-                                st)
-                results = dict.fromkeys(RESULT_COLUMNS)     # written by the workers
-            elif route == "stream":
-                from ._cli_stream import label_stream
-                lab = label_stream(log, est, w, ids, args, st)
-                results = lab.columns()
+            if stream:
+                from ._cli_pieces import RESULT_COLUMNS, label_log
+                nthreads = None
+                if client is not None:
+                    from .dask._cluster import ClientHandle
+                    nthreads = ClientHandle(client).task_threads()
+                lab = label_log(log, est, args, client, nthreads, st)
+                results = dict.fromkeys(RESULT_COLUMNS)     # kept per row group
             else:
                 lab = label_clusters(est, X, w, texts, ids)
                 results = {"cluster": lab.labels, "probability": lab.probability,
                            "margin": lab.margin, "runner_up": lab.runner_up}
                 st.update(n)
-        ctab, order, new_labels = lab.clusters, lab.order, results["cluster"]
+        ctab, order = lab.clusters, lab.order
         for name in results:
             if name in in_cols and name not in args.drop_columns:
                 console.note(f"replacing the input column {name!r}")
@@ -668,8 +658,8 @@ def run_cluster(args, console):
                 if name in out.column_names:
                     out = out.drop_columns([name])
                 out = out.append_column(name, pa.array(values))
-        ari = adjusted_rand_index(truth, new_labels) if truth is not None else None
-        if on_workers and args.truth_column:
+        ari = adjusted_rand_index(truth, results["cluster"]) if truth is not None else None
+        if stream and args.truth_column:
             from ._cli_results import adjusted_rand_index_from_counts
             ari = adjusted_rand_index_from_counts(lab.truth)
         timings["assign"] = time.perf_counter() - t0
@@ -682,12 +672,12 @@ def run_cluster(args, console):
                 if log is None:
                     write_table(out, outs.temp_for(output), fmt)
                     st.update(n)
-                elif on_workers:
-                    from ._cli_dask import write_log
+                elif stream:
+                    from ._cli_pieces import write_log
                     keep = [c for c in log.column_names
                             if c not in set(args.drop_columns) and c not in results]
                     with TableWriter(outs.temp_for(output), fmt) as wr:
-                        write_log(log, lab, keep, wr, output, args._dask_scheduler, st)
+                        write_log(log, lab, keep, wr, output, client, st)
                 else:
                     with TableWriter(outs.temp_for(output), fmt) as wr:
                         log.write(wr, set(args.drop_columns), results, st)

@@ -423,7 +423,7 @@ def test_out_of_core_checkpoint_reuses_the_finished_fit(tmp_path, capsys):
             "--checkpoint", tmp_path / "ck", "--seed", 5]
     rc, _, err = _run(capsys, *argv, "-o", tmp_path / "a.csv")
     assert rc == 0, err
-    assert "embeddings are read row group by row group" in err
+    assert "the embeddings are read row group by row group" in err
     rc, _, err = _run(capsys, *argv, "-o", tmp_path / "b.csv")
     assert rc == 0, err
     assert "using the finished fit" in err

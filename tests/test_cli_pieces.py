@@ -1,5 +1,5 @@
 """``fastanneal cluster --backend dask`` out of core: the checks, the labelling and the
-writing run on the Dask workers (``fastanneal._cli_dask``); the client holds no per-row
+writing run on the Dask workers (``fastanneal._cli_pieces``); the client holds no per-row
 array of the log. The pieces it is built from -- mergeable cluster summaries, 64-bit id
 keys, the adjusted Rand index from contingency counts -- are tested against their
 sequential / in-memory definitions."""
@@ -11,7 +11,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from fastanneal import _cli_dask, _cli_stream
+from fastanneal import _cli_pieces, _cli_stream
 from fastanneal._cli_results import (ClusterSummary, adjusted_rand_index,
                                      adjusted_rand_index_from_counts)
 from fastanneal.cli import main
@@ -97,20 +97,20 @@ def test_id_keys_equal_ids_equal_keys():
     set do not collide."""
     ids = [f"q{i:07d}" for i in range(20000)] + ["", "é", "q0000001"]
     s = pa.array(ids)
-    k = _cli_dask.id_keys(s)
+    k = _cli_pieces.id_keys(s)
     assert k.dtype == np.uint64
     assert k[-1] == k[1] and k[-3] != k[-2]
     assert np.unique(k[:20000]).shape[0] == 20000
-    np.testing.assert_array_equal(_cli_dask.id_keys(s.slice(5, 100)), k[5:105])
-    np.testing.assert_array_equal(_cli_dask.id_keys(pa.array(ids, pa.large_string())), k)
-    np.testing.assert_array_equal(_cli_dask.id_keys(s.dictionary_encode()), k)
+    np.testing.assert_array_equal(_cli_pieces.id_keys(s.slice(5, 100)), k[5:105])
+    np.testing.assert_array_equal(_cli_pieces.id_keys(pa.array(ids, pa.large_string())), k)
+    np.testing.assert_array_equal(_cli_pieces.id_keys(s.dictionary_encode()), k)
     np.testing.assert_array_equal(
-        _cli_dask.id_keys(pa.array([x.encode() for x in ids], pa.binary())), k)
+        _cli_pieces.id_keys(pa.array([x.encode() for x in ids], pa.binary())), k)
     np.testing.assert_array_equal(
-        _cli_dask.id_keys(pa.chunked_array([s.slice(0, 7), s.slice(7)])), k)
+        _cli_pieces.id_keys(pa.chunked_array([s.slice(0, 7), s.slice(7)])), k)
     ints = pa.array([3, -1, 2 ** 40], pa.int64())
-    np.testing.assert_array_equal(_cli_dask.id_keys(ints).view(np.int64), [3, -1, 2 ** 40])
-    f = _cli_dask.id_keys(pa.array([1.5, 2.5, 1.5]))
+    np.testing.assert_array_equal(_cli_pieces.id_keys(ints).view(np.int64), [3, -1, 2 ** 40])
+    f = _cli_pieces.id_keys(pa.array([1.5, 2.5, 1.5]))
     assert f[0] == f[2] != f[1]
 
 
@@ -119,8 +119,10 @@ def test_id_keys_equal_ids_equal_keys():
 def inproc_client():
     """A cluster whose workers are threads of this process (monkeypatches reach them)."""
     from distributed import Client, LocalCluster
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                           dashboard_address=None,
+                           scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
+    with cluster, Client(cluster) as client:
         yield client
 
 
@@ -143,7 +145,7 @@ def test_check_log_compares_colliding_ids_exactly(tmp_path, inproc_client, monke
     make_log(p, n=900, row_group=100)
     args = _Args()
     log = _cli_stream.ParquetLog(p, args)
-    live, weight = _cli_dask.check_log(log, args, inproc_client)
+    live, weight = _cli_pieces.check_log(log, args, inproc_client)
     t = pq.read_table(p)
     assert live == 900 and weight == pytest.approx(float(pc_sum(t, "count")))
     calls = []
@@ -151,16 +153,16 @@ def test_check_log_compares_colliding_ids_exactly(tmp_path, inproc_client, monke
     def one_key(col):
         calls.append(len(col))
         return np.zeros(len(col), dtype=np.uint64)
-    monkeypatch.setattr(_cli_dask, "id_keys", one_key)
-    assert _cli_dask.check_log(log, args, inproc_client)[0] == 900    # collisions only
+    monkeypatch.setattr(_cli_pieces, "id_keys", one_key)
+    assert _cli_pieces.check_log(log, args, inproc_client)[0] == 900    # collisions only
     assert sum(calls) >= 2 * 900                      # keys, then the exact comparison
     ids = t.column("id").to_pylist()
     ids[777] = ids[123]
     pq.write_table(t.set_column(0, "id", pa.array(ids)), p, row_group_size=100)
     log = _cli_stream.ParquetLog(p, args)
-    with pytest.raises(_cli_dask.InputError, match=r"duplicate id 'r000123' in column 'id' "
+    with pytest.raises(_cli_pieces.InputError, match=r"duplicate id 'r000123' in column 'id' "
                        r"\(rows 124 and 778\)"):
-        _cli_dask.check_log(log, args, inproc_client)
+        _cli_pieces.check_log(log, args, inproc_client)
 
 
 def pc_sum(t, name):
@@ -169,6 +171,8 @@ def pc_sum(t, name):
 
 # --------------------------------------------------------------------------- the command
 def _common(p, *extra):
+    """The command on the test log, out of core (a later ``--memory-limit`` in ``extra``
+    wins)."""
     return ["cluster", p, "--embedding-column", "emb", "--id-column", "id", "--weight-column",
             "count", "--text-column", "query", "--truth-column", "topic", "--k", 6,
             "--memory-limit", "1K", *extra]
@@ -191,12 +195,12 @@ def test_out_of_core_on_dask_the_client_reads_no_rows(tmp_path, capsys, monkeypa
     for name in ("embeddings", "small_table", "blocks", "write", "_batches", "_tables"):
         monkeypatch.setattr(_cli_stream.ParquetLog, name, barred)
     monkeypatch.setattr(_cli_stream.LogPiece, "batches", barred)   # the workers' own copy
-    monkeypatch.setattr(_cli_stream, "label_stream", barred)
     from distributed import LocalCluster
     # a scheduler of its own, as `dask scheduler` would be: the command's client is not
     # the default client of this process
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster:
+                      dashboard_address=None,
+                      scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}) as cluster:
         rc, out_dask, err = _run(capsys, *_common(
             p, "-o", tmp_path / "dask.parquet", "--report", tmp_path / "dask.html",
             "--backend", "dask", "--scheduler", cluster.scheduler_address))
@@ -256,16 +260,20 @@ def test_out_of_core_on_dask_bad_input_is_the_same_one_line(tmp_path, capsys):
     p0 = tmp_path / "ok.parquet"
     _, _, t = make_log(p0, n=2400, row_group=300)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster:
+                      dashboard_address=None,
+                      scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}) as cluster:
         for what in ("duplicate id", "missing id", "negative weight", "zero weights"):
             bad, msg = _broken(t, what)
             p = tmp_path / f"{what.replace(' ', '_')}.parquet"
             pq.write_table(bad, p, row_group_size=300)
             errs = []
-            for extra in ([], ["--backend", "dask", "--scheduler", cluster.scheduler_address]):
+            # in memory (the whole columns checked at once), out of core in this process,
+            # out of core on the workers
+            for extra in (["--memory-limit", "1G"], [],
+                          ["--backend", "dask", "--scheduler", cluster.scheduler_address]):
                 out = tmp_path / f"out_{len(extra)}.parquet"
                 rc, _, err = _run(capsys, *_common(p, "-o", out, "-q", *extra))
                 assert rc == 2 and not out.exists(), (what, err)
                 errs.append(err.strip().splitlines()[-1])
-            assert errs[0] == errs[1] and msg in errs[1], (what, errs)
+            assert errs[0] == errs[1] == errs[2] and msg in errs[0], (what, errs)
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]

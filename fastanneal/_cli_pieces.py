@@ -1,27 +1,29 @@
-"""``fastanneal cluster --backend dask`` out of core: every per-row step on the Dask workers.
+"""The out-of-core route of ``fastanneal cluster``, one row group at a time: checks,
+labelling and writing, in this process or on Dask workers (``--backend dask``).
 
-This process (the client) holds the log's metadata, the centers and merged per-cluster
-summaries -- never an array with a row per row of the log. Each step is one task per row
-group (:class:`fastanneal._cli_stream.LogPiece`), run by a worker that reads the row group
-itself:
+Each step is one task per row group (:class:`fastanneal._cli_stream.LogPiece`), which reads
+the row group itself; the same functions run in a loop in this process, or as Dask tasks
+on the workers, where the client then holds the log's metadata, the centers and merged
+per-cluster summaries -- never an array with a row per row of the log:
 
 1. **Checks** (:func:`check_log`): the weight and id columns of the row group, with the
    in-memory route's one-line errors (row numbers of the whole log); each task returns its
    live-row count, its weight and the 64-bit keys of its ids (the integer value itself, or
-   FNV-1a of the bytes). The keys are merged and searched for repeats on the workers (a
+   FNV-1a of the bytes). The keys are merged and searched for repeats (on the workers: a
    fixed tree of sorted merges); only repeated keys come back, and the ids behind them are
    then compared exactly, so a hash collision never rejects a log.
-2. The mini-batch fit on the workers (:func:`fastanneal._cli_stream.fit_stream`).
+2. The mini-batch fit (:func:`fastanneal._cli_stream.fit_stream`).
 3. **Labelling** (:func:`label_log`): cluster, probability, margin and runner-up of every
-   row, kept on the worker that computed them; the row groups' cluster summaries
-   (:meth:`fastanneal._cli_results.ClusterSummary.merge`) and, with a truth column, their
-   contingency counts are merged on the workers and only the total comes back.
-4. **Writing** (:func:`write_log`): every worker writes its row groups' output rows (the
-   input columns but the dropped ones, plus the result columns with the clusters numbered
-   largest first) as a Parquet part file into a temporary folder next to the output; this
-   process copies the parts into the output in row order, one block at a time, and removes
-   them. The workers must therefore see the output's folder (a shared filesystem, as they
-   already see the input).
+   row (24 bytes a row, kept by the process that computed them); the row groups' cluster
+   summaries (:meth:`fastanneal._cli_results.ClusterSummary.merge`) and, with a truth
+   column, their contingency counts are merged (on the workers) and only the total is
+   returned.
+4. **Writing** (:func:`write_log`): the input columns but the dropped ones, plus the result
+   columns with the clusters numbered largest first, row group by row group. On Dask every
+   worker writes its row groups' output rows as a Parquet part file into a temporary
+   folder next to the output; this process copies the parts into the output in row order,
+   one block at a time, and removes them. The workers must therefore see the output's
+   folder (a shared filesystem, as they already see the input).
 """
 import copy
 import shutil
@@ -144,11 +146,15 @@ class PieceLabels:
         self.results = results
 
 
-def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads):
-    """Assignments of every row of one row group and its :class:`ClusterSummary`."""
+def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads=None,
+                prefetch=0):
+    """Assignments of every row of one row group and its :class:`ClusterSummary`
+    (``nthreads``: the kernels' threads on a Dask worker; ``prefetch``: blocks decoded
+    ahead in a background thread)."""
     from ._cli_results import ClusterSummary, assignments
-    from .dask._chunks import set_threads
-    set_threads(nthreads)
+    if nthreads is not None:
+        from .dask._chunks import set_threads
+        set_threads(nthreads)
     text_col, weight_col, id_col, truth_col = columns
     K = labeller.cluster_centers_.shape[0]
     summ = ClusterSummary(K, n_total, n_representatives, with_ids=id_col is not None)
@@ -159,8 +165,7 @@ def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads):
     truth = Counter() if truth_col else None
     cols = [c for c in dict.fromkeys([piece.column, text_col, weight_col, id_col, truth_col])
             if c]
-    for r0, t in piece.batches(cols):
-        x = piece.embeddings(t, r0)
+    for r0, x, t in piece.blocks(cols, prefetch=prefetch):
         m = x.shape[0]
         lab, p, mar, cos, sec = assignments(labeller, x, runner_up=True)
         o = r0 - piece.row0
@@ -188,29 +193,36 @@ def merge_labels(*parts):
     return PieceLabels(summ, truth, None)
 
 
-def write_piece(labelled, rank, piece, keep, schema, part_path):
-    """The output rows of one row group (the ``keep`` input columns, cast to the dataset's
-    ``schema``, plus the result columns, clusters renumbered by ``rank``) as one Parquet
-    file; returns the number of rows written."""
+def output_tables(results, rank, piece, keep, schema):
+    """The output rows of one row group: the ``keep`` input columns (cast to the dataset's
+    ``schema``) plus the result columns, clusters renumbered by ``rank``, as tables of at
+    most a row group."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    labels, prob, margin, ru = labelled.results
+    labels, prob, margin, ru = results
     res = {"cluster": rank[labels], "probability": prob, "margin": margin,
            "runner_up": np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)}
+    for r0, t in piece.batches(keep, rows=max(piece.n_rows, 1)):
+        if keep and t.schema != schema:
+            t = t.cast(schema)
+        o = r0 - piece.row0
+        m = t.num_rows
+        for name in RESULT_COLUMNS:
+            t = t.append_column(name, pa.array(res[name][o:o + m]))
+        yield t
+
+
+def write_piece(labelled, rank, piece, keep, schema, part_path):
+    """:func:`output_tables` of one row group as one Parquet file (none for a row group of
+    no rows); returns the number of rows written."""
+    import pyarrow.parquet as pq
     writer = None
     n = 0
     try:
-        for r0, t in piece.batches(keep):
-            if keep and t.schema != schema:
-                t = t.cast(schema)
-            o = r0 - piece.row0
-            m = t.num_rows
-            for name in RESULT_COLUMNS:
-                t = t.append_column(name, pa.array(res[name][o:o + m]))
+        for t in output_tables(labelled.results, rank, piece, keep, schema):
             if writer is None:
                 writer = pq.ParquetWriter(part_path, t.schema)
             writer.write_table(t)
-            n += m
+            n += t.num_rows
     finally:
         if writer is not None:
             writer.close()
@@ -260,29 +272,44 @@ def _pieces(log):
     return [log.piece(i) for i in range(len(log.data.pieces))]
 
 
-def check_log(log, args, client):
-    """Checks of the weight and id columns on the workers; ``(live rows, total weight)``.
+def check_log(log, args, client=None, st=None):
+    """Checks of the weight and id columns (on the workers of ``client``, or in this
+    process without one); ``(live rows, total weight)``.
     Raises :class:`InputError` (one line) for a missing, negative or non-finite weight, a
     zero total weight, a missing id or a repeated id (both rows named)."""
     wcol, icol = args.weight_column, args.id_column
     if not wcol and not icol:
+        if st is not None:
+            st.update(log.n_rows)
         return log.n_rows, float(log.n_rows)
     pieces = _pieces(log)
-    futs = [client.submit(check_piece, p, wcol, icol, pure=False) for p in pieces]
-    root = client.submit(repeated_keys, _tree(client, futs, merge_checks), pure=False)
-    try:
-        total = root.result()
-    except BaseException:
-        _first_error(futs)
-        raise
-    finally:
-        del futs
+    if client is None:
+        parts = []
+        for p in pieces:
+            parts.append(check_piece(p, wcol, icol))
+            if st is not None:
+                st.update(p.n_rows)
+        total = repeated_keys(merge_checks(*parts))
+        del parts
+    else:
+        futs = [client.submit(check_piece, p, wcol, icol, pure=False) for p in pieces]
+        root = client.submit(repeated_keys, _tree(client, futs, merge_checks), pure=False)
+        try:
+            total = root.result()
+        except BaseException:
+            _first_error(futs)
+            raise
+        finally:
+            del futs
+        if st is not None:
+            st.update(log.n_rows)
     if wcol and not total["weight"] > 0:
         raise InputError(f"{log.path}: weight column {wcol!r} sums to zero")
     rep = total["repeated"]
     if icol and rep.shape[0]:
-        hits = client.gather([client.submit(ids_with_keys, p, icol, rep, pure=False)
-                              for p in pieces])
+        hits = ([ids_with_keys(p, icol, rep) for p in pieces] if client is None else
+                client.gather([client.submit(ids_with_keys, p, icol, rep, pure=False)
+                               for p in pieces]))
         rows = {}
         for part in hits:
             for r, v in part:
@@ -298,12 +325,12 @@ def check_log(log, args, client):
 class LogLabels:
     """The labelling of the whole log: the merged summary, its cluster table (clusters
     renumbered largest first), the truth contingency counts, and the per-row-group results
-    still on the workers (for :func:`write_log`)."""
+    (:class:`PieceLabels` in this process, or futures of them on the workers)."""
 
-    def __init__(self, pieces, futures, total, nthreads):
+    def __init__(self, pieces, parts, total):
         from ._cli_results import ranks
         self.pieces = pieces
-        self.futures = futures
+        self.parts = parts
         self.summary = total.summary
         self.truth = total.truth
         self.order = self.summary.order()
@@ -311,18 +338,30 @@ class LogLabels:
         self.clusters = self.summary.table(self.order)
 
     def release(self):
-        for f in self.futures:
-            f.release()
-        self.futures = []
+        for f in self.parts:
+            if hasattr(f, "release"):
+                f.release()
+        self.parts = []
 
 
-def label_log(log, est, args, client, nthreads, st=None, n_representatives=5):
-    """Label every row on the workers (one task per row group); see the module docstring."""
-    from distributed import as_completed
+def label_log(log, est, args, client=None, nthreads=None, st=None, n_representatives=5):
+    """Label every row (one task per row group; on the workers of ``client``, or in this
+    process, merging the summaries in row order); see the module docstring."""
     pieces = _pieces(log)
-    lab = client.scatter(_Labeller(est), broadcast=True)
     cols = (args.text_column if log.has_text else None, args.weight_column, args.id_column,
             args.truth_column)
+    if client is None:
+        parts, total = [], None
+        for p in pieces:
+            part = label_piece(p, est, cols, log.n_rows, n_representatives, prefetch=2)
+            total = (PieceLabels(part.summary, part.truth, None) if total is None
+                     else _merge_into(total, part))
+            parts.append(PieceLabels(None, None, part.results))
+            if st is not None:
+                st.update(p.n_rows)
+        return LogLabels(pieces, parts, total)
+    from distributed import as_completed
+    lab = client.scatter(_Labeller(est), broadcast=True)
     futs = [client.submit(label_piece, p, lab, cols, log.n_rows, n_representatives, nthreads,
                           pure=False) for p in pieces]
     root = _tree(client, futs, merge_labels)
@@ -340,22 +379,38 @@ def label_log(log, est, args, client, nthreads, st=None, n_representatives=5):
         for f in futs:
             f.cancel()
         raise
-    return LogLabels(pieces, futs, total, nthreads)
+    return LogLabels(pieces, futs, total)
 
 
-def write_log(log, labels, keep, writer, output, client, st=None):
-    """The output rows: part files written by the workers into a temporary folder next to
-    the output, copied into ``writer`` (a :class:`fastanneal._io.TableWriter`) in row order
-    one block at a time, then removed."""
+def _merge_into(total, part):
+    total.summary.merge(part.summary)
+    if total.truth is not None:
+        total.truth.update(part.truth)
+    return total
+
+
+def write_log(log, labels, keep, writer, output, client=None, st=None):
+    """The output rows into ``writer`` (a :class:`fastanneal._io.TableWriter`), in row
+    order: straight from this process's results, or from part files written by the
+    workers into a temporary folder next to ``output``, copied one block at a time and
+    removed."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    schema = pa.schema([log.data.schema.field(c) for c in keep])
+    if client is None:
+        for part, piece in zip(labels.parts, labels.pieces):
+            for t in output_tables(part.results, labels.rank, piece, keep, schema):
+                writer.write(t)
+                if st is not None:
+                    st.update(t.num_rows)
+        labels.release()
+        return
     folder = temp_folder(output)
     try:
-        schema = pa.schema([log.data.schema.field(c) for c in keep])
         rank = client.scatter(labels.rank, broadcast=True)
         parts = [str(Path(folder) / f"part-{i:06d}.parquet") for i in range(len(labels.pieces))]
         futs = [client.submit(write_piece, f, rank, p, keep, schema, path, pure=False)
-                for f, p, path in zip(labels.futures, labels.pieces, parts)]
+                for f, p, path in zip(labels.parts, labels.pieces, parts)]
         try:
             written = client.gather(futs)
         except BaseException:
