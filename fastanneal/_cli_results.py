@@ -130,6 +130,19 @@ def _sample_mask(rows, n_total, cap):
     return h.astype(np.float64) * 2.0 ** -53 < cap / n_total
 
 
+def _best_distinct(cand, n):
+    """The ``n`` best ``(-cos, row, text)`` candidates of distinct texts (best first; a
+    text counts at its best occurrence)."""
+    keep, kept = [], set()
+    for r in sorted(cand, key=lambda r: (r[0], r[1])):
+        if r[2] not in kept:
+            kept.add(r[2])
+            keep.append(r)
+            if len(keep) == n:
+                break
+    return keep
+
+
 class ClusterSummary:
     """The labelled cluster table and the ambiguous rows, accumulated block by block in row
     order (:meth:`add`), so that a log larger than memory is labelled in one streaming
@@ -204,15 +217,7 @@ class ClusterSummary:
                     seen.add(t)
                     got += 1
                     cand.append((-float(cos[j]), row0 + j, t))
-                cand.sort(key=lambda r: (r[0], r[1]))
-                keep, kept = [], set()
-                for r in cand:
-                    if r[2] not in kept:
-                        kept.add(r[2])
-                        keep.append(r)
-                        if len(keep) == self.n_rep:
-                            break
-                self.reps[k] = keep
+                self.reps[k] = _best_distinct(cand, self.n_rep)
         if texts is not None:
             m = _sample_mask(rows, self.n_rows, self.text_sample)
             if m is None:
@@ -256,15 +261,7 @@ class ClusterSummary:
         for k in range(self.K):
             if not other.reps[k]:
                 continue
-            cand = sorted(self.reps[k] + other.reps[k], key=lambda r: (r[0], r[1]))
-            keep, kept = [], set()
-            for r in cand:
-                if r[2] not in kept:
-                    kept.add(r[2])
-                    keep.append(r)
-                    if len(keep) == self.n_rep:
-                        break
-            self.reps[k] = keep
+            self.reps[k] = _best_distinct(self.reps[k] + other.reps[k], self.n_rep)
         self.terms.merge(other.terms)
         if other.has_texts is not None:
             self.has_texts = bool(self.has_texts) or bool(other.has_texts)
