@@ -147,22 +147,24 @@ class PieceLabels:
 
 
 def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads=None,
-                prefetch=0):
+                prefetch=0, into=None):
     """Assignments of every row of one row group and its :class:`ClusterSummary`
     (``nthreads``: the kernels' threads on a Dask worker; ``prefetch``: blocks decoded
-    ahead in a background thread)."""
+    ahead in a background thread; ``into``: a :class:`PieceLabels` whose summary and truth
+    counts the rows are added to, in row order, instead of new ones)."""
     from ._cli_results import ClusterSummary, assignments
     if nthreads is not None:
         from .dask._chunks import set_threads
         set_threads(nthreads)
     text_col, weight_col, id_col, truth_col = columns
     K = labeller.cluster_centers_.shape[0]
-    summ = ClusterSummary(K, n_total, n_representatives, with_ids=id_col is not None)
+    summ = (into.summary if into is not None else
+            ClusterSummary(K, n_total, n_representatives, with_ids=id_col is not None))
     n = piece.n_rows
     ldt = np.int32 if K < 2 ** 31 else np.int64
     labels, ru = np.empty(n, dtype=ldt), np.empty(n, dtype=ldt)
     prob, margin = np.empty(n), np.empty(n)
-    truth = Counter() if truth_col else None
+    truth = (into.truth if into is not None else Counter()) if truth_col else None
     cols = [c for c in dict.fromkeys([piece.column, text_col, weight_col, id_col, truth_col])
             if c]
     for r0, x, t in piece.blocks(cols, prefetch=prefetch):
@@ -353,9 +355,11 @@ def label_log(log, est, args, client=None, nthreads=None, st=None, n_representat
     if client is None:
         parts, total = [], None
         for p in pieces:
-            part = label_piece(p, est, cols, log.n_rows, n_representatives, prefetch=2)
-            total = (PieceLabels(part.summary, part.truth, None) if total is None
-                     else _merge_into(total, part))
+            # one summary, the rows added in order (as one pass over the log would)
+            part = label_piece(p, est, cols, log.n_rows, n_representatives, prefetch=2,
+                               into=total)
+            if total is None:
+                total = PieceLabels(part.summary, part.truth, None)
             parts.append(PieceLabels(None, None, part.results))
             if st is not None:
                 st.update(p.n_rows)
@@ -380,13 +384,6 @@ def label_log(log, est, args, client=None, nthreads=None, st=None, n_representat
             f.cancel()
         raise
     return LogLabels(pieces, futs, total)
-
-
-def _merge_into(total, part):
-    total.summary.merge(part.summary)
-    if total.truth is not None:
-        total.truth.update(part.truth)
-    return total
 
 
 def write_log(log, labels, keep, writer, output, client=None, st=None):

@@ -41,18 +41,24 @@ def tokenize(text, stop_words=STOP_WORDS):
             if len(t) >= 2 and t not in stop_words]
 
 
+#: ngram range -> {text: its n-grams}: the tokenizer's cache, shared by the term counts of
+#: this process (bounded by ``TermCounts.CACHE`` entries; pure function of the text)
+_GRAMS = {}
+
+
 class TermCounts:
     """Per-cluster (sample-weighted) counts of unigrams and bigrams, added block by block:
     the streaming form of :func:`ctfidf_terms` (the same counts whatever the blocks)."""
 
-    #: tokenized texts remembered across blocks (query logs repeat a lot)
+    #: tokenized texts remembered across blocks and across the counts of one process (query
+    #: logs repeat a lot; every row group of an out-of-core run has counts of its own)
     CACHE = 200_000
 
     def __init__(self, n_clusters, ngram_range=(1, 2)):
         self.n_clusters = int(n_clusters)
         self.ngram_range = ngram_range
         self.per_class = [Counter() for _ in range(self.n_clusters)]
-        self._cache = {}
+        self._cache = _GRAMS.setdefault(tuple(ngram_range), {})
 
     def add(self, texts, labels, weights=None):
         labels = np.asarray(labels, dtype=np.int64)
@@ -92,8 +98,12 @@ class TermCounts:
     def __getstate__(self):
         # the tokenizer cache is this process's speed-up, not state: never shipped
         d = dict(self.__dict__)
-        d["_cache"] = {}
+        del d["_cache"]
         return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._cache = _GRAMS.setdefault(tuple(self.ngram_range), {})
 
     def terms(self, top_n=8):
         """Top ``top_n`` ``(term, score)`` of each cluster (see :func:`ctfidf_terms`)."""
