@@ -570,7 +570,7 @@ def run_cluster(args, console):
             raise CLIError(f"{flag} {K} is larger than the number of rows with weight > 0 "
                            f"({n_live})")
         if args.embedding_column is None:
-            nd = len({t for t, ok in zip(texts, live) if ok})
+            nd = len({t for t, ok in zip(texts, w > 0) if ok})
             if K > nd:
                 raise CLIError(f"{flag} {K} is larger than the number of distinct queries ({nd})")
         timings["read"] = time.perf_counter() - t0
