@@ -37,8 +37,6 @@ from ._io import InputError, check_ids, temp_folder, text_list, weight_vector
 
 __all__ = ["check_log", "label_log", "write_log", "id_keys"]
 
-#: Fan-in of the merge trees on the workers.
-SPLIT_EVERY = 8
 #: Result columns, in output order.
 RESULT_COLUMNS = ("cluster", "probability", "margin", "runner_up")
 
@@ -250,11 +248,11 @@ class _Labeller:
 
 
 def _tree(client, futures, func):
-    futs = list(futures)
-    while len(futs) > 1:
-        futs = [client.submit(func, *futs[i:i + SPLIT_EVERY], pure=False)
-                for i in range(0, len(futs), SPLIT_EVERY)]
-    return futs[0]
+    """The Dask backend's fixed-order merge tree (``_Submitter.tree`` of
+    :mod:`fastanneal.dask._source`)."""
+    from .dask._cluster import ClientHandle
+    from .dask._source import _Submitter
+    return _Submitter(ClientHandle(client)).tree(futures, func)
 
 
 def _first_error(futures):

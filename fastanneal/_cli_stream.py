@@ -269,11 +269,16 @@ class ParquetLog:
         for i in range(len(self.data.pieces)):
             yield from self.piece(i).batches(cols, rows)
 
+    def output_columns(self, drop, results):
+        """The input columns the output keeps: all but ``drop`` and those that the result
+        columns (names in ``results``) replace."""
+        return [c for c in self.column_names if c not in set(drop) and c not in results]
+
     def write(self, writer, drop, results, st=None):
         """Copy every row group of the input (minus ``drop``) with the result columns
         appended (``results``: name -> array of all rows) into ``writer``."""
         import pyarrow as pa
-        keep = [c for c in self.column_names if c not in drop and c not in results]
+        keep = self.output_columns(drop, results)
         for i, t in self._tables(keep):
             r0 = int(self.data.offsets[i])
             n = t.num_rows

@@ -674,8 +674,7 @@ def run_cluster(args, console):
                     st.update(n)
                 elif stream:
                     from ._cli_pieces import write_log
-                    keep = [c for c in log.column_names
-                            if c not in set(args.drop_columns) and c not in results]
+                    keep = log.output_columns(args.drop_columns, results)
                     with TableWriter(outs.temp_for(output), fmt) as wr:
                         write_log(log, lab, keep, wr, output, client, st)
                 else:

@@ -277,3 +277,55 @@ def test_out_of_core_on_dask_bad_input_is_the_same_one_line(tmp_path, capsys):
                 errs.append(err.strip().splitlines()[-1])
             assert errs[0] == errs[1] == errs[2] and msg in errs[0], (what, errs)
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]
+
+
+def test_out_of_core_in_process_holds_no_column_of_the_whole_log(tmp_path, capsys,
+                                                                  monkeypatch):
+    """In process too, the out-of-core route checks, labels and writes one row group at a
+    time: the whole-log small table is never read, and every check and labelling call sees
+    at most one row group's rows; the result equals the in-memory route's partition."""
+    p = tmp_path / "log.parquet"
+    _, lab, t = make_log(p, n=2400, row_group=300)
+
+    def barred(*a, **k):
+        raise AssertionError("the out-of-core route read a whole-log column")
+    monkeypatch.setattr(_cli_stream.ParquetLog, "small_table", barred)
+    seen = []
+    for name in ("weight_vector", "check_ids", "text_list"):
+        real = getattr(_cli_pieces, name)
+
+        def spy(table, *a, _real=real, **k):
+            seen.append(table.num_rows)
+            return _real(table, *a, **k)
+        monkeypatch.setattr(_cli_pieces, name, spy)
+    rc, out, err = _run(capsys, *_common(p, "-o", tmp_path / "o.parquet"))
+    assert rc == 0, err
+    assert seen and max(seen) <= 300 and sum(seen) >= 3 * 2400, (len(seen), max(seen))
+    o = pq.read_table(tmp_path / "o.parquet")
+    assert o.column("id").to_pylist() == t.column("id").to_pylist()
+    assert adjusted_rand_index(lab, o.column("cluster").to_numpy()) == pytest.approx(1.0)
+    assert "ARI against 'topic': 1.000" in out
+
+
+def test_tokenizer_cache_is_shared_by_the_term_counts_of_a_process(monkeypatch):
+    """Every row group's summary has term counts of its own; the texts they tokenize are
+    remembered across them (query logs repeat): a second TermCounts tokenizes nothing it
+    has seen, and pickling ships the counts, not the cache."""
+    import pickle
+
+    from fastanneal import labels
+    calls = []
+    real = labels.tokenize
+    monkeypatch.setattr(labels, "tokenize", lambda text: calls.append(text) or real(text))
+    texts = [f"zq{i} pizza order" for i in range(50)]
+    a = labels.TermCounts(2)
+    a.add(texts, np.arange(50) % 2)
+    assert len(calls) == 50
+    b = labels.TermCounts(2)
+    b.add(texts, np.arange(50) % 2)
+    assert len(calls) == 50 and b.per_class == a.per_class
+    c = pickle.loads(pickle.dumps(a))
+    assert "_cache" not in pickle.loads(pickle.dumps(a)).__getstate__()
+    assert c.per_class == a.per_class
+    c.add(texts[:3], [0, 1, 0])
+    assert len(calls) == 50
