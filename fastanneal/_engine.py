@@ -77,6 +77,7 @@ class EngineConfig:
     progress: Optional[object] = None  # callable(step, T, record) for progress bars
     reallocate: bool = False          # phase-transition re-allocation moves after the polish
     max_failed_moves: Optional[int] = None   # default 8 (rejected single moves)
+    stop_when_hard: bool = True       # end the schedule once it can no longer change anything
 
 
 @dataclass
@@ -92,6 +93,7 @@ class EngineResult:
     converged: bool
     last_moments: object
     reallocations: int = 0
+    hardened_step: Optional[int] = None   # the step after which the schedule was hard
 
 
 @dataclass
@@ -268,6 +270,8 @@ class EMRule:
     of zero mass keep their center, no relocation)."""
 
     name = "lloyd"
+    #: the schedule may end once this rule's update has become Lloyd's (:func:`hardened`)
+    stops_when_hard = True
 
     def __init__(self, critical=False):
         self.critical = critical
@@ -541,7 +545,8 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
                         relocations=st.relocations, converged=st.converged,
                         last_moments=st.last_moments,
                         reallocations=int(st.rule_state.get("moves", 0))
-                        if st.phase == "done" else 0)
+                        if st.phase == "done" else 0,
+                        hardened_step=res_last.get("hardened_step"))
 
 
 def _initial_log_masses(cfg):
@@ -608,6 +613,13 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
                                    extra={"scale": ctx.scale})
             T = schedule.next_temperature(sstate)
             st.schedule_state = schedule_state_dict(schedule)
+            if T is not None and hardened(ctx, st, rule, res, n_coinc):
+                st.last["hardened_step"] = int(st.step)
+                if cfg.verbose:
+                    log.info("hard at step %d (T=%.4g): every row one-hot, centers at a fixed "
+                             "point; the colder temperatures are left to the polish",
+                             st.step, st.last["temperature"])
+                T = None
         st.step += 1
         st.temperature = T
         st.rule_state = rule.state_dict() if critical is None else st.rule_state
@@ -616,6 +628,24 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
             hook(st)
         if delay > 0:
             time.sleep(delay)
+
+
+def hardened(ctx, st, rule, res, n_coinc):
+    """True when the rest of the schedule can only repeat Lloyd's update (docs/theory.md
+    section 6.8): the step's last pass found every row's responsibilities exactly one-hot
+    (``nnz == rows``: each row's other logits below the drop threshold, entmax: margins
+    ``>= 2T``), so that pass *was* a Lloyd update; the centers moved less than the
+    tolerance; no cluster was relocated or coincident; no mass prior (without one, a
+    one-hot row stays one-hot at every colder temperature for the same centers). Each
+    colder step would then be one Lloyd pass from a fixed point: the polish does those."""
+    if not ctx.cfg.stop_when_hard or not getattr(rule, "stops_when_hard", False):
+        return False
+    m = st.last_moments
+    if m is None or st.log_masses is not None or res.relocated or n_coinc:
+        return False
+    rows = int(m.rows)
+    return (rows > 0 and int(m.nnz) == rows and math.isfinite(res.shift)
+            and res.shift <= ctx.tol_abs)
 
 
 class _OneStep:

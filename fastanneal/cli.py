@@ -129,6 +129,16 @@ class _NoBar:
         pass
 
 
+def _steps_done(est):
+    """The annealing stage's count: ``20 temperature steps``, or, where the schedule
+    hardened (``stop_when_hard``), ``3 of 20 temperature steps (hard from step 2: ...)``."""
+    h = getattr(est, "hardened_step_", None)
+    if h is None:
+        return f"{est.n_steps_} temperature steps"
+    return (f"{est.n_steps_} of {est.n_steps} temperature steps (hard from step {h}: the "
+            "colder ones left to the polish)")
+
+
 def _hash_update_texts(h, texts):
     for t in texts:
         b = ("" if t is None else t).encode("utf-8")
@@ -276,7 +286,8 @@ def fit_model(X, w, args, console):
     from .estimator import AnnealedKMeans
     kw = dict(n_clusters=args.k if args.k == "auto" else int(args.k), metric=args.metric,
               responsibilities=args.responsibilities, schedule=args.schedule,
-              n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars)
+              n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars,
+              stop_when_hard=not getattr(args, "every_step", False))
     if args.k == "auto":
         kw["k_max"] = int(args.k_max)
     if args.checkpoint:
@@ -605,8 +616,8 @@ def run_cluster(args, console):
                                 "the first run, cached after)"):
                 warm_up(X.dtype if X is not None else log.dtype, args.metric,
                         args.responsibilities)
-        with console.stage("annealing", done=lambda dt: f"{fit.estimator.n_steps_} temperature "
-                           f"steps, {fit.estimator.n_iter_} passes in {dt:.1f} s"):
+        with console.stage("annealing", done=lambda dt: f"{_steps_done(fit.estimator)}, "
+                           f"{fit.estimator.n_iter_} passes in {dt:.1f} s"):
             if route == "stream":
                 from ._cli_stream import fit_stream
                 fit = fit_stream(log, args, console)

@@ -381,6 +381,13 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         gain of the cut exceeds the exact cost of the merge (many disjoint moves at once);
         keep the moves when ``J`` decreases. Needs ``polish=True``. ``n_reallocations_``
         counts the moves.
+    stop_when_hard : bool, default=True
+        End the schedule at the first temperature whose last pass found every row's
+        responsibilities exactly one-hot (every other logit below the drop threshold) with
+        the centers at a fixed point: from there each colder temperature would be one Lloyd
+        pass that changes nothing, so the polish takes over (``docs/theory.md`` section
+        6.8). ``hardened_step_`` says where; ``False`` runs every temperature. Only the
+        soft-Lloyd solver without mass priors, with ``polish=True``.
     anchor_weight : float, default=0.0
         Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
         from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
@@ -408,6 +415,13 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
     n_clusters_ : int, the K of the result (the chosen one with ``n_clusters="auto"``)
     k_suggestion_ : KSuggestion, only with ``n_clusters="auto"``
     n_reallocations_ : int, re-allocation moves kept after the polish
+    hardened_step_ : int or None
+        The annealing step after which the schedule was hard (``stop_when_hard``): its
+        responsibilities one-hot, its centers a Lloyd fixed point; the colder temperatures
+        were left to the polish. None: every temperature of the schedule ran (or the
+        solver, a mass prior or ``stop_when_hard=False`` does not stop early). On
+        well-separated data this is often step 0: the annealing had nothing to do, and the
+        fit is the seeds, Lloyd and the re-allocation moves.
     checkpoint_info_ : dict, only with ``checkpoint``: path, finished, resumed_from,
         temperature
     trace_ : Trace (``.as_dict()``, ``.to_arrow()``)
@@ -425,7 +439,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                  separation_weight=0.1, phi="identity", phi_margin=None, phi_eps=None,
                  anchor_weight=0.0, batch_size=None, learning_decay=0.6,
                  learning_offset=1.0, checkpoint=None, reallocate=True, k_max=None,
-                 k_min=2):
+                 k_min=2, stop_when_hard=True):
         self.n_clusters = n_clusters
         self.metric = metric
         self.responsibilities = responsibilities
@@ -463,6 +477,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.reallocate = reallocate
         self.k_max = k_max
         self.k_min = k_min
+        self.stop_when_hard = stop_when_hard
 
     # ------------------------------------------------------------------ validation
     def _check_params(self, n_samples):
@@ -604,6 +619,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.n_steps_ = int(result.n_steps)
         self.n_relocations_ = int(result.relocations)
         self.n_reallocations_ = int(result.reallocations)
+        self.hardened_step_ = result.hardened_step
         self.trace_ = trace
         self._set_probability_temperature(source, rng)
         return self
@@ -701,6 +717,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         try:
             result = E.run(source, st, schedule, cfg, rng, trace, t0, rule=rule,
                            critical=crit, hook=hook)
+            if bar is not None and result.hardened_step is not None and bar.total:
+                # the colder steps were left to the polish: the bar ends full, saying so
+                bar.set_postfix_str(f"hard from step {result.hardened_step}")
+                bar.update(max(bar.total - bar.n, 0))
         finally:
             if bar is not None:
                 bar.close()
@@ -715,7 +735,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                             polish=bool(self.polish),
                             max_polish_iter=int(self.max_polish_iter),
                             diagnostics=self.diagnostics, verbose=int(self.verbose),
-                            reallocate=bool(self.reallocate) and bool(self.polish))
+                            reallocate=bool(self.reallocate) and bool(self.polish),
+                            stop_when_hard=bool(self.stop_when_hard) and bool(self.polish))
 
     def _check_run(self, result, trace, K):
         """What every fit reports after the engine ran: polish convergence and relocations

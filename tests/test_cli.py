@@ -557,7 +557,10 @@ def test_progress_one_line_per_stage_and_bars_on_request(capsys, dirs, monkeypat
     assert order == sorted(order)
     assert re.search(r"reading: 120 rows in [0-9.]+ s \([0-9,]+ rows/s\)", err), err
     assert re.search(r"embedding: 120 queries in [0-9.]+ s", err), err
-    assert re.search(r"annealing: 4 temperature steps, \d+ passes in", err), err
+    # every step, or the steps until the schedule hardened (stop_when_hard)
+    assert re.search(r"annealing: (4 temperature steps|[1-4] of 4 temperature steps \(hard "
+                     r"from step [0-3]: the colder ones left to the polish\)), \d+ passes in",
+                     err), err
     assert "\r" not in err                               # no bar redraws in a log
     monkeypatch.setattr(cli, "_load_embedder", FakeEmbedder())
     rc, _, err = run(capsys, "cluster", i / "q.csv", "-o", o / "r2.csv", "--k", 3, "--steps",
@@ -580,7 +583,10 @@ def test_real_embedding_model_matches_bundled_vectors():
 
 
 # --------------------------------------------------------------------------- checkpoints
-CK_ARGS = ["--k", 6, "--embedding-column", "emb", "--weight-column", "count", "--steps", 10]
+# --every-step: these tests interrupt the schedule mid-way (on these well-separated blobs it
+# would otherwise end at its first, already hard, temperature)
+CK_ARGS = ["--k", 6, "--embedding-column", "emb", "--weight-column", "count", "--steps", 10,
+           "--every-step"]
 
 
 @pytest.fixture
@@ -653,7 +659,7 @@ def test_sigkill_mid_run_then_resume(capsys, ck_input):
     """Kill -9 a real process once a checkpoint exists; the rerun equals an uninterrupted run."""
     inp, o = ck_input
     common = ["cluster", str(inp), "--embedding-column", "emb", "--weight-column", "count",
-              "--k", "6", "--steps", "12", "-q"]
+              "--k", "6", "--steps", "12", "--every-step", "-q"]
     rc, _, err = run(capsys, *common, "-o", o / "ref.csv")
     assert rc == 0, err
     env = dict(os.environ, **{cli._STEP_DELAY_ENV: "0.3"})

@@ -96,6 +96,24 @@ def test_distinct_rows_count_stops_once_the_cap_is_reached():
         fa.AnnealedKMeans(4, random_state=0).fit(Xr)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_head_count_of_distinct_rows_is_exact(dtype):
+    """The head's count compares rows byte for byte (after -0.0 -> 0.0): equal to NumPy's
+    ``unique(axis=0)`` with duplicates, signed zeros and rows differing in one last bit."""
+    from fastanneal._sources import _n_distinct_exact
+    rng = np.random.default_rng(12)
+    X = rng.standard_normal((64, 300)).astype(dtype)
+    X[5] = X[3]
+    X[9] = X[3]
+    X[7] = 0.0
+    X[8] = -0.0                                   # equal to row 7 as numbers
+    X[11] = X[10]
+    X[11, -1] = np.nextafter(X[10, -1], dtype(np.inf))  # one ulp apart: distinct
+    want = len(np.unique(X + dtype(0), axis=0))
+    assert _n_distinct_exact(X) == want == 64 - 3
+    assert _n_distinct_exact(X[:0]) == 0
+
+
 def test_blas_single_thread_pins_and_restores():
     """Inside the context every BLAS library runs one thread; after it, the counts it had
     (also when the context is nested)."""
