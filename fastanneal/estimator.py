@@ -563,6 +563,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                      "n_relocations_", "trace_", "n_features_in_", "_mass_constrained",
                      "labels_", "probability_temperature_"):
             setattr(self, name, getattr(mb, name))
+        self.hardened_step_ = None          # the stochastic rule runs every temperature
         return self
 
     def fit_source(self, source, *, in_memory=False, _t0=None):

@@ -124,3 +124,11 @@ def test_resumed_fit_makes_the_same_decision(tmp_path):
     assert a.hardened_step_ == b.hardened_step_ == 0
     assert_array_equal(a.cluster_centers_, b.cluster_centers_)
     assert_array_equal(b.cluster_centers_, c.cluster_centers_)
+
+
+def test_the_mini_batch_route_reports_no_early_end():
+    """``batch_size`` delegates to the stochastic rule, which runs every temperature; the
+    attribute exists there too (None)."""
+    X, _ = separated(1)
+    km = fit(X, n_clusters=6, random_state=0, n_steps=6, batch_size=120)
+    assert km.hardened_step_ is None
