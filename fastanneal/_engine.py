@@ -640,7 +640,7 @@ def hardened(ctx, st, rule, res, n_coinc):
     colder step would then be one Lloyd pass from a fixed point: the polish does those."""
     if not ctx.cfg.stop_when_hard or not getattr(rule, "stops_when_hard", False):
         return False
-    m = st.last_moments
+    m = res.moments
     if m is None or st.log_masses is not None or res.relocated or n_coinc:
         return False
     rows = int(m.rows)

@@ -131,12 +131,12 @@ class _NoBar:
 
 def _steps_done(est):
     """The annealing stage's count: ``20 temperature steps``, or, where the schedule
-    hardened (``stop_when_hard``), ``3 of 20 temperature steps (hard from step 2: ...)``."""
+    hardened (``stop_when_hard``), ``3 temperature steps (hard from step 2: ...)``."""
     h = getattr(est, "hardened_step_", None)
     if h is None:
         return f"{est.n_steps_} temperature steps"
-    return (f"{est.n_steps_} of {est.n_steps} temperature steps (hard from step {h}: the "
-            "colder ones left to the polish)")
+    return (f"{est.n_steps_} temperature steps (hard from step {h}: the colder ones left to "
+            "the polish)")
 
 
 def _hash_update_texts(h, texts):
@@ -287,7 +287,7 @@ def fit_model(X, w, args, console):
     kw = dict(n_clusters=args.k if args.k == "auto" else int(args.k), metric=args.metric,
               responsibilities=args.responsibilities, schedule=args.schedule,
               n_steps=int(args.steps), random_state=int(args.seed), progress=console.bars,
-              stop_when_hard=not getattr(args, "every_step", False))
+              stop_when_hard=not args.every_step)
     if args.k == "auto":
         kw["k_max"] = int(args.k_max)
     if args.checkpoint:
