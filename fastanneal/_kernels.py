@@ -219,136 +219,88 @@ _MAGIC_BITS = 0x4338000000000000
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
-def _softmax_row(G, i, logp, use_prior, T, log_eps, w, zmax, zrow, ybuf, ebits, ebuf, Nacc):
-    """Softmax of the distance row ``G[i]`` (logits ``log p_k - d_k / T - zmax <= 0``),
-    written back as ``w * r_ik``; returns ``(s, sum e d, sum e z, nnz)`` with ``e = exp(z)``.
+def _softmax_rows(G, rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S, Si, Nacc, out):
+    """Softmax of the soft rows ``rows[:ns]`` of the distance block ``G`` (logits
+    ``log p_k - d_k / T - zmax <= 0``, ``zmax = zmaxs[q]``), written back as ``w * r_ik``
+    (weights ``wb``) and added to the soft counts ``Nacc``; fills the row's soft distance,
+    entropy, free energy and support size into ``out`` (columns ``R_*``; ``R_D1`` is read).
 
     ``exp`` is a branch-free Cody-Waite reduction with a degree-13 Taylor polynomial
-    (relative error < 2e-16 on [-60, 0]) assembled through integer views of scratch rows,
-    so every loop vectorises (``np.exp`` does not inside Numba). Entries with
-    ``z < log_eps`` are exact zeros. Only re-association flags are set: no ``nnan``/``ninf``.
-    """
+    (relative error < 2e-16 on [-60, 0]) assembled through an integer view ``Si`` of the
+    scratch rows ``S`` (4 x K: logits, exponent, mantissa, 2^exponent), so every loop
+    vectorises (``np.exp`` does not inside Numba). Entries with ``z < log_eps`` are exact
+    zeros. Only re-association flags are set: no ``nnan``/``ninf``.
+
+    One call per block, not per row: every array a Numba function is handed costs an atomic
+    reference-count increment and decrement per call, which at small K cost more than the
+    row's arithmetic (~200 ns a row before this loop moved in here)."""
     K = G.shape[1]
     invT = 1.0 / T
-    ybits = ybuf.view(np.int64)
-    for k in range(K):
-        z = -np.float64(G[i, k]) * invT - zmax
-        if use_prior:
-            z += logp[k]
-        zrow[k] = z
-        zc = z if z > -60.0 else -60.0
-        kf = np.floor(zc * _LOG2E + 0.5)
-        r = (zc - kf * _LN2_HI) - kf * _LN2_LO
-        p = 1.0 / 6227020800.0
-        p = p * r + 1.0 / 479001600.0
-        p = p * r + 1.0 / 39916800.0
-        p = p * r + 1.0 / 3628800.0
-        p = p * r + 1.0 / 362880.0
-        p = p * r + 1.0 / 40320.0
-        p = p * r + 1.0 / 5040.0
-        p = p * r + 1.0 / 720.0
-        p = p * r + 1.0 / 120.0
-        p = p * r + 1.0 / 24.0
-        p = p * r + 1.0 / 6.0
-        p = p * r + 0.5
-        p = p * r + 1.0
-        p = p * r + 1.0
-        ebuf[k] = p
-        ybuf[k] = kf + _MAGIC
-    for k in range(K):
-        ebits[k] = (ybits[k] - _MAGIC_BITS + 1023) << 52
-    # ``ebits`` viewed as float64 is 2^kf
-    return _softmax_row_finish(G, i, log_eps, w, zrow, ebuf, ebits.view(np.float64), Nacc)
-
-
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
-def _softmax_row_finish(G, i, log_eps, w, zrow, ebuf, scale2, Nacc):
-    K = G.shape[1]
-    s = 0.0
-    sed = 0.0
-    sez = 0.0
-    nnz = 0
-    for k in range(K):
-        z = zrow[k]
-        keep = z >= log_eps
-        e = ebuf[k] * scale2[k] if keep else 0.0
-        nnz += 1 if keep else 0
-        s += e
-        sed += e * np.float64(G[i, k])
-        sez += e * z if keep else 0.0          # z may be -inf (log p_k = -inf)
-        ebuf[k] = e
-    sc = w / s
-    for k in range(K):
-        r = ebuf[k] * sc
-        G[i, k] = r
-        Nacc[k] += r
-    return s, sed, sez, nnz
+    for q in range(ns):
+        i = rows[q]
+        zmax = zmaxs[q]
+        for k in range(K):
+            z = -np.float64(G[i, k]) * invT - zmax
+            if use_prior:
+                z += logp[k]
+            S[0, k] = z
+            zc = z if z > -60.0 else -60.0
+            kf = np.floor(zc * _LOG2E + 0.5)
+            r = (zc - kf * _LN2_HI) - kf * _LN2_LO
+            p = 1.0 / 6227020800.0
+            p = p * r + 1.0 / 479001600.0
+            p = p * r + 1.0 / 39916800.0
+            p = p * r + 1.0 / 3628800.0
+            p = p * r + 1.0 / 362880.0
+            p = p * r + 1.0 / 40320.0
+            p = p * r + 1.0 / 5040.0
+            p = p * r + 1.0 / 720.0
+            p = p * r + 1.0 / 120.0
+            p = p * r + 1.0 / 24.0
+            p = p * r + 1.0 / 6.0
+            p = p * r + 0.5
+            p = p * r + 1.0
+            p = p * r + 1.0
+            S[2, k] = p
+            S[1, k] = kf + _MAGIC
+        for k in range(K):
+            Si[3, k] = (Si[1, k] - _MAGIC_BITS + 1023) << 52
+        # S[3] (the bits just written, as float64) is 2^kf
+        s = 0.0
+        sed = 0.0
+        sez = 0.0
+        nnz = 0
+        for k in range(K):
+            z = S[0, k]
+            keep = z >= log_eps
+            e = S[2, k] * S[3, k] if keep else 0.0
+            nnz += 1 if keep else 0
+            s += e
+            sed += e * np.float64(G[i, k])
+            sez += e * z if keep else 0.0          # z may be -inf (log p_k = -inf)
+            S[2, k] = e
+        sc = wb[i] / s
+        for k in range(K):
+            r = S[2, k] * sc
+            G[i, k] = r
+            Nacc[k] += r
+        d1 = out[i, R_D1]
+        out[i, R_SOFT] = sed / s
+        out[i, R_ENT] = math.log(s) - sez / s
+        # without a prior -T * zmax is d1 exactly: keeps F <= J exact for K = 1
+        out[i, R_FREE] = (d1 if not use_prior else -T * zmax) - T * math.log(s)
+        out[i, R_NNZ] = nnz
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row_responsibilities(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max,
-                          Nacc, scratch, ibits):
-    """Turn the distance row ``G[i]`` into weighted responsibilities ``w * r_i`` in place,
-    adding them to the soft counts ``Nacc`` (fused here to save a pass over the block).
-
-    Returns (soft_dist, entropy, free, d1, d2, kmin, nnz) for the row (unweighted).
-    """
-    K = G.shape[1]
-    d1 = np.inf
-    d2 = np.inf
-    kmin = np.int64(0)          # (not the literal 0: see _row_soft's n)
-    zmax = -np.inf
-    for k in range(K):
-        d = np.float64(G[i, k])
-        if d < d1:
-            d2 = d1
-            d1 = d
-            kmin = k
-        elif d < d2:
-            d2 = d
-        if resp != RESP_HARD and use_prior:
-            z = logp[k] - d / T
-            if z > zmax:
-                zmax = z
-    if not use_prior and resp != RESP_HARD:
-        zmax = -d1 / T
-    if resp == RESP_HARD:
-        # the caller accumulates the single entry (row i, kmin) directly; G is left as is
-        Nacc[kmin] += w
-        return d1, 0.0, d1, d1, d2, kmin, 1
-    if resp == RESP_SOFTMAX and not use_prior and \
-            (d2 - d1) - 4e-16 * d2 > (1e-9 - log_eps) * T:
-        # Every other logit is below log_eps (the drop threshold), with room for the
-        # rounding of z: the row is exactly one-hot, as the general path would find after
-        # K exponentials. Common at low T; K = 1 lands here too (d2 = inf).
-        for k in range(K):
-            G[i, k] = 0.0
-        G[i, kmin] = w
-        Nacc[kmin] += w
-        return d1, 0.0, d1, d1, d2, kmin, 1
-    return _row_soft(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max, Nacc,
-                     scratch, ibits, d1, d2, kmin, zmax)
-
-
-@njit(cache=True, nogil=True)
-def _row_soft(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max, Nacc, scratch,
-              ibits, d1, d2, kmin, zmax):
-    """The soft part of :func:`_row_responsibilities` (softmax or entmax-1.5 over the row),
-    a function of its own: the common hard and one-hot rows are inlined into the kernels
-    (a call per row costs ~30 ns at small K), this larger part is compiled once."""
+def _entmax_row(G, i, logp, use_prior, T, w, cand, cidx, sort_max, Nacc, zmax):
+    """entmax-1.5 of the distance row ``G[i]``, written back as ``w * r_ik`` and added to
+    ``Nacc``; returns ``(soft_dist, entropy, free, nnz)``. z' = (z - zmax) / 2; only
+    z' > -1 can be in the support. ``n`` starts as np.int64(0), not 0: a literal start
+    makes Numba compile the callee a second time for the argument type Literal[int](0)
+    (seen in the compile log: ~4 s of a cold start)."""
     K = G.shape[1]
     nnz = 0
-    if resp == RESP_SOFTMAX:
-        s, sed, sez, nnz = _softmax_row(G, i, logp, use_prior, T, log_eps, w, zmax, cand,
-                                        scratch[0], ibits, scratch[1], Nacc)
-        soft = sed / s
-        ent = math.log(s) - sez / s
-        # without a prior -T * zmax is d1 exactly: keeps F <= J exact for K = 1
-        free = (d1 if not use_prior else -T * zmax) - T * math.log(s)
-        return soft, ent, free, d1, d2, kmin, nnz
-    # entmax-1.5: z' = (z - zmax) / 2; only z' > -1 can be in the support. ``n`` starts as
-    # np.int64(0), not 0: a literal start makes Numba compile the callee a second time for
-    # the argument type Literal[int](0) (seen in the compile log: ~4 s of a cold start)
     n = np.int64(0)
     for k in range(K):
         z = -np.float64(G[i, k]) / T
@@ -376,7 +328,84 @@ def _row_soft(G, i, logp, use_prior, T, resp, log_eps, w, cand, cidx, sort_max, 
             nnz += 1
     ent = (4.0 / 3.0) * (1.0 - p15)
     free = soft - T * ent
-    return soft, ent, free, d1, d2, kmin, nnz
+    return soft, ent, free, nnz
+
+
+#: columns of the per-row results of :func:`_block_responsibilities`
+R_SOFT, R_ENT, R_FREE, R_D1, R_D2, R_KMIN, R_NNZ = 0, 1, 2, 3, 4, 5, 6
+
+
+@njit(cache=True, nogil=True)
+def _row_scratch(K, block):
+    """Scratch of :func:`_block_responsibilities`, made once per row range:
+    ``(cand, cidx, S, Si, soft_rows, zmaxs, out)``."""
+    S = np.empty((4, K))
+    return (np.empty(K), np.empty(K, np.int64), S, S.view(np.int64),
+            np.empty(block, np.int64), np.empty(block), np.empty((block, 7)))
+
+
+@njit(cache=True, nogil=True)
+def _block_responsibilities(G, m, wb, logp, use_prior, T, resp, log_eps, sort_max, Nacc,
+                            cand, cidx, S, Si, soft_rows, zmaxs, out):
+    """Turn the distance rows ``G[:m]`` into weighted responsibilities ``wb[r] * r_r`` in
+    place, adding them to the soft counts ``Nacc``; ``out[r]`` gets the row's
+    ``(soft_dist, entropy, free, d1, d2, kmin, nnz)`` (columns ``R_*``, unweighted) for the
+    caller to accumulate in row order. Hard and one-hot rows are done here; the soft
+    softmax rows are gathered and done in one call of :func:`_softmax_rows`."""
+    K = G.shape[1]
+    ns = np.int64(0)            # (not the literal 0: see _entmax_row's n)
+    for r in range(m):
+        w = wb[r]
+        d1 = np.inf
+        d2 = np.inf
+        kmin = np.int64(0)          # (not the literal 0: see _entmax_row's n)
+        zmax = -np.inf
+        for k in range(K):
+            d = np.float64(G[r, k])
+            if d < d1:
+                d2 = d1
+                d1 = d
+                kmin = k
+            elif d < d2:
+                d2 = d
+            if resp != RESP_HARD and use_prior:
+                z = logp[k] - d / T
+                if z > zmax:
+                    zmax = z
+        if not use_prior and resp != RESP_HARD:
+            zmax = -d1 / T
+        out[r, R_D1] = d1
+        out[r, R_D2] = d2
+        out[r, R_KMIN] = kmin
+        if resp == RESP_HARD or (resp == RESP_SOFTMAX and not use_prior and
+                                 (d2 - d1) - 4e-16 * d2 > (1e-9 - log_eps) * T):
+            # hard, or a softmax row whose every other logit is below log_eps (the drop
+            # threshold) with room for the rounding of z: exactly one-hot, as the general
+            # path would find after K exponentials. Common at low T; K = 1 lands here too.
+            # (hard: the caller accumulates the single entry; G is left as is)
+            if resp != RESP_HARD:
+                for k in range(K):
+                    G[r, k] = 0.0
+                G[r, kmin] = w
+            Nacc[kmin] += w
+            out[r, R_SOFT] = d1
+            out[r, R_ENT] = 0.0
+            out[r, R_FREE] = d1
+            out[r, R_NNZ] = 1
+        elif resp == RESP_SOFTMAX:
+            soft_rows[ns] = r
+            zmaxs[ns] = zmax
+            ns += 1
+        else:
+            soft, ent, free, nnz = _entmax_row(G, r, logp, use_prior, T, w, cand, cidx,
+                                               sort_max, Nacc, zmax)
+            out[r, R_SOFT] = soft
+            out[r, R_ENT] = ent
+            out[r, R_FREE] = free
+            out[r, R_NNZ] = nnz
+    if ns > 0:
+        _softmax_rows(G, soft_rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S, Si, Nacc,
+                      out)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -470,10 +499,7 @@ def _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_
     Ct = C.T
     G = np.empty((block, K), X.dtype)
     Sb = np.empty((K, D), X.dtype)
-    cand = np.empty(K)
-    cidx = np.empty(K, np.int64)
-    scratch = np.empty((2, K))
-    ibits = np.empty(K, np.int64)
+    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
     for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
@@ -483,13 +509,19 @@ def _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_
             Xb = X[b0:b1]
             Gb = G[:m]
             _block_distances(Xb, Ct, csq, metric, Gb)
+            _block_responsibilities(Gb, m, w[b0:b1], logp, use_prior, T, resp, log_eps,
+                                    sort_max, accN[t], cand, cidx, S, Si, soft_rows, zmaxs,
+                                    rowres)
             blk_nnz = 0
             for i in range(m):
                 wi = w[b0 + i]
-                soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
-                    Gb, i, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max,
-                    accN[t], scratch, ibits)
-                blk_nnz += nnz
+                soft = rowres[i, R_SOFT]
+                ent = rowres[i, R_ENT]
+                free = rowres[i, R_FREE]
+                d1 = rowres[i, R_D1]
+                d2 = rowres[i, R_D2]
+                kmin = np.int64(rowres[i, R_KMIN])
+                blk_nnz += np.int64(rowres[i, R_NNZ])
                 accSc[t, S_SOFT_DIST] += wi * soft
                 accSc[t, S_ENTROPY] += wi * ent
                 accSc[t, S_FREE] += wi * free
@@ -535,23 +567,21 @@ def _responsibilities_rows(X, C, csq, logp, use_prior, T, metric, resp, block, l
     K = C.shape[0]
     nb = (n + block - 1) // block
     Ct = C.T
+    dummy = np.zeros(K)
+    ones = np.ones(block)
+    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
     for b in range(nb):
         b0 = b * block
         b1 = min(b0 + block, n)
         Gb = out[b0:b1]
         _block_distances(X[b0:b1], Ct, csq, metric, Gb)
-        cand = np.empty(K)
-        cidx = np.empty(K, np.int64)
-        dummy = np.zeros(K)
-        scratch = np.empty((2, K))
-        ibits = np.empty(K, np.int64)
-        for i in range(b1 - b0):
-            res = _row_responsibilities(Gb, i, logp, use_prior, T, resp, log_eps, 1.0, cand,
-                                        cidx, sort_max, dummy, scratch, ibits)
-            if resp == RESP_HARD:
+        _block_responsibilities(Gb, b1 - b0, ones, logp, use_prior, T, resp, log_eps,
+                                sort_max, dummy, cand, cidx, S, Si, soft_rows, zmaxs, rowres)
+        if resp == RESP_HARD:
+            for i in range(b1 - b0):
                 for k in range(K):
                     Gb[i, k] = 0.0
-                Gb[i, res[5]] = 1.0
+                Gb[i, np.int64(rowres[i, R_KMIN])] = 1.0
 
 
 @njit(cache=True, nogil=True)
@@ -869,10 +899,8 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
     Xg = np.empty((block, D), X.dtype)
     Sb = np.empty((K, D), X.dtype)
     idx = np.empty(block, np.int64)
-    cand = np.empty(K)
-    cidx = np.empty(K, np.int64)
-    scratch = np.empty((2, K))
-    ibits = np.empty(K, np.int64)
+    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
+    wg = np.empty(block)
     mn = np.inf
     pruned = 0
     soft_bound = resp != RESP_HARD and T > 0.0 and gap > 0.0
@@ -955,14 +983,21 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
             Xb = Xg[:m]
         Gb = G[:m]
         _block_distances(Xb, Ct, csq, metric, Gb)
+        for r in range(m):
+            wg[r] = w[idx[r]]
+        _block_responsibilities(Gb, m, wg, logp, use_prior, T, resp, log_eps, sort_max, accN,
+                                cand, cidx, S, Si, soft_rows, zmaxs, rowres)
         blk_nnz = 0
         for r in range(m):
             i = idx[r]
-            wi = w[i]
-            soft, ent, free, d1, d2, kmin, nnz = _row_responsibilities(
-                Gb, r, logp, use_prior, T, resp, log_eps, wi, cand, cidx, sort_max,
-                accN, scratch, ibits)
-            blk_nnz += nnz
+            wi = wg[r]
+            soft = rowres[r, R_SOFT]
+            ent = rowres[r, R_ENT]
+            free = rowres[r, R_FREE]
+            d1 = rowres[r, R_D1]
+            d2 = rowres[r, R_D2]
+            kmin = np.int64(rowres[r, R_KMIN])
+            blk_nnz += np.int64(rowres[r, R_NNZ])
             accSc[S_SOFT_DIST] += wi * soft
             accSc[S_ENTROPY] += wi * ent
             accSc[S_FREE] += wi * free
