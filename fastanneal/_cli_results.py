@@ -336,8 +336,14 @@ def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5, block=6
         summ.add(s, lab, p, mar, sec, cos, w[s:e], tb, None if ids is None else ids[s:e])
     order = summ.order()
     rank = ranks(order)
-    ru_new = np.where(ru >= 0, rank[np.maximum(ru, 0)], -1)
-    lab = Labelled(rank[labels], prob, margin, ru_new, summ.table(order), order)
+    # renumbered in place, block by block: no whole-log temporaries at the labelling's
+    # memory peak (the embeddings are still held)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        labels[s:e] = rank[labels[s:e]]
+        r = ru[s:e]
+        ru[s:e] = np.where(r >= 0, rank[np.maximum(r, 0)], -1)
+    lab = Labelled(labels, prob, margin, ru, summ.table(order), order)
     lab.summary = summ
     lab.rank = rank
     return lab

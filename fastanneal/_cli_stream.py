@@ -229,9 +229,11 @@ class ParquetLog:
         if not cols:
             return pa.table({"_": pa.nulls(self.n_rows)}).drop_columns(["_"])
         try:
-            return self.data.dataset.to_table(columns=cols)
+            t = self.data.dataset.to_table(columns=cols)
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"{self.path}: cannot read as PARQUET: {e}") from None
+        pa.default_memory_pool().release_unused()      # the decoding buffers (see above)
+        return t
 
     def embeddings(self, st=None):
         """The embedding column as one ``(n, D)`` matrix, decoded row group by row group
@@ -243,6 +245,10 @@ class ParquetLog:
             X[r0:r0 + x.shape[0]] = x
             if st is not None:
                 st.update(x.shape[0])
+        # the last row group's decoded pages are freed by now: hand them back (Arrow's
+        # allocator keeps them otherwise, through the fit and the labelling)
+        import pyarrow as pa
+        pa.default_memory_pool().release_unused()
         return X
 
     def _block(self, table, row0):

@@ -12,6 +12,7 @@ Pure Python (``collections``) + NumPy; no scikit-learn at run time.
 """
 import math
 import re
+import sys
 from collections import Counter
 
 import numpy as np
@@ -81,6 +82,10 @@ class TermCounts:
                 for size in range(lo, hi + 1):
                     grams.extend(" ".join(toks[i:i + size])
                                  for i in range(len(toks) - size + 1))
+                # one string object per distinct n-gram, shared by every cached text that
+                # has it (query logs repeat their words: the cache's lists otherwise hold
+                # a copy per text)
+                grams = tuple([sys.intern(g) for g in grams])
                 cache[text] = grams
             cnt = per_class[lab]
             for g in grams:

@@ -329,3 +329,67 @@ def test_tokenizer_cache_is_shared_by_the_term_counts_of_a_process(monkeypatch):
     assert c.per_class == a.per_class
     c.add(texts[:3], [0, 1, 0])
     assert len(calls) == 50
+
+
+# --------------------------------------------------------------------------- memory
+def test_in_memory_log_hands_arrow_decoding_buffers_back(tmp_path, monkeypatch):
+    """The in-memory route reads the embeddings into one matrix and the small columns into
+    a table; afterwards Arrow's allocator must hand its decoding buffers back (it keeps
+    freed pages otherwise, ~0.1 GiB through the fit and the labelling of a 1-million-row
+    log: BENCHMARKS.md section 16). Checked with a spy on the pool: the last release comes
+    after the last block was decoded, for both reads; and the matrix is the column."""
+    p = tmp_path / "log.parquet"
+    make_log(p, n=900, row_group=100)
+    args = _Args()
+    log = _cli_stream.ParquetLog(p, args)
+    events = []
+    real = pa.default_memory_pool()
+
+    class Pool:
+        def release_unused(self):
+            events.append("release")
+            real.release_unused()
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    monkeypatch.setattr(pa, "default_memory_pool", lambda: Pool())
+    orig_block = _cli_stream.ParquetLog._block
+
+    def block(self, table, row0):
+        events.append("block")
+        return orig_block(self, table, row0)
+    monkeypatch.setattr(_cli_stream.ParquetLog, "_block", block)
+    X = log.embeddings()
+    assert events.count("block") >= 9 and events[-1] == "release"
+    t = pq.read_table(p)
+    np.testing.assert_array_equal(
+        X, np.asarray(t.column("emb").combine_chunks().flatten()).reshape(900, -1))
+    events.clear()
+    small = log.small_table(with_text=True)
+    assert events == ["release"]
+    assert small.column("query").to_pylist() == t.column("query").to_pylist()
+
+
+def test_term_counts_share_one_string_per_ngram():
+    """The tokenizer's cache holds every distinct n-gram once (interned), shared by the
+    cached texts and the per-cluster counts: a query log repeats its words, and a copy per
+    text made the cache of 200,000 texts ~2x larger. The counts are those of the texts."""
+    from collections import Counter
+
+    from fastanneal.labels import TermCounts, tokenize
+    texts = [f"pay {w} bill {i}" for i, w in enumerate(["card", "phone", "card"] * 50)]
+    labels = np.arange(len(texts)) % 3
+    tc = TermCounts(3)
+    tc.add(texts, labels)
+    a, b = tc._cache[texts[0]], tc._cache[texts[1]]
+    assert a[0] == b[0] == "pay" and a[0] is b[0]              # one object for "pay"
+    bi = [g for g in a if g == "pay card"][0]                # texts 0 and 2 share it
+    assert bi is [g for g in tc._cache[texts[2]] if g == "pay card"][0]
+    for k in range(3):                                        # the counts themselves
+        want = Counter()
+        for t, lab in zip(texts, labels):
+            if lab == k:
+                toks = tokenize(t)
+                want.update(toks)
+                want.update(" ".join(toks[i:i + 2]) for i in range(len(toks) - 1))
+        assert tc.per_class[k] == want
