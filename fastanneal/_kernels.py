@@ -408,6 +408,62 @@ def _block_responsibilities(G, m, wb, logp, use_prior, T, resp, log_eps, sort_ma
                       out)
 
 
+@njit(cache=True, nogil=True)
+def _accumulate_block(Xb, Gb, m, wb, rowres, T, resp, hard_sums, sparse_fraction, sc, HN, S, HS,
+                      Sb, mn):
+    """Add a block's rows to one range's accumulators, in row order: the scalars ``sc``
+    (soft and hard distortion, entropy, free energy, weight, rows, kept entries, margin
+    terms) from the per-row results ``rowres`` of :func:`_block_responsibilities`, the hard
+    counts ``HN`` and sums ``HS``, and the soft sums ``S`` from the responsibilities in
+    ``Gb`` (row by row where they are sparse, else one GEMM into ``Sb``). Returns the
+    smallest margin, ``mn`` included."""
+    K = Gb.shape[1]
+    D = Xb.shape[1]
+    blk_nnz = 0
+    for r in range(m):
+        wi = wb[r]
+        d1 = rowres[r, R_D1]
+        d2 = rowres[r, R_D2]
+        kmin = np.int64(rowres[r, R_KMIN])
+        blk_nnz += np.int64(rowres[r, R_NNZ])
+        sc[S_SOFT_DIST] += wi * rowres[r, R_SOFT]
+        sc[S_ENTROPY] += wi * rowres[r, R_ENT]
+        sc[S_FREE] += wi * rowres[r, R_FREE]
+        sc[S_HARD] += wi * d1
+        sc[S_WEIGHT] += wi
+        sc[S_ROWS] += 1.0
+        if K > 1 and wi > 0.0:
+            marg = d2 - d1
+            if marg < mn:
+                mn = marg
+            if T > 0.0:
+                sc[S_MARGIN] += wi * math.exp(-marg / T)
+        HN[kmin] += wi
+        if hard_sums:
+            for j in range(D):
+                HS[kmin, j] += wi * np.float64(Xb[r, j])
+        if resp == RESP_HARD and not hard_sums:
+            # (with hard sums the soft sums are the same numbers: copied at the end)
+            for j in range(D):
+                S[kmin, j] += wi * np.float64(Xb[r, j])
+    sc[S_NNZ] += blk_nnz
+    if resp == RESP_HARD:
+        return mn
+    if blk_nnz <= sparse_fraction * m * K:
+        for r in range(m):
+            for k in range(K):
+                v = np.float64(Gb[r, k])
+                if v != 0.0:
+                    for j in range(D):
+                        S[k, j] += v * np.float64(Xb[r, j])
+    else:
+        np.dot(Gb.T, Xb, Sb)
+        for k in range(K):
+            for j in range(D):
+                S[k, j] += Sb[k, j]
+    return mn
+
+
 # ----------------------------------------------------------------------------- kernels
 @njit(cache=True, nogil=True)
 def _range_accumulators(nch, K, D, HK):
@@ -512,51 +568,9 @@ def _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_
             _block_responsibilities(Gb, m, w[b0:b1], logp, use_prior, T, resp, log_eps,
                                     sort_max, accN[t], cand, cidx, S, Si, soft_rows, zmaxs,
                                     rowres)
-            blk_nnz = 0
-            for i in range(m):
-                wi = w[b0 + i]
-                soft = rowres[i, R_SOFT]
-                ent = rowres[i, R_ENT]
-                free = rowres[i, R_FREE]
-                d1 = rowres[i, R_D1]
-                d2 = rowres[i, R_D2]
-                kmin = np.int64(rowres[i, R_KMIN])
-                blk_nnz += np.int64(rowres[i, R_NNZ])
-                accSc[t, S_SOFT_DIST] += wi * soft
-                accSc[t, S_ENTROPY] += wi * ent
-                accSc[t, S_FREE] += wi * free
-                accSc[t, S_HARD] += wi * d1
-                accSc[t, S_WEIGHT] += wi
-                accSc[t, S_ROWS] += 1.0
-                if K > 1 and wi > 0.0:
-                    marg = d2 - d1
-                    if marg < accMin[t, 0]:
-                        accMin[t, 0] = marg
-                    if T > 0.0:
-                        accSc[t, S_MARGIN] += wi * math.exp(-marg / T)
-                accHN[t, kmin] += wi
-                if hard_sums:
-                    for j in range(D):
-                        accHS[t, kmin, j] += wi * np.float64(Xb[i, j])
-                if resp == RESP_HARD and not hard_sums:
-                    # (with hard sums the soft sums are the same numbers: copied at the end)
-                    for j in range(D):
-                        accS[t, kmin, j] += wi * np.float64(Xb[i, j])
-            accSc[t, S_NNZ] += blk_nnz
-            if resp == RESP_HARD:
-                continue
-            if blk_nnz <= sparse_fraction * m * K:
-                for i in range(m):
-                    for k in range(K):
-                        r = np.float64(Gb[i, k])
-                        if r != 0.0:
-                            for j in range(D):
-                                accS[t, k, j] += r * np.float64(Xb[i, j])
-            else:
-                np.dot(Gb.T, Xb, Sb)
-                for k in range(K):
-                    for j in range(D):
-                        accS[t, k, j] += Sb[k, j]
+            accMin[t, 0] = _accumulate_block(Xb, Gb, m, w[b0:b1], rowres, T, resp, hard_sums,
+                                             sparse_fraction, accSc[t], accHN[t], accS[t],
+                                             accHS[t], Sb, accMin[t, 0])
 
 
 @njit(cache=True, nogil=True)
@@ -987,37 +1001,14 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
             wg[r] = w[idx[r]]
         _block_responsibilities(Gb, m, wg, logp, use_prior, T, resp, log_eps, sort_max, accN,
                                 cand, cidx, S, Si, soft_rows, zmaxs, rowres)
-        blk_nnz = 0
+        mn = _accumulate_block(Xb, Gb, m, wg, rowres, T, resp, hard_sums, sparse_fraction,
+                               accSc, accHN, accS, accHS, Sb, mn)
         for r in range(m):
+            # fresh bounds: Euclidean distances, widened by the rounding slack
             i = idx[r]
-            wi = wg[r]
-            soft = rowres[r, R_SOFT]
-            ent = rowres[r, R_ENT]
-            free = rowres[r, R_FREE]
+            kmin = np.int64(rowres[r, R_KMIN])
             d1 = rowres[r, R_D1]
             d2 = rowres[r, R_D2]
-            kmin = np.int64(rowres[r, R_KMIN])
-            blk_nnz += np.int64(rowres[r, R_NNZ])
-            accSc[S_SOFT_DIST] += wi * soft
-            accSc[S_ENTROPY] += wi * ent
-            accSc[S_FREE] += wi * free
-            accSc[S_HARD] += wi * d1
-            accSc[S_WEIGHT] += wi
-            accSc[S_ROWS] += 1.0
-            if K > 1 and wi > 0.0:
-                marg = d2 - d1
-                if marg < mn:
-                    mn = marg
-                if T > 0.0:
-                    accSc[S_MARGIN] += wi * math.exp(-marg / T)
-            accHN[kmin] += wi
-            if hard_sums:
-                for j in range(D):
-                    accHS[kmin, j] += wi * np.float64(Xb[r, j])
-            if resp == RESP_HARD and not hard_sums:
-                for j in range(D):
-                    accS[kmin, j] += wi * np.float64(Xb[r, j])
-            # fresh bounds: Euclidean distances, widened by the rounding slack
             lab[i] = kmin
             ue = d1 + coff[kmin] + slack
             ub[i] = math.sqrt(ue) if ue > 0.0 else 0.0
@@ -1026,21 +1017,6 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
                 lb[i] = np.inf
             else:
                 lb[i] = math.sqrt(le) if le > 0.0 else 0.0
-        accSc[S_NNZ] += blk_nnz
-        if resp == RESP_HARD:
-            continue
-        if blk_nnz <= sparse_fraction * m * K:
-            for r in range(m):
-                for k in range(K):
-                    v = np.float64(Gb[r, k])
-                    if v != 0.0:
-                        for j in range(D):
-                            accS[k, j] += v * np.float64(Xb[r, j])
-        else:
-            np.dot(Gb.T, Xb, Sb)
-            for k in range(K):
-                for j in range(D):
-                    accS[k, j] += Sb[k, j]
     return mn, pruned
 
 
