@@ -19,6 +19,7 @@ import re
 import numpy as np
 
 from ._io import InputError, embedding_matrix
+from ._parquet import release_decoded
 
 __all__ = ["parse_size", "default_memory_limit", "ParquetLog"]
 
@@ -120,7 +121,7 @@ class LogPiece:
         cols = list(cols)
         rows = int(rows)
         r0 = self.row0
-        pa.default_memory_pool().release_unused()
+        release_decoded()
         try:
             with pq.ParquetFile(self.fragment.path, pre_buffer=False, buffer_size=1 << 22,
                                 page_checksum_verification=True) as pf:
@@ -232,7 +233,7 @@ class ParquetLog:
             t = self.data.dataset.to_table(columns=cols)
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"{self.path}: cannot read as PARQUET: {e}") from None
-        pa.default_memory_pool().release_unused()      # the decoding buffers (see above)
+        release_decoded()             # the decoding buffers of the read
         return t
 
     def embeddings(self, st=None):
@@ -245,10 +246,7 @@ class ParquetLog:
             X[r0:r0 + x.shape[0]] = x
             if st is not None:
                 st.update(x.shape[0])
-        # the last row group's decoded pages are freed by now: hand them back (Arrow's
-        # allocator keeps them otherwise, through the fit and the labelling)
-        import pyarrow as pa
-        pa.default_memory_pool().release_unused()
+        release_decoded()             # the last row group's pages, freed by now
         return X
 
     def _block(self, table, row0):

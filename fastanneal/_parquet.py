@@ -15,6 +15,15 @@ __all__ = ["ParquetDataset", "ParquetStream", "ParquetReadError", "open_parquet"
            "prefetched"]
 
 
+def release_decoded():
+    """Hand Arrow's freed decoding buffers back to the system. Arrow's allocator keeps the
+    pages of columns decoded and dropped (a streaming pass would otherwise grow by a few row
+    groups; an in-memory read would keep ~0.1 GiB of them through the fit); the C library's
+    allocator, which would return them by itself, halves the decoding rate instead. Call it
+    after the data read so far has been freed or copied out."""
+    import pyarrow as pa
+    pa.default_memory_pool().release_unused()
+
 def _embedding_info(field, where):
     """(kind, D or None) of an embedding field; kind 'fixed' or 'list'."""
     import pyarrow as pa
@@ -154,10 +163,7 @@ class ParquetDataset:
     def read(self, i, columns):
         """Row group ``i`` as a ``pyarrow.Table`` of ``columns`` (None: all)."""
         import pyarrow as pa
-        # the row groups read before are freed by now: hand their pages back (Arrow's
-        # allocator keeps them otherwise, and a streaming pass would grow by a few row
-        # groups; the C library's allocator instead halves the decoding rate)
-        pa.default_memory_pool().release_unused()
+        release_decoded()           # the row groups read before are freed by now
         try:
             t = self.pieces[i].to_table(schema=self.schema, columns=columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:   # a failed page checksum included
