@@ -94,6 +94,7 @@ class EngineResult:
     last_moments: object
     reallocations: int = 0
     hardened_step: Optional[int] = None   # the step after which the schedule was hard
+    settled_step: Optional[int] = None    # the step after which it had settled (SETTLE_TOL)
 
 
 @dataclass
@@ -546,7 +547,8 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
                         last_moments=st.last_moments,
                         reallocations=int(st.rule_state.get("moves", 0))
                         if st.phase == "done" else 0,
-                        hardened_step=res_last.get("hardened_step"))
+                        hardened_step=res_last.get("hardened_step"),
+                        settled_step=res_last.get("settled_step"))
 
 
 def _initial_log_masses(cfg):
@@ -601,6 +603,8 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
                      K - n_coinc)
         rm = res.record_moments or m
         st.last_moments = m
+        # the previous step's J (None at the first step of a phase: nothing to compare)
+        J_prev = st.last.get("hard_distortion") if st.step > st.phase_step0 else None
         st.last = dict(temperature=float(m.temperature), free_energy=float(rm.free_energy),
                        soft_distortion=float(rm.soft_distortion),
                        hard_distortion=float(rm.hard_distortion), n_steps=st.step + 1)
@@ -619,6 +623,13 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
                     log.info("hard at step %d (T=%.4g): every row one-hot, centers at a fixed "
                              "point; the colder temperatures are left to the polish",
                              st.step, st.last["temperature"])
+                T = None
+            elif T is not None and settled(ctx, st, rule, res, n_coinc, J_prev, ent, dmin):
+                st.last["settled_step"] = int(st.step)
+                if cfg.verbose:
+                    log.info("settled at step %d (T=%.4g): J changed by less than %.0e "
+                             "(relative) in that step; the colder temperatures are left to "
+                             "the polish", st.step, st.last["temperature"], SETTLE_TOL)
                 T = None
         st.step += 1
         st.temperature = T
@@ -646,6 +657,36 @@ def hardened(ctx, st, rule, res, n_coinc):
     rows = int(m.rows)
     return (rows > 0 and int(m.nnz) == rows and math.isfinite(res.shift)
             and res.shift <= ctx.tol_abs)
+
+
+#: A step that changes the hard distortion ``J`` of its centers by less than this (relative)
+#: ends the schedule (:func:`settled`) ...
+SETTLE_TOL = 3e-5
+#: ... once the rows are nearly decided: mean assignment entropy at most this (nats per unit
+#: weight; a row split evenly between two cells has log 2 = 0.69, all centers at the mean
+#: log K).
+SETTLE_ENTROPY = 0.1
+
+
+def settled(ctx, st, rule, res, n_coinc, J_prev, entropy, dmin):
+    """True when the annealing has stopped changing the partition's cost (``docs/theory.md``
+    section 6.9), the second way the schedule ends early: the step changed ``J`` (the hard
+    distortion of its centers) by less than :data:`SETTLE_TOL` relative to the step before;
+    the rows are nearly decided (mean entropy ``<= SETTLE_ENTROPY``); every codevector
+    resolves a cell of its own at this temperature (no two closer than ``sqrt(MERGE T)``,
+    so no phase transition is pending between them); no relocated or coincident centers and
+    no mass prior. The colder steps would then only harden the last boundary rows and move
+    ``J`` by even less; the polish (Lloyd) ends the same way. Measured with
+    ``benchmarks/study_settle.py``. Same switches as :func:`hardened`."""
+    if not ctx.cfg.stop_when_hard or not getattr(rule, "stops_when_hard", False):
+        return False
+    if J_prev is None or st.log_masses is not None or res.relocated or n_coinc:
+        return False
+    T = float(st.last["temperature"])
+    J = st.last["hard_distortion"]
+    return (math.isfinite(J) and math.isfinite(J_prev) and entropy <= SETTLE_ENTROPY
+            and dmin * dmin >= MERGE * T and abs(J_prev - J) <= SETTLE_TOL * abs(J))
+
 
 
 class _OneStep:

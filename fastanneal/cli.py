@@ -131,12 +131,17 @@ class _NoBar:
 
 def _steps_done(est):
     """The annealing stage's count: ``20 temperature steps``, or, where the schedule
-    hardened (``stop_when_hard``), ``3 temperature steps (hard from step 2: ...)``."""
+    hardened or settled (``stop_when_hard``), ``3 temperature steps (hard from step 2:
+    ...)``."""
     h = getattr(est, "hardened_step_", None)
-    if h is None:
-        return f"{est.n_steps_} temperature steps"
-    return (f"{est.n_steps_} temperature steps (hard from step {h}: the colder ones left to "
-            "the polish)")
+    s = getattr(est, "settled_step_", None)
+    if h is not None:
+        return (f"{est.n_steps_} temperature steps (hard from step {h}: the colder ones left "
+                "to the polish)")
+    if s is not None:
+        return (f"{est.n_steps_} temperature steps (settled at step {s}: J changed by < 3e-5; "
+                "the colder ones left to the polish)")
+    return f"{est.n_steps_} temperature steps"
 
 
 def _hash_update_texts(h, texts):

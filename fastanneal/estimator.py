@@ -386,8 +386,12 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         responsibilities exactly one-hot (every other logit below the drop threshold) with
         the centers at a fixed point: from there each colder temperature would be one Lloyd
         pass that changes nothing, so the polish takes over (``docs/theory.md`` section
-        6.8). ``hardened_step_`` says where; ``False`` runs every temperature. Only the
-        soft-Lloyd solver without mass priors, with ``polish=True``.
+        6.8). ``hardened_step_`` says where. The schedule also ends once it has settled:
+        a step that changed ``J`` by at most 3e-5 (relative) with the rows nearly decided
+        (mean entropy <= 0.1 nats) and every codevector resolving a cell of its own; the
+        colder steps would only harden the last boundary rows (section 6.9,
+        ``settled_step_``; measured by ``benchmarks/study_settle.py``). ``False`` runs every
+        temperature. Only the soft-Lloyd solver without mass priors, with ``polish=True``.
     anchor_weight : float, default=0.0
         Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
         from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
@@ -422,6 +426,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         solver, a mass prior or ``stop_when_hard=False`` does not stop early). On
         well-separated data this is often step 0: the annealing had nothing to do, and the
         fit is the seeds, Lloyd and the re-allocation moves.
+    settled_step_ : int or None
+        The annealing step after which the schedule had settled (``stop_when_hard``,
+        ``docs/theory.md`` section 6.9): that step changed ``J`` by at most 3e-5 relative,
+        with the rows nearly decided; the colder temperatures were left to the polish.
+        None where the schedule hardened first, ran every temperature, or cannot stop early.
     checkpoint_info_ : dict, only with ``checkpoint``: path, finished, resumed_from,
         temperature
     trace_ : Trace (``.as_dict()``, ``.to_arrow()``)
@@ -564,6 +573,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                      "labels_", "probability_temperature_"):
             setattr(self, name, getattr(mb, name))
         self.hardened_step_ = None          # the stochastic rule runs every temperature
+        self.settled_step_ = None
         return self
 
     def fit_source(self, source, *, in_memory=False, _t0=None):
@@ -621,6 +631,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.n_relocations_ = int(result.relocations)
         self.n_reallocations_ = int(result.reallocations)
         self.hardened_step_ = result.hardened_step
+        self.settled_step_ = result.settled_step
         self.trace_ = trace
         self._set_probability_temperature(source, rng)
         return self
@@ -718,9 +729,12 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         try:
             result = E.run(source, st, schedule, cfg, rng, trace, t0, rule=rule,
                            critical=crit, hook=hook)
-            if bar is not None and result.hardened_step is not None and bar.total:
+            early = result.hardened_step if result.hardened_step is not None \
+                else result.settled_step
+            if bar is not None and early is not None and bar.total:
                 # the colder steps were left to the polish: the bar ends full, saying so
-                bar.set_postfix_str(f"hard from step {result.hardened_step}")
+                bar.set_postfix_str(f"{'hard' if result.hardened_step is not None else 'settled'}"
+                                    f" from step {early}")
                 bar.update(max(bar.total - bar.n, 0))
         finally:
             if bar is not None:

@@ -557,10 +557,10 @@ def test_progress_one_line_per_stage_and_bars_on_request(capsys, dirs, monkeypat
     assert order == sorted(order)
     assert re.search(r"reading: 120 rows in [0-9.]+ s \([0-9,]+ rows/s\)", err), err
     assert re.search(r"embedding: 120 queries in [0-9.]+ s", err), err
-    # every step, or the steps until the schedule hardened (stop_when_hard)
-    m = re.search(r"annealing: (4 temperature steps|([1-4]) temperature steps \(hard "
-                  r"from step ([0-3]): the colder ones left to the polish\)), \d+ passes in",
-                  err)
+    # every step, or the steps until the schedule hardened or settled (stop_when_hard)
+    m = re.search(r"annealing: (4 temperature steps|([1-4]) temperature steps \((?:hard "
+                  r"from|settled at) step ([0-3]): [^)]*the colder ones left to the "
+                  r"polish\)), \d+ passes in", err)
     assert m, err
     assert m.group(2) is None or int(m.group(2)) == int(m.group(3)) + 1, err
     assert "\r" not in err                               # no bar redraws in a log

@@ -245,13 +245,15 @@ def test_sigkill_dask_then_resume(tmp_path):
 # ============================================================================ in process
 CASES = {
     # stop_when_hard=False: the tests interrupt the schedule mid-way, and these blobs are hard
-    # from the first temperature (the early end is resumed in test_stop_when_hard.py)
+    # from the first temperature or settle after a few steps (the early ends are resumed in
+    # test_stop_when_hard.py)
     "geometric": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8, checkpoint=ck,
                                               stop_when_hard=False),
     "critical": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8,
                                              schedule="critical", checkpoint=ck),
     "adaptive": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8,
-                                             schedule="adaptive", checkpoint=ck),
+                                             schedule="adaptive", checkpoint=ck,
+                                             stop_when_hard=False),
     "gradient": lambda ck: fa.AnnealedKMeans(5, random_state=0, n_steps=8, solver="gradient",
                                              gradient_steps=5, checkpoint=ck),
     "minibatch": lambda ck: fa.MiniBatchAnnealedKMeans(5, random_state=0, n_steps=8,

@@ -1,12 +1,14 @@
-"""The schedule stops once it can only repeat Lloyd's update (docs/theory.md section 6.8).
+"""The schedule stops once it can only repeat Lloyd's update (docs/theory.md section 6.8), or
+once it has settled (section 6.9).
 
 A step ends the schedule when its last pass found every row exactly one-hot (``nnz ==
 rows``) and the centers at a fixed point; the colder temperatures are left to the polish.
 The tests check the criterion itself (one ambiguous row keeps every temperature), that the
 result is the full schedule's (bit for bit where the centers did not move), that overlapping
 data still run every temperature, and the cases that must never stop early (mass prior,
-gradient solver, ``stop_when_hard=False``, ``polish=False``). Data come from seeds fixed per
-test.
+gradient solver, ``stop_when_hard=False``, ``polish=False``). The one-hot tests switch the
+settled end off (``no_settle``); the settled end has its own tests at the end. Data come from
+seeds fixed per test.
 """
 import warnings
 
@@ -14,7 +16,13 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from fastanneal import AnnealedKMeans
+from fastanneal import AnnealedKMeans, _engine
+
+
+@pytest.fixture
+def no_settle(monkeypatch):
+    """Only the one-hot end of section 6.8 (the settled end needs |dJ| <= a negative bound)."""
+    monkeypatch.setattr(_engine, "SETTLE_TOL", -1.0)
 
 
 def separated(seed, K=6, D=8, n_per=80, sep=40.0, dtype=np.float64):
@@ -60,7 +68,7 @@ def _two_mirrored_clusters():
     return np.concatenate([a + [-20.0, 0, 0], -a + [20.0, 0, 0], [[0.0, 0.0, 0.0]]])
 
 
-def test_a_row_that_stays_ambiguous_keeps_every_temperature():
+def test_a_row_that_stays_ambiguous_keeps_every_temperature(no_settle):
     """Two mirrored clusters and a row halfway between them with a negligible weight: the
     centers stay symmetric, its margin stays ~0, it is never one-hot, so every temperature
     runs; without that row the first temperature is already hard."""
@@ -75,7 +83,7 @@ def test_a_row_that_stays_ambiguous_keeps_every_temperature():
     assert amb.hardened_step_ is None and amb.n_steps_ == 20
 
 
-def test_the_schedule_stops_at_the_first_one_hot_temperature():
+def test_the_schedule_stops_at_the_first_one_hot_temperature(no_settle):
     """With full weight the halfway row joins one cluster as the temperature falls (its
     margin becomes ~8). The schedule stops at the first temperature where every margin
     exceeds ``T log 2^53`` (float64 drop threshold), checked against NumPy at the returned
@@ -93,7 +101,7 @@ def test_the_schedule_stops_at_the_first_one_hot_temperature():
     assert margin < T[h - 1] * thr
 
 
-def test_overlapping_clusters_run_every_temperature():
+def test_overlapping_clusters_run_every_temperature(no_settle):
     """Where rows stay soft (overlapping clusters) the criterion never holds."""
     rng = np.random.default_rng(11)
     M = 2.5 * rng.standard_normal((8, 2))
@@ -110,7 +118,7 @@ def test_overlapping_clusters_run_every_temperature():
 def test_never_stops_early_where_the_update_is_not_lloyds(kw):
     X, _ = separated(1)
     km = fit(X, n_clusters=6, random_state=0, n_steps=6, **kw)
-    assert km.hardened_step_ is None and km.n_steps_ == 6
+    assert km.hardened_step_ is None and km.settled_step_ is None and km.n_steps_ == 6
 
 
 def test_resumed_fit_makes_the_same_decision(tmp_path):
@@ -131,4 +139,117 @@ def test_the_mini_batch_route_reports_no_early_end():
     attribute exists there too (None)."""
     X, _ = separated(1)
     km = fit(X, n_clusters=6, random_state=0, n_steps=6, batch_size=120)
-    assert km.hardened_step_ is None
+    assert km.hardened_step_ is None and km.settled_step_ is None
+
+
+# ------------------------------------------------------------------ the settled end (6.9)
+def overlapping(seed=11):
+    rng = np.random.default_rng(seed)
+    M = 2.5 * rng.standard_normal((8, 2))
+    return np.concatenate([m + rng.standard_normal((150, 2)) for m in M])
+
+
+def _criterion(d, s):
+    """Section 6.9 at step ``s`` of a trace (all steps >= 0): J moved <= SETTLE_TOL, the
+    rows nearly decided, every codevector its own effective cluster."""
+    J, T = d["hard_distortion"], d["temperature"]
+    return (abs(J[s - 1] - J[s]) <= _engine.SETTLE_TOL * abs(J[s])
+            and d["entropy"][s] <= _engine.SETTLE_ENTROPY
+            and d["min_center_distance"][s] ** 2 >= _engine.MERGE * T[s])
+
+
+def test_overlapping_clusters_settle_at_the_first_quiet_step():
+    """Rows stay soft, so the one-hot end never comes (the test above); the schedule ends at
+    the first step (after the first) whose J moved by <= 3e-5 relative with the rows nearly
+    decided -- checked against the trace -- and the polished result is the full schedule's
+    to 1e-4 in J with fewer passes."""
+    X = overlapping()
+    on = fit(X, n_clusters=8, random_state=0)
+    off = fit(X, n_clusters=8, random_state=0, stop_when_hard=False)
+    s = on.settled_step_
+    assert on.hardened_step_ is None and s is not None and 1 <= s < 19
+    assert on.n_steps_ == s + 1 and off.n_steps_ == 20
+    d = off.trace_.as_dict()
+    keep = d["step"] >= 0
+    d = {k: np.asarray(v)[keep] for k, v in d.items()}
+    # the full schedule's first s steps are the settled run's (same state, same passes)
+    d_on = on.trace_.as_dict()
+    np.testing.assert_allclose(np.asarray(d_on["hard_distortion"])[:s + 1],
+                               d["hard_distortion"][:s + 1], rtol=1e-12)
+    assert _criterion(d, s)
+    assert not any(_criterion(d, t) for t in range(1, s))
+    assert on.n_iter_ < off.n_iter_
+    assert on.inertia_ == pytest.approx(off.inertia_, rel=1e-4)
+
+
+def test_a_schedule_from_above_Tc_runs_through_its_splits():
+    """Started above the critical temperature every codevector sits near the mean (rows
+    undecided, entropy log K): the schedule must run on through the splits before it may
+    settle or harden, and the fit finds the separated clusters."""
+    X, M = separated(3, K=4, D=3, sep=12.0)
+    probe = fit(X, n_clusters=4, random_state=0, n_steps=2)
+    T0 = 3.0 * probe.critical_temperature_
+    km = fit(X, n_clusters=4, random_state=0, temperature_start=T0,
+             temperature_end_ratio=1e-4, n_steps=30, init="mean")
+    H = np.asarray(km.trace_.as_dict()["entropy"])[np.asarray(km.trace_["step"]) >= 0]
+    assert H[0] > 0.99 * np.log(4)
+    early = km.settled_step_ if km.settled_step_ is not None else km.hardened_step_
+    assert early is not None and H[early] <= _engine.SETTLE_ENTROPY
+    assert early > int(np.argmax(H < 0.5))                # ran past the splits
+    assert len(np.unique(km.predict(M))) == 4              # one cluster per true center
+
+
+class _Cfg:
+    stop_when_hard = True
+
+
+class _Rule:
+    stops_when_hard = True
+
+
+class _Ctx:
+    cfg = _Cfg()
+
+
+class _Res:
+    relocated = 0
+
+
+class _St:
+    log_masses = None
+
+    def __init__(self, J, T):
+        self.last = {"hard_distortion": J, "temperature": T}
+
+
+@pytest.mark.parametrize("J_prev, entropy, dmin, want", [
+    (1000.0 + 0.02, 0.05, 1.0, True),     # quiet step, decided rows, resolved codevectors
+    (1000.0 + 0.05, 0.05, 1.0, False),    # J moved by 5e-5 > 3e-5
+    (1000.0 - 0.02, 0.05, 1.0, True),     # |dJ| (J may rise at a finite T)
+    (1000.0 + 0.02, 0.2, 1.0, False),     # rows undecided (entropy > 0.1 nats)
+    (1000.0 + 0.02, 0.05, 0.1, False),    # two codevectors closer than sqrt(MERGE T)
+    (None, 0.05, 1.0, False),             # the first step of a schedule
+])
+def test_the_settled_criterion_reads_each_condition(J_prev, entropy, dmin, want):
+    """Section 6.9 condition by condition, at T = 0.1 (sqrt(MERGE T) = 0.22)."""
+    st = _St(1000.0, 0.1)
+    assert _engine.settled(_Ctx(), st, _Rule(), _Res(), 0, J_prev, entropy, dmin) is want
+    if want:      # and never with a relocation, coincident centers or a mass prior
+        res = _Res()
+        res.relocated = 1
+        assert not _engine.settled(_Ctx(), st, _Rule(), res, 0, J_prev, entropy, dmin)
+        assert not _engine.settled(_Ctx(), st, _Rule(), _Res(), 1, J_prev, entropy, dmin)
+        st.log_masses = np.zeros(2)
+        assert not _engine.settled(_Ctx(), st, _Rule(), _Res(), 0, J_prev, entropy, dmin)
+
+
+def test_a_resumed_fit_settles_at_the_same_step(tmp_path):
+    """The decision reads the step's moments and the previous step's J, which the state
+    carries: a fit that writes checkpoints settles at the same step, and a rerun from its
+    finished file returns the same centers."""
+    X = overlapping(12)
+    a = fit(X, n_clusters=8, random_state=2)
+    b = fit(X, n_clusters=8, random_state=2, checkpoint=tmp_path / "ck")
+    c = fit(X, n_clusters=8, random_state=2, checkpoint=tmp_path / "ck")
+    assert a.settled_step_ is not None and a.settled_step_ == b.settled_step_
+    assert_array_equal(b.cluster_centers_, c.cluster_centers_)
