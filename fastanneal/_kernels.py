@@ -331,6 +331,11 @@ def _entmax_row(G, i, logp, use_prior, T, w, cand, cidx, sort_max, Nacc, zmax):
     return soft, ent, free, nnz
 
 
+#: A block of a pruned pass gathers its unpruned rows into a copy only when at least this
+#: fraction of its rows prunes; else every row of the block takes the full path (at the
+#: soft temperatures of an annealing few rows prune, and the copy cost more than it saved).
+PRUNE_MIN_BLOCK_FRACTION = 0.25
+
 #: columns of the per-row results of :func:`_block_responsibilities`
 R_SOFT, R_ENT, R_FREE, R_D1, R_D2, R_KMIN, R_NNZ = 0, 1, 2, 3, 4, 5, 6
 
@@ -889,13 +894,15 @@ def _own_distance(X, i, C, a, metric):
 @njit(cache=True, nogil=True)
 def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                   block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, r0, r1,
-                  lab, ub, lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS,
-                  accHN, accHS, accSc):
+                  lab, ub, lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN,
+                  accS, accHN, accHS, accSc):
     """Moments of rows ``r0:r1`` with per-row distance bounds (Hamerly): a row whose every
     other center is provably beyond the drop threshold contributes one-hot, at the cost of
     one distance to its own center; the other rows are gathered into blocks and take the
     full path (GEMM distances, log-domain responsibilities), which also refreshes their
-    bounds. Returns ``(min_margin bound, rows pruned)``.
+    bounds. A block where fewer than :data:`PRUNE_MIN_BLOCK_FRACTION` of the rows prune
+    sends all its rows down the full path (no gathered copy). Returns ``(min_margin bound,
+    rows pruned)``.
 
     Bounds are Euclidean distances: ``ub[i] >= ||x_i - c_lab||``, ``lb[i] <= ||x_i - c_k||``
     for every ``k != lab``. After the centers moved, the own distance is recomputed (D
@@ -915,6 +922,11 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
     idx = np.empty(block, np.int64)
     cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
     wg = np.empty(block)
+    # the block's prunable rows: own distance, bounds (scan first, then decide)
+    pq = np.empty(block, np.int64)
+    pd1 = np.empty(block)
+    pue = np.empty(block)
+    plo = np.empty(block)
     mn = np.inf
     pruned = 0
     soft_bound = resp != RESP_HARD and T > 0.0 and gap > 0.0
@@ -922,9 +934,9 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
     for b0 in range(r0, r1, block):
         b1 = min(b0 + block, r1)
         m = 0
+        npr = 0
         for i in range(b0, b1):
             a = lab[i]
-            wi = w[i]
             if a >= 0:
                 need = gap + maxoff - coff[a] + slack
                 if use_prior and resp != RESP_HARD:
@@ -933,6 +945,16 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
                 lo = lb[i] - (dnm2 if a == top_nm else dnm)
                 d1 = 0.0
                 ue = 0.0
+                if lo > 0.0:
+                    # a lower bound of the own distance without computing it (the last
+                    # exact one, ub minus its rounding widening, minus the center's move):
+                    # a row that cannot prune even with it skips the D-flop own distance
+                    # (at soft temperatures most rows, and that distance was most of the
+                    # cost of a pruned pass over an unpruned one)
+                    lo_own = ub[i] * ub[i] - 2.0 * slack
+                    lo_own = (math.sqrt(lo_own) if lo_own > 0.0 else 0.0) - drift[a]
+                    if lo_own > 0.0 and lo * lo - lo_own * lo_own <= need:
+                        lo = 0.0
                 if lo > 0.0:
                     # the own distance, exactly (the kernel's formula: cosine 2 - 2 x.c)
                     d1 = _own_distance(X, i, C, a, metric)
@@ -954,38 +976,57 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
                                 if dk < lo:
                                     lo = dk
                     if lo * lo - ue * ue > need:
-                        pruned += 1
-                        ub[i] = ue
-                        lb[i] = lo
-                        mlb = lo * lo - maxoff - d1
-                        if K > 1 and wi > 0.0:
-                            if mlb < mn:
-                                mn = mlb
-                            if T > 0.0:
-                                # a soft pass prunes only margins above ``gap``: its term
-                                # is below e_gap (an upper bound, one exp per pass instead
-                                # of one per row: that exp was half of a pruned row's cost)
-                                accSc[S_MARGIN] += wi * (e_gap if soft_bound
-                                                         else math.exp(-mlb / T))
-                        accN[a] += wi
-                        accHN[a] += wi
-                        for j in range(D):
-                            v = wi * np.float64(X[i, j])
-                            accS[a, j] += v
-                            if hard_sums:
-                                accHS[a, j] += v
-                        free = d1
-                        if use_prior and resp == RESP_SOFTMAX:
-                            free = d1 - T * logp[a]        # -T * zmax, zmax = logp_a - d1/T
-                        accSc[S_SOFT_DIST] += wi * d1
-                        accSc[S_FREE] += wi * free
-                        accSc[S_HARD] += wi * d1
-                        accSc[S_WEIGHT] += wi
-                        accSc[S_ROWS] += 1.0
-                        accSc[S_NNZ] += 1.0
+                        pq[npr] = i
+                        pd1[npr] = d1
+                        pue[npr] = ue
+                        plo[npr] = lo
+                        npr += 1
                         continue
             idx[m] = i
             m += 1
+        if npr > 0 and PRUNE_MIN_BLOCK_FRACTION * (b1 - b0) > npr:
+            # too few prunable rows to pay for gathering the others into a copy: the whole
+            # block takes the full path (exact; it refreshes the bounds of every row)
+            m = 0
+            for i in range(b0, b1):
+                idx[m] = i
+                m += 1
+            npr = 0
+        for q in range(npr):
+            i = pq[q]
+            a = lab[i]
+            wi = w[i]
+            d1 = pd1[q]
+            ue = pue[q]
+            lo = plo[q]
+            pruned += 1
+            ub[i] = ue
+            lb[i] = lo
+            mlb = lo * lo - maxoff - d1
+            if K > 1 and wi > 0.0:
+                if mlb < mn:
+                    mn = mlb
+                if T > 0.0:
+                    # a soft pass prunes only margins above ``gap``: its term is below
+                    # e_gap (an upper bound, one exp per pass instead of one per row:
+                    # that exp was half of a pruned row's cost)
+                    accSc[S_MARGIN] += wi * (e_gap if soft_bound else math.exp(-mlb / T))
+            accN[a] += wi
+            accHN[a] += wi
+            for j in range(D):
+                v = wi * np.float64(X[i, j])
+                accS[a, j] += v
+                if hard_sums:
+                    accHS[a, j] += v
+            free = d1
+            if use_prior and resp == RESP_SOFTMAX:
+                free = d1 - T * logp[a]        # -T * zmax, zmax = logp_a - d1/T
+            accSc[S_SOFT_DIST] += wi * d1
+            accSc[S_FREE] += wi * free
+            accSc[S_HARD] += wi * d1
+            accSc[S_WEIGHT] += wi
+            accSc[S_ROWS] += 1.0
+            accSc[S_NNZ] += 1.0
         if m == 0:
             continue
         if m == b1 - b0:
@@ -1040,7 +1081,7 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     _pool.run(_pruned_ranges, (X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T,
                                metric, resp, block, hard_sums, log_eps, sparse_fraction,
                                sort_max, gap, slack, lab, ub, lb, movers, dnm, dnm2, top_nm,
-                               dall, dall2, top_all) + accs + (accP,), nch)
+                               dall, dall2, top_all, drift) + accs + (accP,), nch)
     N, S, sc, HN, HS, mn = _reduce_ranges(*accs, resp, hard_sums)
     return N, S, sc, HN, HS, mn, int(accP.sum())
 
@@ -1048,8 +1089,8 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
 @njit(cache=True, nogil=True)
 def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
-                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS, accHN,
-                   accHS, accSc, accMin, accP, t0, t1):
+                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN, accS,
+                   accHN, accHS, accSc, accMin, accP, t0, t1):
     """Row ranges ``t0:t1`` (of ``accMin.shape[0]``) of :func:`pruned_moments_kernel`."""
     n = X.shape[0]
     nch = accMin.shape[0]
@@ -1058,8 +1099,8 @@ def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metr
         mn, p = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
                               metric, resp, block, hard_sums, log_eps, sparse_fraction,
                               sort_max, gap, slack, t * n // nch, (t + 1) * n // nch, lab, ub,
-                              lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN[t],
-                              accS[t], accHN[t], accHS[t], accSc[t])
+                              lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift,
+                              accN[t], accS[t], accHN[t], accHS[t], accSc[t])
         accMin[t, 0] = mn
         accP[t] = p
 
@@ -1115,8 +1156,8 @@ def _pruned_serial(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, 
     accP = np.zeros(1, np.int64)
     _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
-                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, accN, accS, accHN,
-                   accHS, accSc, accMin, accP, 0, 1)
+                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN, accS,
+                   accHN, accHS, accSc, accMin, accP, 0, 1)
     N, S, sc, HN, HS, mn = _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp,
                                           hard_sums)
     return N, S, sc, HN, HS, mn, accP[0]

@@ -187,3 +187,30 @@ def test_bounds_live_across_steps_unless_the_fit_saves_checkpoints(monkeypatch, 
     np.testing.assert_array_equal(a.labels_, b.labels_)
     np.testing.assert_allclose(a.cluster_centers_, b.cluster_centers_, rtol=1e-12, atol=1e-12)
     assert a.inertia_ == pytest.approx(b.inertia_, rel=1e-12)
+
+
+@pytest.mark.parametrize("far, want_pruned", [(20, 0), (40, 40)])
+def test_a_block_with_few_prunable_rows_takes_the_full_path(far, want_pruned):
+    """One block of 100 rows: ``far`` rows deep inside their cells (prunable at T = 0.01)
+    and the rest midway between two centers (never prunable). Below a quarter of prunable
+    rows (``PRUNE_MIN_BLOCK_FRACTION``) the whole block takes the full path (nothing
+    pruned); above, the prunable rows prune. Either way the moments are the unpruned
+    pass's, and so are the bounds the next pass reads (it prunes the same rows again)."""
+    from fastanneal import _kernels
+    from fastanneal._sources import RowBounds, pruned_moments
+    assert _kernels.PRUNE_MIN_BLOCK_FRACTION == 0.25
+    rng = np.random.default_rng(3)
+    C = np.array([[-5.0, 0.0], [5.0, 0.0]])
+    deep = C[rng.integers(0, 2, far)] + 0.1 * rng.standard_normal((far, 2))
+    mid = np.column_stack([0.001 * rng.standard_normal(100 - far),
+                           rng.standard_normal(100 - far)])
+    X = np.ascontiguousarray(np.concatenate([deep, mid])[rng.permutation(100)])
+    w = rng.uniform(0.5, 2.0, 100)
+    b = RowBounds(100)
+    b.xsq_max = float((X * X).sum(1).max())
+    ref = compute_moments(X, w, C, 0.01, 0, 0, None, True)
+    for _ in range(2):                 # the first pass makes the bounds, the second reads
+        m = pruned_moments(X, w, C, 0.01, 0, 0, None, True, b, block=128)
+    assert b.pruned == want_pruned
+    for name in ("N", "S", "hard_sums", "hard_distortion", "soft_distortion", "free_energy"):
+        _close(getattr(m, name), getattr(ref, name), np.float64, name)
