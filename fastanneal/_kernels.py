@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from . import _pool
+from . import _config, _pool
 
 METRIC_EUCLIDEAN = 0
 METRIC_COSINE = 1
@@ -734,7 +734,7 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
     """
     n, D = X.shape
     K = mu.shape[0]
-    nch = max(1, min(_pool.threads_for(nth, n * D), n))
+    nch = max(1, min(_pool.threads_for(nth, n * D // _config.LIGHT_PASS_FACTOR), n))
     acc = np.zeros((nch, K + pad_rows(D), D))               # padded: see PAD
     _pool.run(_matvec_ranges, (X, w, labels, mu, V, acc), nch)
     return acc[0, :K].copy() if nch == 1 else acc[:, :K].sum(axis=0)
@@ -770,7 +770,8 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
     ``closest`` may hold ``inf`` (first step)."""
     n, D = X.shape
     m = CcT.shape[1]
-    nch = row_ranges(n, block, _pool.threads_for(nth, n * (m + D)))
+    work = n * (m + D) // _config.LIGHT_PASS_FACTOR
+    nch = row_ranges(n, block, _pool.threads_for(nth, work))
     acc = np.zeros((nch, m + PAD))                          # padded: see PAD
     _pool.run(_kpp_ranges, (X, xsq, CcT, csq, w, closest, out, block, acc), nch)
     return acc[0, :m].copy() if nch == 1 else acc[:, :m].sum(axis=0)
