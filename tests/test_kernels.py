@@ -292,6 +292,35 @@ def test_moments_blocks_and_accumulation_paths(rng, config, dtype, resp):
             assert m.nnz == base.nnz
 
 
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moments_row_sums_at_large_D_match_reference(rng, config, dtype, metric):
+    """The soft sums of a block too dense for the float64 sparse path take the row-by-row
+    path in the rows' dtype at ``D >= ROW_SUMS_MIN_D`` with at most ``ROW_SUMS_MAX_NNZ``
+    kept entries a row, else one GEMM: small K (every row <= 12 entries), large K at a
+    temperature keeping a few entries a row (row path) and at a hot one (GEMM). Each
+    against the float64 reference; the kept entries a row say which path ran."""
+    from fastanneal import _kernels
+    assert _kernels.ROW_SUMS_MIN_D <= 96 and _kernels.ROW_SUMS_MAX_NNZ == 12
+    config(sparse=0.0)                       # the float64 sparse path never runs
+    for K, mult, lo, hi in ((10, 10.0, 9, 10), (40, None, 3, 10), (40, 1e3, 39, 40)):
+        X, C = make_data(rng, n=700, D=96, K=K, dtype=dtype, metric=metric)
+        s = scale_of(X, C, metric)
+        if mult is None:                     # bisect log T to keep 3-10 entries a row
+            a, b = -12.0, 3.0
+            for _ in range(40):
+                mult = 10.0 ** (0.5 * (a + b))
+                kept = fa.moments(X, C, mult * s, metric=metric).nnz / X.shape[0]
+                if lo <= kept <= hi:
+                    break
+                a, b = (a, 0.5 * (a + b)) if kept > hi else (0.5 * (a + b), b)
+        want = ref.moments(X, C, mult * s, metric=metric)
+        m = fa.moments(X, C, mult * s, metric=metric)
+        assert lo <= m.nnz / m.rows <= hi, (K, mult, m.nnz / m.rows)
+        assert_record_close(m, want, mult * s, TOL[dtype], ref.distances(X, C, metric),
+                            f"K={K} T={mult} x scale")
+
+
 @pytest.mark.parametrize("resp", ["softmax", "entmax15"])
 def test_entmax_sort_and_bisect_paths_in_kernel(rng, config, resp):
     """K = 80 at a hot T: > 48 entmax candidates (the bisection path); force each path."""
