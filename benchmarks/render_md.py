@@ -230,7 +230,27 @@ def r_theory(d):
         d["machine"])
 
 
-RENDERERS = {"study_theory": r_theory, "bench_regimes": r_regimes, "study_hardening": r_hardening, "bench_kernels": r_kernels, "bench_quality": r_quality, "bench_dask": r_dask,
+def r_settle(d):
+    """``study_settle.py``: the default fit with and without the settled end."""
+    def quality(s):
+        if "ari_on" in s:
+            return f"ARI {s['ari_off']:.4f} → {s['ari_on']:.4f}"
+        return f"CI = 0: {s['ci0_off']} → {s['ci0_on']}"
+
+    def settled(s):
+        step = s.get("settled_step")
+        return f"{s['settled']}/{s['seeds']}" + (f" (step {step:.0f})" if step is not None else "")
+    return table(d["summary"], [
+        ("dataset", "data", ""),
+        (lambda s: f"{s['obj_rel_median']:.6f} / {s['obj_rel_max']:.6f}",
+         "objective on/off (median / worst)", ""),
+        (lambda s: f"{s['worse_1e4']} / {s['better_1e4']}", "seeds worse / better by > 1e-4", ""),
+        (quality, "quality off → on", ""), (settled, "settled (median step)", ""),
+        (lambda s: f"{s['passes_off']:.1f} → {s['passes_on']:.1f}", "passes off → on", ""),
+        ("time_ratio", "time on/off", ".2f")]) + machine_line(d.get("machine"))
+
+
+RENDERERS = {"study_settle": r_settle, "study_theory": r_theory, "bench_regimes": r_regimes, "study_hardening": r_hardening, "bench_kernels": r_kernels, "bench_quality": r_quality, "bench_dask": r_dask,
              "gpu_check": r_gpu, "study_hubness": r_hubness, "bench_peers": r_peers}
 
 
