@@ -74,3 +74,26 @@ def test_hartigan_ends_in_a_single_move_optimum(rng):
             trial = lab.copy()
             trial[i] = b
             assert _study.partition_sse(X, trial, 3) >= sse - 1e-9
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine"])
+def test_settle_study_objective_matches_direct_sum(rng, metric):
+    """``study_settle.objective``: SSE about the cluster means (Euclidean) or the spherical
+    objective ``sum (2 - 2 cos(x, unit mean))`` (cosine), against direct sums."""
+    import study_settle
+
+    class Fit:
+        labels_ = rng.integers(0, 4, 200)
+    X = rng.standard_normal((200, 6)) + 2.0
+    got = study_settle.objective(X, Fit, metric)
+    lab = Fit.labels_
+    if metric == "cosine":
+        U = X / np.linalg.norm(X, axis=1, keepdims=True)
+        want = 0.0
+        for k in range(4):
+            c = U[lab == k].mean(0)
+            c /= np.linalg.norm(c)
+            want += (2.0 - 2.0 * U[lab == k] @ c).sum()
+    else:
+        want = sum(((X[lab == k] - X[lab == k].mean(0)) ** 2).sum() for k in range(4))
+    assert got == pytest.approx(want, rel=1e-10)
