@@ -689,7 +689,6 @@ def settled(ctx, st, rule, res, n_coinc, J_prev, entropy, dmin):
             and dmin * dmin >= MERGE * T and abs(J_prev - J) <= SETTLE_TOL * abs(J))
 
 
-
 class _OneStep:
     """Schedule of exactly one temperature (the last one of a critical run)."""
 
