@@ -786,6 +786,29 @@ def _matvec_ranges(X, w, labels, mu, V, acc, t0, t1):
                 acc[t, k, j] += s * diff[j]
 
 
+def row_sqnorms_kernel(X, out, nth):
+    """Squared norms of the rows of ``X`` in float64 into ``out`` (n,): one light pass,
+    the input checks of :func:`fastanneal.moments` (a NaN or inf makes its row's entry
+    non-finite; the largest entry bounds every squared distance)."""
+    n = X.shape[0]
+    nch = max(1, min(_pool.threads_for(nth, n * X.shape[1] // _config.LIGHT_PASS_FACTOR), n))
+    _pool.run(_sqnorm_ranges, (X, out, nch), nch)
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _sqnorm_ranges(X, out, nch, t0, t1):
+    """Row ranges ``t0:t1`` (of ``nch``) of :func:`row_sqnorms_kernel`. Re-association lets
+    the sum vectorise; no ``nnan``/``ninf``: a NaN or inf must reach ``out``."""
+    n, D = X.shape
+    for t in range(t0, t1):
+        for i in range(t * n // nch, (t + 1) * n // nch):
+            s = 0.0
+            for j in range(D):
+                v = np.float64(X[i, j])
+                s += v * v
+            out[i] = s
+
+
 def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
     """One greedy k-means++ step, fused: for each candidate center (column ``j`` of ``CcT``,
     in the dtype of ``X``) write ``out[j, i] = min(closest[i], ||x_i - c_j||^2)`` and return

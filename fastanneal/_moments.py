@@ -14,8 +14,8 @@ import numpy as np
 
 from . import _config
 from . import _kernels as K_
-from ._validation import (as_float_matrix, as_weights, check_range, check_temperature, metric_code,
-                          normalize_rows, resp_code)
+from ._validation import (as_float_matrix, as_weights, check_range, check_rows,
+                          check_temperature, metric_code, normalize_rows, resp_code)
 
 _RESP_NAMES = {0: "softmax", 1: "entmax15", 2: "hard"}
 _METRIC_NAMES = {0: "euclidean", 1: "cosine"}
@@ -276,15 +276,18 @@ def compute_moments(X, w, C, T, metric=0, resp=0, log_prior=None, hard_sums=True
 
 
 def _prepare(X, centers, metric):
-    X = as_float_matrix(X, "X")
+    # X in one pass (its squared row norms: finite, in range; the cosine normalisation reuses
+    # them) instead of three (measured at 200,000 x 384 float32: the checks were 0.6 of one
+    # GEMM X @ C.T with K = 64, BENCHMARKS 6)
+    X = as_float_matrix(X, "X", finite=False)
+    mc = metric_code(metric)
+    sq = check_rows(X, "X", check_scale=mc != 1)
     C = as_float_matrix(centers, "centers", dtype=X.dtype, allow_empty=False)
     if C.shape[1] != X.shape[1]:
         raise ValueError(f"centers have {C.shape[1]} features but X has {X.shape[1]}")
-    mc = metric_code(metric)
     if mc == 1:
-        X = normalize_rows(X, "X")
+        X = normalize_rows(X, "X", sqnorms=sq)       # unit rows: in range by construction
         C = normalize_rows(C, "centers")
-    check_range(X, "X")
     check_range(C, "centers")
     return X, C, mc
 

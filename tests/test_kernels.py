@@ -933,3 +933,51 @@ def test_softmax_one_hot_shortcut_at_the_drop_threshold(rng, dtype):
     one_hot = (R == 1.0).all(axis=1) | ((R == 0.0).sum(1) == 2)
     assert one_hot[gs > -log_eps * 1.01].all()
     assert 0.0 <= m.hard_distortion - m.free_energy <= T * m.weight * math.log(3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad, metric", [(None, "euclidean"), (None, "cosine"),
+                                         (np.nan, "euclidean"), (np.inf, "euclidean"),
+                                         (-np.inf, "cosine"), (np.nan, "cosine"),
+                                         ("huge", "euclidean"), ("tiny", "euclidean"),
+                                         ("zero", "euclidean")])
+def test_moments_input_check_in_one_pass(rng, dtype, bad, metric, monkeypatch):
+    """``fa.moments`` checks X from its squared row norms (one pass): the element-wise checks
+    of X run only when that pass finds something, and then raise exactly what they raised
+    before (compared with ``check_finite`` / ``check_range`` called directly); clean X never
+    reaches them, all-zero X only the range check (which accepts it)."""
+    from fastanneal import _validation
+    X = rng.standard_normal((300, 7)).astype(dtype)
+    if bad == "huge":
+        X[123] *= np.sqrt(_validation._SQ_MAX[np.dtype(dtype)])
+    elif bad == "tiny":
+        X *= np.sqrt(_validation._SQ_MIN[np.dtype(dtype)]) / 1e3
+    elif bad == "zero":
+        X[:] = 0.0
+    elif bad is not None:
+        X[123, 4] = bad
+    C = rng.standard_normal((3, 7)).astype(dtype)
+    want = None
+    try:
+        _validation.check_finite(X, "X")
+        if metric == "euclidean":
+            _validation.check_range(X, "X")
+    except ValueError as e:
+        want = str(e)
+    on_X = []
+    for fn in ("check_finite", "check_range"):
+        real = getattr(_validation, fn)
+
+        def spy(A, name="X", *a, _real=real, _fn=fn, **k):
+            if name == "X":
+                on_X.append(_fn)
+            return _real(A, name, *a, **k)
+        monkeypatch.setattr(_validation, fn, spy)
+    if want is None:
+        fa.moments(X, C, 1.0, metric=metric)
+        assert on_X == ([] if bad is None else ["check_range"]), on_X
+        return
+    assert bad is not None
+    with pytest.raises(ValueError) as err:
+        fa.moments(X, C, 1.0, metric=metric)
+    assert str(err.value) == want
