@@ -7,7 +7,8 @@ end of the schedule (``docs/theory.md`` section 6.9), from the same seeds.
 fit with only that criterion switched off (``fastanneal._engine.SETTLE_TOL`` set below zero
 for the fit: the one-hot end of section 6.8 stays, so the two differ only by the settled
 end). Data: the ten per-domain subsets of CLINC150 (K = 15, cosine), all of CLINC150
-(K = 150, cosine; fewer seeds: a fit takes seconds) and the eight known-answer sets of
+(K = 150, cosine; fewer seeds: a fit takes seconds), 30 sets of eight overlapping 2-D
+Gaussians (two fit seeds each) and the eight known-answer sets of
 ``bench_known_answers.py``. Per dataset: the objective of the fitted metric relative to
 ``off`` (median and worst over seeds, and how many seeds lost more than 1e-4), ARI against
 the true labels (CLINC) or fits with every cluster found (known-answer sets, CI = 0), the
@@ -120,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--clinc-seeds", type=int, default=3)
     ap.add_argument("--no-clinc150", action="store_true", help="skip the K = 150 fits")
+    ap.add_argument("--overlap-sets", type=int, default=30,
+                    help="overlapping 2-D data sets (two fits each)")
     ap.add_argument("--json", default=str(HERE / "results" / "study_settle.json"))
     args = ap.parse_args(argv)
     seeds = list(range(args.seeds))
@@ -138,6 +141,15 @@ def main(argv=None):
                         truth=y)
     else:
         print(f"skipping CLINC150: {_study.CLINC} not found")
+    # overlapping 2-D clusters (8 Gaussians, means 2.5 N(0, 1), 150 rows each; the data of
+    # tests/test_stop_when_hard.py): the annealing path has plateaus followed by late
+    # transitions. --overlap-sets data sets, two fit seeds each (small fits)
+    for ds in range(args.overlap_sets):
+        g = np.random.default_rng(100 + ds)
+        M = 2.5 * g.standard_normal((8, 2))
+        X = np.concatenate([m + g.standard_normal((150, 2)) for m in M])
+        y = np.repeat(np.arange(8), 150)
+        rows += run("overlap-2d", X, 8, "euclidean", [0, 1], truth=y)
     for name in ka.SETS:
         per_seed = []
         for seed in seeds:

@@ -388,7 +388,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         pass that changes nothing, so the polish takes over (``docs/theory.md`` section
         6.8). ``hardened_step_`` says where. The schedule also ends once it has settled:
         a step that changed ``J`` by at most 3e-5 (relative) with the rows nearly decided
-        (mean entropy <= 0.1 nats) and every codevector resolving a cell of its own; the
+        (mean entropy <= 0.05 nats) and every codevector resolving a cell of its own; the
         colder steps would only harden the last boundary rows (section 6.9,
         ``settled_step_``; measured by ``benchmarks/study_settle.py``). ``False`` runs every
         temperature. Only the soft-Lloyd solver without mass priors, with ``polish=True``.

@@ -223,12 +223,12 @@ class _St:
 
 
 @pytest.mark.parametrize("J_prev, entropy, dmin, want", [
-    (1000.0 + 0.02, 0.05, 1.0, True),     # quiet step, decided rows, resolved codevectors
-    (1000.0 + 0.05, 0.05, 1.0, False),    # J moved by 5e-5 > 3e-5
-    (1000.0 - 0.02, 0.05, 1.0, True),     # |dJ| (J may rise at a finite T)
-    (1000.0 + 0.02, 0.2, 1.0, False),     # rows undecided (entropy > 0.1 nats)
-    (1000.0 + 0.02, 0.05, 0.1, False),    # two codevectors closer than sqrt(MERGE T)
-    (None, 0.05, 1.0, False),             # the first step of a schedule
+    (1000.0 + 0.02, 0.03, 1.0, True),     # quiet step, decided rows, resolved codevectors
+    (1000.0 + 0.05, 0.03, 1.0, False),    # J moved by 5e-5 > 3e-5
+    (1000.0 - 0.02, 0.03, 1.0, True),     # |dJ| (J may rise at a finite T)
+    (1000.0 + 0.02, 0.08, 1.0, False),    # rows undecided (entropy > 0.05 nats)
+    (1000.0 + 0.02, 0.03, 0.1, False),    # two codevectors closer than sqrt(MERGE T)
+    (None, 0.03, 1.0, False),             # the first step of a schedule
 ])
 def test_the_settled_criterion_reads_each_condition(J_prev, entropy, dmin, want):
     """Section 6.9 condition by condition, at T = 0.1 (sqrt(MERGE T) = 0.22)."""
@@ -253,3 +253,17 @@ def test_a_resumed_fit_settles_at_the_same_step(tmp_path):
     c = fit(X, n_clusters=8, random_state=2, checkpoint=tmp_path / "ck")
     assert a.settled_step_ is not None and a.settled_step_ == b.settled_step_
     assert_array_equal(b.cluster_centers_, c.cluster_centers_)
+
+
+@pytest.mark.parametrize("data_seed, seed", [(116, 0), (117, 1)])
+def test_a_quiet_step_before_a_late_transition_does_not_end_the_schedule(data_seed, seed):
+    """Two fits whose annealing path has a plateau (a step moving J by < 3e-5) at a mean
+    entropy of 0.08-0.09 nats, then a late transition: with the first entropy bound (0.1)
+    the schedule ended on the plateau and the fit lost 3.0 % and 4.5 % of J to the full
+    schedule (BENCHMARKS 17). Under ``SETTLE_ENTROPY`` the rows are not yet decided there:
+    the fit runs on and ends where the full schedule ends."""
+    assert _engine.SETTLE_ENTROPY <= 0.05
+    X = overlapping(data_seed)
+    on = fit(X, n_clusters=8, random_state=seed)
+    off = fit(X, n_clusters=8, random_state=seed, stop_when_hard=False)
+    assert on.inertia_ == pytest.approx(off.inertia_, rel=1e-6)
