@@ -51,28 +51,11 @@ def fit(X, K, seed, metric, settle):
 
 def objective(X, m, metric):
     """The fitted metric's objective of the returned partition, float64 (cosine: spherical
-    k-means with unit mean directions; Euclidean: SSE about the cluster means)."""
-    X = np.asarray(X, np.float64)
-    if metric == "cosine":
-        X = X / np.linalg.norm(X, axis=1, keepdims=True)
-    lab = m.labels_
-    K = int(lab.max()) + 1
-    S = np.zeros((K, X.shape[1]))
-    np.add.at(S, lab, X)
-    cnt = np.bincount(lab, minlength=K).astype(float)
-    if metric == "cosine":
-        return float(2.0 * len(X) - 2.0 * np.linalg.norm(S, axis=1).sum())
-    nz = cnt > 0
-    return float((X * X).sum() - ((S[nz] ** 2).sum(1) / cnt[nz]).sum())
-
-
-def clinc():
-    import pyarrow.parquet as pq
-    t = pq.read_table(_study.CLINC, columns=["embedding", "label"])
-    X = np.asarray(t.column("embedding").combine_chunks().flatten(),
-                   dtype=np.float32).reshape(t.num_rows, -1)
-    lab = np.asarray(t.column("label").to_pylist())
-    return X, lab
+    k-means with unit mean directions; Euclidean: SSE about the cluster means), as
+    ``bench_quality.py`` computes it."""
+    from bench_quality import partition_sse, spherical_objective
+    f = spherical_objective if metric == "cosine" else partition_sse
+    return float(f(X, m.labels_))
 
 
 def run(name, X, K, metric, seeds, truth=None, centers=None):
@@ -129,7 +112,7 @@ def main(argv=None):
     fa.AnnealedKMeans(3, random_state=0).fit(np.random.default_rng(0).random((300, 4)))
     rows = []
     if _study.CLINC.exists():
-        Xall, lab = clinc()
+        Xall, lab = _study.load_clinc_table(_study.CLINC)
         for dom, intents in _study.CLINC_DOMAINS.items():
             keep = np.isin(lab, intents.split() if isinstance(intents, str) else intents)
             _, y = np.unique(lab[keep], return_inverse=True)

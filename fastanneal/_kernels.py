@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from . import _config, _pool
+from . import _pool
 
 METRIC_EUCLIDEAN = 0
 METRIC_COSINE = 1
@@ -421,6 +421,23 @@ def _block_responsibilities(G, m, wb, logp, use_prior, T, resp, log_eps, sort_ma
                       out)
 
 
+#: how :func:`_accumulate_block` sums a soft block (:func:`soft_sums_path`)
+SUMS_SPARSE, SUMS_ROWS, SUMS_GEMM = 0, 1, 2
+
+
+@njit(cache=True, nogil=True)
+def soft_sums_path(blk_nnz, m, K, D, sparse_fraction):
+    """How a soft block of ``m`` rows with ``blk_nnz`` kept entries sums ``r_ik x_i``:
+    row by row in float64 when sparse (``sparse_fraction``), row by row into block sums in
+    the rows' dtype when the rows are wide and keep few entries each
+    (``ROW_SUMS_MIN_D``, ``ROW_SUMS_MAX_NNZ``), else one GEMM."""
+    if blk_nnz <= sparse_fraction * m * K:
+        return SUMS_SPARSE
+    if D >= ROW_SUMS_MIN_D and blk_nnz <= ROW_SUMS_MAX_NNZ * m:
+        return SUMS_ROWS
+    return SUMS_GEMM
+
+
 @njit(cache=True, nogil=True)
 def _accumulate_block(Xb, Gb, m, wb, rowres, T, resp, hard_sums, sparse_fraction, sc, HN, S, HS,
                       Sb, mn):
@@ -462,17 +479,19 @@ def _accumulate_block(Xb, Gb, m, wb, rowres, T, resp, hard_sums, sparse_fraction
     sc[S_NNZ] += blk_nnz
     if resp == RESP_HARD:
         return mn
-    if blk_nnz <= sparse_fraction * m * K:
+    path = soft_sums_path(blk_nnz, m, K, D, sparse_fraction)
+    if path == SUMS_SPARSE:
         for r in range(m):
             for k in range(K):
                 v = np.float64(Gb[r, k])
                 if v != 0.0:
                     for j in range(D):
                         S[k, j] += v * np.float64(Xb[r, j])
-    elif D >= ROW_SUMS_MIN_D and blk_nnz <= ROW_SUMS_MAX_NNZ * m:
+        return mn
+    if path == SUMS_ROWS:
         # few kept entries per row at large D (small K): row by row into the block's sums
-        # in the rows' dtype, like the GEMM below, which at K < ~24 runs at a fraction of
-        # its speed (K = 15, D = 384, 512 rows: 280 us vs 120-220 us at 40-90 % density)
+        # in the rows' dtype, like the GEMM, which at K < ~24 runs at a fraction of its
+        # speed (K = 15, D = 384, 512 rows: 280 us vs 120-220 us at 40-90 % density)
         for k in range(K):
             for j in range(D):
                 Sb[k, j] = 0.0
@@ -482,15 +501,13 @@ def _accumulate_block(Xb, Gb, m, wb, rowres, T, resp, hard_sums, sparse_fraction
                 if v != 0.0:
                     for j in range(D):
                         Sb[k, j] += v * Xb[r, j]
-        for k in range(K):
-            for j in range(D):
-                S[k, j] += Sb[k, j]
     else:
         np.dot(Gb.T, Xb, Sb)
-        for k in range(K):
-            for j in range(D):
-                S[k, j] += Sb[k, j]
+    for k in range(K):
+        for j in range(D):
+            S[k, j] += Sb[k, j]
     return mn
+
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -758,7 +775,7 @@ def cluster_cov_matvec_kernel(X, w, labels, mu, V, nth):
     """
     n, D = X.shape
     K = mu.shape[0]
-    nch = max(1, min(_pool.threads_for(nth, n * D // _config.LIGHT_PASS_FACTOR), n))
+    nch = max(1, min(_pool.threads_for(nth, n * D, light=True), n))
     acc = np.zeros((nch, K + pad_rows(D), D))               # padded: see PAD
     _pool.run(_matvec_ranges, (X, w, labels, mu, V, acc), nch)
     return acc[0, :K].copy() if nch == 1 else acc[:, :K].sum(axis=0)
@@ -791,7 +808,7 @@ def row_sqnorms_kernel(X, out, nth):
     the input checks of :func:`fastanneal.moments` (a NaN or inf makes its row's entry
     non-finite; the largest entry bounds every squared distance)."""
     n = X.shape[0]
-    nch = max(1, min(_pool.threads_for(nth, n * X.shape[1] // _config.LIGHT_PASS_FACTOR), n))
+    nch = max(1, min(_pool.threads_for(nth, n * X.shape[1], light=True), n))
     _pool.run(_sqnorm_ranges, (X, out, nch), nch)
 
 
@@ -817,8 +834,7 @@ def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
     ``closest`` may hold ``inf`` (first step)."""
     n, D = X.shape
     m = CcT.shape[1]
-    work = n * (m + D) // _config.LIGHT_PASS_FACTOR
-    nch = row_ranges(n, block, _pool.threads_for(nth, work))
+    nch = row_ranges(n, block, _pool.threads_for(nth, n * (m + D), light=True))
     acc = np.zeros((nch, m + PAD))                          # padded: see PAD
     _pool.run(_kpp_ranges, (X, xsq, CcT, csq, w, closest, out, block, acc), nch)
     return acc[0, :m].copy() if nch == 1 else acc[:, :m].sum(axis=0)

@@ -32,10 +32,13 @@ _pool_size = 0
 _pool_pid = None
 
 
-def threads_for(nth, work):
+def threads_for(nth, work, light=False):
     """Row ranges to use for a pass of about ``work`` element operations with ``nth``
-    threads available: one (the calling thread) below ``_config.PARALLEL_MIN_WORK``."""
+    threads available: one (the calling thread) below ``_config.PARALLEL_MIN_WORK``.
+    ``light``: a pass of one multiply-add per element (``_config.LIGHT_PASS_FACTOR``)."""
     nth = int(nth)
+    if light:
+        work = work // _config.LIGHT_PASS_FACTOR
     if nth <= 1 or work < _config.PARALLEL_MIN_WORK:
         return 1
     return nth

@@ -139,8 +139,9 @@ def _steps_done(est):
         return (f"{est.n_steps_} temperature steps (hard from step {h}: the colder ones left "
                 "to the polish)")
     if s is not None:
-        return (f"{est.n_steps_} temperature steps (settled at step {s}: J changed by < 3e-5; "
-                "the colder ones left to the polish)")
+        from ._engine import SETTLE_TOL
+        return (f"{est.n_steps_} temperature steps (settled at step {s}: J changed by < "
+                f"{SETTLE_TOL:.0e}; the colder ones left to the polish)")
     return f"{est.n_steps_} temperature steps"
 
 
