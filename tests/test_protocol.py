@@ -490,3 +490,27 @@ def test_reallocation_runs_on_a_source_without_means():
     km = fa.AnnealedKMeans(8, random_state=0, n_steps=8).fit_source(user, in_memory=True)
     assert "cluster_top_eigenvalues" in user.calls
     assert km.cluster_centers_.shape == (8, X.shape[1]) and np.isfinite(km.inertia_)
+
+
+def test_keyword_support_of_a_source_is_looked_up_once(monkeypatch):
+    """``_engine._takes`` (asked at every step of a phase-transition schedule whether a
+    source's ``cluster_top_eigenvalues`` takes ``tol=`` / ``start=`` / ``means=``) reads the
+    signature once per function and keyword, for every bound method of it."""
+    import inspect
+    from fastanneal import _engine
+
+    class Old:
+        def cluster_top_eigenvalues(self, centers, n_iter, rng):
+            return None
+
+    class New:
+        def cluster_top_eigenvalues(self, centers, n_iter, rng, **kw):
+            return None
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda f: (calls.append(f), real(f))[1])
+    _engine._takes_cached.cache_clear()
+    for _ in range(5):
+        assert _engine._takes(Old().cluster_top_eigenvalues, "tol") is False
+        assert _engine._takes(New().cluster_top_eigenvalues, "tol") is True
+    assert len(calls) == 2

@@ -97,3 +97,19 @@ def test_settle_study_objective_matches_direct_sum(rng, metric):
     else:
         want = sum(((X[lab == k] - X[lab == k].mean(0)) ** 2).sum() for k in range(4))
     assert got == pytest.approx(want, rel=1e-10)
+
+
+def test_settle_study_table_renders_from_its_json():
+    """``render_md.r_settle`` turns the study's summary into the BENCHMARKS 17 table."""
+    import render_md
+    row = {"dataset": "a20", "seeds": 2, "obj_rel_median": 1.0, "obj_rel_max": 1.00002,
+           "worse_1e4": 0, "better_1e4": 1, "ci0_off": 2, "ci0_on": 2, "settled": 1,
+           "settled_step": 3.0, "passes_off": 30.0, "passes_on": 14.5, "time_ratio": 0.7}
+    md = render_md.r_settle({"summary": [row, dict(row, dataset="overlap-2d", ari_off=0.5,
+                                                   ari_on=0.49, settled=0,
+                                                   settled_step=None)]})
+    lines = md.splitlines()
+    assert lines[0].startswith("| data | objective on/off")
+    assert lines[2] == ("| a20 | 1.000000 / 1.000020 | 0 / 1 | CI = 0: 2 → 2 | 1/2 (step 3) "
+                        "| 30.0 → 14.5 | 0.70 |")
+    assert "ARI 0.5000 → 0.4900" in lines[3] and "| 0/2 |" in lines[3]

@@ -210,3 +210,29 @@ def test_concurrent_callers_share_the_pool(monkeypatch):
     assert not errors and all(not th.is_alive() for th in threads)
     for a, b in zip(got, solo):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two Numba threads")
+@pytest.mark.parametrize("n, threaded", [(2250, False), (12000, True)])
+def test_light_passes_stay_in_the_calling_thread_below_their_threshold(spy, n, threaded):
+    """The one-multiply-add passes (Lanczos matvec, k-means++ step, the input check's row
+    norms) count a quarter of their rows x D (``light=True``): at 2,250 x 384 (measured
+    slower handed to two threads) they run in the calling thread while a moments pass of
+    the same shape is split; from ~1M elements / 4 they split too."""
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((n, 384)).astype(np.float32)
+    w = np.ones(n)
+    labels = rng.integers(0, 3, n)
+    mu = rng.standard_normal((3, 384))
+    _kernels.cluster_cov_matvec_kernel(X, w, labels, mu, mu, 2)
+    xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
+    Cc = X[:4].astype(np.float64)
+    _kernels.kpp_candidates_kernel(X, xsq, np.ascontiguousarray(Cc.T, dtype=np.float32),
+                                   (Cc * Cc).sum(1), w, np.full(n, np.inf), np.empty((4, n)),
+                                   _config.CPU_BLOCK_ROWS, 2)
+    _kernels.row_sqnorms_kernel(X, np.empty(n), 2)
+    light = [c[0] for c in spy]
+    spy.clear()
+    compute_moments(X, w, X[:3], 1.0, 0, 0, None, False)
+    assert light == ([2, 2, 2] if threaded else [1, 1, 1])
+    assert spy[0][0] == 2                               # the moments pass of that shape splits
