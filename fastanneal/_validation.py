@@ -69,13 +69,12 @@ def row_sqnorms(X):
     return out
 
 
-def check_rows(X, name="X", sqnorms=None, check_scale=True):
+def check_rows(X, name="X", check_scale=True):
     """:func:`check_finite` and (``check_scale``) :func:`check_range` of a C-contiguous
-    float32/float64 ``X`` from its squared row norms (computed here unless given): one pass
-    instead of three. A non-finite norm or a largest one outside the safe range sends ``X``
+    float32/float64 ``X`` from its squared row norms: one pass instead of three. A non-finite norm or a largest one outside the safe range sends ``X``
     to the element-wise checks, which name the problem (or pass: a float64 square may
     overflow on values that are still in range). Returns the squared norms."""
-    sq = row_sqnorms(X) if sqnorms is None else sqnorms
+    sq = row_sqnorms(X)
     if X.size == 0:
         return sq
     if not np.isfinite(sq).all():
