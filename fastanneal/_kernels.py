@@ -993,6 +993,7 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
     plo = np.empty(block)
     mn = np.inf
     pruned = 0
+    owned = 0                   # own distances computed for the prune test
     soft_bound = resp != RESP_HARD and T > 0.0 and gap > 0.0
     e_gap = math.exp(-gap / T) if soft_bound else 0.0
     for b0 in range(r0, r1, block):
@@ -1022,6 +1023,7 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
                 if lo > 0.0:
                     # the own distance, exactly (the kernel's formula: cosine 2 - 2 x.c)
                     d1 = _own_distance(X, i, C, a, metric)
+                    owned += 1
                     ue = d1 + coff[a]
                     ue = math.sqrt(ue) if ue > 0.0 else 0.0
                 if lo > 0.0 and lo * lo - ue * ue > need:
@@ -1122,7 +1124,7 @@ def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, m
                 lb[i] = np.inf
             else:
                 lb[i] = math.sqrt(le) if le > 0.0 else 0.0
-    return mn, pruned
+    return mn, pruned, owned
 
 
 def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block,
@@ -1130,7 +1132,8 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
                           ub, lb, drift):
     """:func:`moments_kernel` with per-row bounds (``lab``, ``ub``, ``lb``, updated in
     place; ``drift[k]``: how far center ``k`` moved since the bounds were made). Same
-    return values plus the number of rows pruned."""
+    return values plus the number of rows pruned and of own distances computed for the
+    prune test (rows that cannot prune even with a lower bound of it skip it)."""
     n, D = X.shape
     K = C.shape[0]
     nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
@@ -1141,13 +1144,13 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp = _pruned_plan(
         coff, logp, drift)
     accs = _range_accumulators(nch, K, D, K if hard_sums else 0)
-    accP = np.zeros(nch, np.int64)
+    accP = np.zeros((nch, 2), np.int64)
     _pool.run(_pruned_ranges, (X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T,
                                metric, resp, block, hard_sums, log_eps, sparse_fraction,
                                sort_max, gap, slack, lab, ub, lb, movers, dnm, dnm2, top_nm,
                                dall, dall2, top_all, drift) + accs + (accP,), nch)
     N, S, sc, HN, HS, mn = _reduce_ranges(*accs, resp, hard_sums)
-    return N, S, sc, HN, HS, mn, int(accP.sum())
+    return N, S, sc, HN, HS, mn, int(accP[:, 0].sum()), int(accP[:, 1].sum())
 
 
 @njit(cache=True, nogil=True)
@@ -1160,13 +1163,14 @@ def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metr
     nch = accMin.shape[0]
     Ct = C.T
     for t in range(t0, t1):
-        mn, p = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
+        mn, p, o = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
                               metric, resp, block, hard_sums, log_eps, sparse_fraction,
                               sort_max, gap, slack, t * n // nch, (t + 1) * n // nch, lab, ub,
                               lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift,
                               accN[t], accS[t], accHN[t], accHS[t], accSc[t])
         accMin[t, 0] = mn
-        accP[t] = p
+        accP[t, 0] = p
+        accP[t, 1] = o
 
 
 @njit(cache=True, nogil=True)
@@ -1217,11 +1221,11 @@ def _pruned_serial(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, 
         coff, logp, drift)
     accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(
         1, K, X.shape[1], K if hard_sums else 0)
-    accP = np.zeros(1, np.int64)
+    accP = np.zeros((1, 2), np.int64)
     _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
                    lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN, accS,
                    accHN, accHS, accSc, accMin, accP, 0, 1)
     N, S, sc, HN, HS, mn = _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp,
                                           hard_sums)
-    return N, S, sc, HN, HS, mn, accP[0]
+    return N, S, sc, HN, HS, mn, accP[0, 0], accP[0, 1]

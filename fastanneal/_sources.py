@@ -130,6 +130,7 @@ class RowBounds:
         self.lb = np.zeros(n)
         self.C = None
         self.pruned = 0            # rows pruned by the last pass
+        self.own_distances = 0     # own distances it computed for the prune test
 
     def reset(self):
         self.lab[:] = -1
@@ -173,13 +174,14 @@ def pruned_moments(X, w, C, T, metric, resp, log_prior, hard_sums, bounds, block
     slack = 4.0 * (D + 4) * eps * (xmax + float(csq.max(initial=0.0)) + 1e-300)
     block = int(block or _config.CPU_BLOCK_ROWS)
     with blas_single_thread():
-        N, S, sc, HN, HS, mn, pruned = K_.pruned_moments_kernel(
+        N, S, sc, HN, HS, mn, pruned, owned = K_.pruned_moments_kernel(
             X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, bool(hard_sums),
             log_eps, float(_config.SPARSE_FRACTION), int(_config.ENTMAX_SORT_MAX),
             int(numba.get_num_threads()), gap, slack, bounds.lab, bounds.ub, bounds.lb,
             drift)
     bounds.C = C.astype(np.float64)
     bounds.pruned = int(pruned)
+    bounds.own_distances = int(owned)
     return Moments(
         N=N, S=S, soft_distortion=sc[K_.S_SOFT_DIST], entropy=sc[K_.S_ENTROPY],
         free_energy=sc[K_.S_FREE], hard_distortion=sc[K_.S_HARD], hard_counts=HN,

@@ -214,3 +214,27 @@ def test_a_block_with_few_prunable_rows_takes_the_full_path(far, want_pruned):
     assert b.pruned == want_pruned
     for name in ("N", "S", "hard_sums", "hard_distortion", "soft_distortion", "free_energy"):
         _close(getattr(m, name), getattr(ref, name), np.float64, name)
+
+
+def test_rows_that_cannot_prune_skip_their_own_distance():
+    """A row whose last exact own distance (less its rounding widening and the center's
+    move) already fails the prune test does not compute it again: at a soft temperature
+    where no row prunes, the second pass computes almost no own distance (a few rows pass
+    the optimistic test and fail the exact one); at T = 0, where nearly every
+    row of these separated blobs prunes, it computes one per row (the pruned row needs
+    it). Same moments either way (``test_pruned_pass_equals_unpruned``)."""
+    rng = np.random.default_rng(9)
+    X, w, K = _data(rng, np.float64, 0, n=3000)
+    src = InMemorySource(X, w, 0)
+    C = X[rng.choice(len(X), K, replace=False)].astype(np.float64)
+    T_soft = 50.0                        # every margin far below gap = 36.7 T
+    src.moments(C, T_soft, 0)
+    # without the skip, every row with a positive lower bound to the other centers would
+    # compute its own distance here: most rows
+    assert (src._bounds.lb > 1e-3).mean() > 0.5
+    src.moments(C * (1 + 1e-9), T_soft, 0)
+    assert src._bounds.pruned == 0 and src._bounds.own_distances < 0.02 * len(X)
+    src.moments(C, 0.0, 2)
+    src.moments(C * (1 + 1e-9), 0.0, 2)
+    assert src._bounds.pruned > 0.9 * len(X)
+    assert src._bounds.own_distances >= src._bounds.pruned
