@@ -449,7 +449,8 @@ def _accumulate_block(Xb, Gb, m, wb, rowres, T, resp, hard_sums, sparse_fraction
     smallest margin, ``mn`` included."""
     K = Gb.shape[1]
     D = Xb.shape[1]
-    blk_nnz = 0
+    # (not the literal 0: a call with a Literal[int] argument compiles the callee again)
+    blk_nnz = np.int64(0)
     for r in range(m):
         wi = wb[r]
         d1 = rowres[r, R_D1]
@@ -570,23 +571,11 @@ def moments_kernel(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_s
     nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
     args = (X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums, log_eps,
             sparse_fraction, sort_max)
-    if nch == 1:
-        return _moments_serial(*args)
     accs = _range_accumulators(nch, K, D, K if hard_sums else 0)
+    # (one range: the same kernel in this thread; no serial wrapper, whose compile would
+    # optimise the whole pass a second time: about 1.5 s of a cold first call)
     _pool.run(_moments_ranges, args + accs, nch)
     return _reduce_ranges(*accs, resp, hard_sums)
-
-
-@njit(cache=True, nogil=True)
-def _moments_serial(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
-                    log_eps, sparse_fraction, sort_max):
-    """:func:`moments_kernel` in the calling thread, in one call (one row range)."""
-    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(
-        1, C.shape[0], X.shape[1], C.shape[0] if hard_sums else 0)
-    _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_sums,
-                    log_eps, sparse_fraction, sort_max, accN, accS, accHN, accHS, accSc,
-                    accMin, 0, 1)
-    return _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums)
 
 
 @njit(cache=True, nogil=True)
@@ -955,178 +944,6 @@ def _own_distance(X, i, C, a, metric):
     return (s0 + s1) + (s2 + s3)
 
 
-@njit(cache=True, nogil=True)
-def _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
-                  block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, r0, r1,
-                  lab, ub, lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN,
-                  accS, accHN, accHS, accSc):
-    """Moments of rows ``r0:r1`` with per-row distance bounds (Hamerly): a row whose every
-    other center is provably beyond the drop threshold contributes one-hot, at the cost of
-    one distance to its own center; the other rows are gathered into blocks and take the
-    full path (GEMM distances, log-domain responsibilities), which also refreshes their
-    bounds. A block where fewer than :data:`PRUNE_MIN_BLOCK_FRACTION` of the rows prune
-    sends all its rows down the full path (no gathered copy). Returns ``(min_margin bound,
-    rows pruned)``.
-
-    Bounds are Euclidean distances: ``ub[i] >= ||x_i - c_lab||``, ``lb[i] <= ||x_i - c_k||``
-    for every ``k != lab``. After the centers moved, the own distance is recomputed (D
-    flops) and the lower bound stays valid as ``lb`` minus the largest move of the other
-    centers -- except the few ``movers`` that moved much further than the rest (a
-    re-allocation jump), whose distances are computed exactly instead (``dnm``: the largest
-    move of the others, ``dnm2`` the second largest, ``top_nm`` whose move ``dnm`` is).
-    ``coff[k]`` is what the kernel's
-    distance misses of the Euclidean one (cosine: ``||c_k||^2 - 1``), ``maxoff`` its
-    maximum; ``slack`` a bound on the GEMM-form rounding of a squared distance.
-    """
-    n, D = X.shape
-    K = Ct.shape[1]
-    G = np.empty((block, K), X.dtype)
-    Xg = np.empty((block, D), X.dtype)
-    Sb = np.empty((K, D), X.dtype)
-    idx = np.empty(block, np.int64)
-    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
-    wg = np.empty(block)
-    # the block's prunable rows: own distance, bounds (scan first, then decide)
-    pq = np.empty(block, np.int64)
-    pd1 = np.empty(block)
-    pue = np.empty(block)
-    plo = np.empty(block)
-    mn = np.inf
-    pruned = 0
-    owned = 0                   # own distances computed for the prune test
-    soft_bound = resp != RESP_HARD and T > 0.0 and gap > 0.0
-    e_gap = math.exp(-gap / T) if soft_bound else 0.0
-    for b0 in range(r0, r1, block):
-        b1 = min(b0 + block, r1)
-        m = 0
-        npr = 0
-        for i in range(b0, b1):
-            a = lab[i]
-            if a >= 0:
-                need = gap + maxoff - coff[a] + slack
-                if use_prior and resp != RESP_HARD:
-                    need += T * (maxlogp - logp[a])
-                # lower bound of the distance to every other center that is not a mover
-                lo = lb[i] - (dnm2 if a == top_nm else dnm)
-                d1 = 0.0
-                ue = 0.0
-                if lo > 0.0:
-                    # a lower bound of the own distance without computing it (the last
-                    # exact one, ub minus its rounding widening, minus the center's move):
-                    # a row that cannot prune even with it skips the D-flop own distance
-                    # (at soft temperatures most rows, and that distance was most of the
-                    # cost of a pruned pass over an unpruned one)
-                    lo_own = ub[i] * ub[i] - 2.0 * slack
-                    lo_own = (math.sqrt(lo_own) if lo_own > 0.0 else 0.0) - drift[a]
-                    if lo_own > 0.0 and lo * lo - lo_own * lo_own <= need:
-                        lo = 0.0
-                if lo > 0.0:
-                    # the own distance, exactly (the kernel's formula: cosine 2 - 2 x.c)
-                    d1 = _own_distance(X, i, C, a, metric)
-                    owned += 1
-                    ue = d1 + coff[a]
-                    ue = math.sqrt(ue) if ue > 0.0 else 0.0
-                if lo > 0.0 and lo * lo - ue * ue > need:
-                    # with every center's move subtracted the row may prune already (common
-                    # near convergence, where the largest moves are tiny but uneven);
-                    # else the few centers that moved far: their distances, exactly
-                    lo_all = lb[i] - (dall2 if a == top_all else dall)
-                    if lo_all > 0.0 and lo_all * lo_all - ue * ue > need:
-                        lo = lo_all
-                    else:
-                        for q in range(movers.shape[0]):
-                            k = movers[q]
-                            if k != a:
-                                dk = _own_distance(X, i, C, k, metric) + coff[k] - slack
-                                dk = math.sqrt(dk) if dk > 0.0 else 0.0
-                                if dk < lo:
-                                    lo = dk
-                    if lo * lo - ue * ue > need:
-                        pq[npr] = i
-                        pd1[npr] = d1
-                        pue[npr] = ue
-                        plo[npr] = lo
-                        npr += 1
-                        continue
-            idx[m] = i
-            m += 1
-        if npr > 0 and PRUNE_MIN_BLOCK_FRACTION * (b1 - b0) > npr:
-            # too few prunable rows to pay for gathering the others into a copy: the whole
-            # block takes the full path (exact; it refreshes the bounds of every row)
-            m = 0
-            for i in range(b0, b1):
-                idx[m] = i
-                m += 1
-            npr = 0
-        for q in range(npr):
-            i = pq[q]
-            a = lab[i]
-            wi = w[i]
-            d1 = pd1[q]
-            ue = pue[q]
-            lo = plo[q]
-            pruned += 1
-            ub[i] = ue
-            lb[i] = lo
-            mlb = lo * lo - maxoff - d1
-            if K > 1 and wi > 0.0:
-                if mlb < mn:
-                    mn = mlb
-                if T > 0.0:
-                    # a soft pass prunes only margins above ``gap``: its term is below
-                    # e_gap (an upper bound, one exp per pass instead of one per row:
-                    # that exp was half of a pruned row's cost)
-                    accSc[S_MARGIN] += wi * (e_gap if soft_bound else math.exp(-mlb / T))
-            accN[a] += wi
-            accHN[a] += wi
-            for j in range(D):
-                v = wi * np.float64(X[i, j])
-                accS[a, j] += v
-                if hard_sums:
-                    accHS[a, j] += v
-            free = d1
-            if use_prior and resp == RESP_SOFTMAX:
-                free = d1 - T * logp[a]        # -T * zmax, zmax = logp_a - d1/T
-            accSc[S_SOFT_DIST] += wi * d1
-            accSc[S_FREE] += wi * free
-            accSc[S_HARD] += wi * d1
-            accSc[S_WEIGHT] += wi
-            accSc[S_ROWS] += 1.0
-            accSc[S_NNZ] += 1.0
-        if m == 0:
-            continue
-        if m == b1 - b0:
-            Xb = X[b0:b1]           # no row of the block pruned: no gathered copy
-        else:
-            for r in range(m):
-                for j in range(D):
-                    Xg[r, j] = X[idx[r], j]
-            Xb = Xg[:m]
-        Gb = G[:m]
-        _block_distances(Xb, Ct, csq, metric, Gb)
-        for r in range(m):
-            wg[r] = w[idx[r]]
-        _block_responsibilities(Gb, m, wg, logp, use_prior, T, resp, log_eps, sort_max, accN,
-                                cand, cidx, S, Si, soft_rows, zmaxs, rowres)
-        mn = _accumulate_block(Xb, Gb, m, wg, rowres, T, resp, hard_sums, sparse_fraction,
-                               accSc, accHN, accS, accHS, Sb, mn)
-        for r in range(m):
-            # fresh bounds: Euclidean distances, widened by the rounding slack
-            i = idx[r]
-            kmin = np.int64(rowres[r, R_KMIN])
-            d1 = rowres[r, R_D1]
-            d2 = rowres[r, R_D2]
-            lab[i] = kmin
-            ue = d1 + coff[kmin] + slack
-            ub[i] = math.sqrt(ue) if ue > 0.0 else 0.0
-            le = d2 - maxoff - slack
-            if le == np.inf:
-                lb[i] = np.inf
-            else:
-                lb[i] = math.sqrt(le) if le > 0.0 else 0.0
-    return mn, pruned, owned
-
-
 def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block,
                           hard_sums, log_eps, sparse_fraction, sort_max, nth, gap, slack, lab,
                           ub, lb, drift):
@@ -1137,10 +954,6 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     n, D = X.shape
     K = C.shape[0]
     nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
-    args = (X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, hard_sums, log_eps,
-            sparse_fraction, sort_max, gap, slack, lab, ub, lb, drift)
-    if nch == 1:
-        return _pruned_serial(*args)
     movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp = _pruned_plan(
         coff, logp, drift)
     accs = _range_accumulators(nch, K, D, K if hard_sums else 0)
@@ -1156,27 +969,197 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
 @njit(cache=True, nogil=True)
 def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
                    block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
-                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN, accS,
-                   accHN, accHS, accSc, accMin, accP, t0, t1):
-    """Row ranges ``t0:t1`` (of ``accMin.shape[0]``) of :func:`pruned_moments_kernel`."""
-    n = X.shape[0]
+                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN_r, accS_r,
+                   accHN_r, accHS_r, accSc_r, accMin, accP, t0, t1):
+    """Row ranges ``t0:t1`` (of ``accMin.shape[0]``) of :func:`pruned_moments_kernel`,
+    each into its own row of the per-range accumulators (``accP[t]``: rows pruned, own
+    distances computed). Moments with per-row distance bounds (Hamerly): a row whose every
+    other center is provably beyond the drop threshold contributes one-hot, at the cost of
+    one distance to its own center; the other rows are gathered into blocks and take the
+    full path (GEMM distances, log-domain responsibilities), which also refreshes their
+    bounds. A block where fewer than :data:`PRUNE_MIN_BLOCK_FRACTION` of the rows prune
+    sends all its rows down the full path (no gathered copy). ``accMin[t, 0]`` gets a
+    lower bound of the range's smallest margin.
+
+    Bounds are Euclidean distances: ``ub[i] >= ||x_i - c_lab||``, ``lb[i] <= ||x_i - c_k||``
+    for every ``k != lab``. After the centers moved, the own distance is recomputed (D
+    flops) and the lower bound stays valid as ``lb`` minus the largest move of the other
+    centers -- except the few ``movers`` that moved much further than the rest (a
+    re-allocation jump), whose distances are computed exactly instead (``dnm``: the largest
+    move of the others, ``dnm2`` the second largest, ``top_nm`` whose move ``dnm`` is).
+    ``coff[k]`` is what the kernel's
+    distance misses of the Euclidean one (cosine: ``||c_k||^2 - 1``), ``maxoff`` its
+    maximum; ``slack`` a bound on the GEMM-form rounding of a squared distance.
+
+    One dispatcher for the serial and the threaded pass (a serial wrapper around it, or a
+    per-range function under it, would optimise the whole pass again at compile time:
+    1.5-1.8 s each of a cold first fit).
+    """
+    n, D = X.shape
+    K = C.shape[0]
     nch = accMin.shape[0]
     Ct = C.T
+    G = np.empty((block, K), X.dtype)
+    Xg = np.empty((block, D), X.dtype)
+    Sb = np.empty((K, D), X.dtype)
+    idx = np.empty(block, np.int64)
+    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
+    wg = np.empty(block)
+    # the block's prunable rows: own distance, bounds (scan first, then decide)
+    pq = np.empty(block, np.int64)
+    pd1 = np.empty(block)
+    pue = np.empty(block)
+    plo = np.empty(block)
+    soft_bound = resp != RESP_HARD and T > 0.0 and gap > 0.0
+    e_gap = math.exp(-gap / T) if soft_bound else 0.0
     for t in range(t0, t1):
-        mn, p, o = _pruned_range(X, w, C, Ct, csq, coff, maxoff, logp, use_prior, maxlogp, T,
-                              metric, resp, block, hard_sums, log_eps, sparse_fraction,
-                              sort_max, gap, slack, t * n // nch, (t + 1) * n // nch, lab, ub,
-                              lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift,
-                              accN[t], accS[t], accHN[t], accHS[t], accSc[t])
+        r0 = t * n // nch
+        r1 = (t + 1) * n // nch
+        accN = accN_r[t]
+        accS = accS_r[t]
+        accHN = accHN_r[t]
+        accHS = accHS_r[t]
+        accSc = accSc_r[t]
+        mn = accMin[t, 0]
+        pruned = 0
+        owned = 0               # own distances computed for the prune test
+        for b0 in range(r0, r1, block):
+            b1 = min(b0 + block, r1)
+            m = np.int64(0)        # (not the literal 0: see _accumulate_block)
+            npr = 0
+            for i in range(b0, b1):
+                a = lab[i]
+                if a >= 0:
+                    need = gap + maxoff - coff[a] + slack
+                    if use_prior and resp != RESP_HARD:
+                        need += T * (maxlogp - logp[a])
+                    # lower bound of the distance to every other center that is not a mover
+                    lo = lb[i] - (dnm2 if a == top_nm else dnm)
+                    d1 = 0.0
+                    ue = 0.0
+                    if lo > 0.0:
+                        # a lower bound of the own distance without computing it (the last
+                        # exact one, ub minus its rounding widening, minus the center's move):
+                        # a row that cannot prune even with it skips the D-flop own distance
+                        # (at soft temperatures most rows, and that distance was most of the
+                        # cost of a pruned pass over an unpruned one)
+                        lo_own = ub[i] * ub[i] - 2.0 * slack
+                        lo_own = (math.sqrt(lo_own) if lo_own > 0.0 else 0.0) - drift[a]
+                        if lo_own > 0.0 and lo * lo - lo_own * lo_own <= need:
+                            lo = 0.0
+                    if lo > 0.0:
+                        # the own distance, exactly (the kernel's formula: cosine 2 - 2 x.c)
+                        d1 = _own_distance(X, i, C, a, metric)
+                        owned += 1
+                        ue = d1 + coff[a]
+                        ue = math.sqrt(ue) if ue > 0.0 else 0.0
+                    if lo > 0.0 and lo * lo - ue * ue > need:
+                        # with every center's move subtracted the row may prune already (common
+                        # near convergence, where the largest moves are tiny but uneven);
+                        # else the few centers that moved far: their distances, exactly
+                        lo_all = lb[i] - (dall2 if a == top_all else dall)
+                        if lo_all > 0.0 and lo_all * lo_all - ue * ue > need:
+                            lo = lo_all
+                        else:
+                            for q in range(movers.shape[0]):
+                                k = movers[q]
+                                if k != a:
+                                    dk = _own_distance(X, i, C, k, metric) + coff[k] - slack
+                                    dk = math.sqrt(dk) if dk > 0.0 else 0.0
+                                    if dk < lo:
+                                        lo = dk
+                        if lo * lo - ue * ue > need:
+                            pq[npr] = i
+                            pd1[npr] = d1
+                            pue[npr] = ue
+                            plo[npr] = lo
+                            npr += 1
+                            continue
+                idx[m] = i
+                m += 1
+            if npr > 0 and PRUNE_MIN_BLOCK_FRACTION * (b1 - b0) > npr:
+                # too few prunable rows to pay for gathering the others into a copy: the whole
+                # block takes the full path (exact; it refreshes the bounds of every row)
+                m = np.int64(0)
+                for i in range(b0, b1):
+                    idx[m] = i
+                    m += 1
+                npr = 0
+            for q in range(npr):
+                i = pq[q]
+                a = lab[i]
+                wi = w[i]
+                d1 = pd1[q]
+                ue = pue[q]
+                lo = plo[q]
+                pruned += 1
+                ub[i] = ue
+                lb[i] = lo
+                mlb = lo * lo - maxoff - d1
+                if K > 1 and wi > 0.0:
+                    if mlb < mn:
+                        mn = mlb
+                    if T > 0.0:
+                        # a soft pass prunes only margins above ``gap``: its term is below
+                        # e_gap (an upper bound, one exp per pass instead of one per row:
+                        # that exp was half of a pruned row's cost)
+                        accSc[S_MARGIN] += wi * (e_gap if soft_bound else math.exp(-mlb / T))
+                accN[a] += wi
+                accHN[a] += wi
+                for j in range(D):
+                    v = wi * np.float64(X[i, j])
+                    accS[a, j] += v
+                    if hard_sums:
+                        accHS[a, j] += v
+                free = d1
+                if use_prior and resp == RESP_SOFTMAX:
+                    free = d1 - T * logp[a]        # -T * zmax, zmax = logp_a - d1/T
+                accSc[S_SOFT_DIST] += wi * d1
+                accSc[S_FREE] += wi * free
+                accSc[S_HARD] += wi * d1
+                accSc[S_WEIGHT] += wi
+                accSc[S_ROWS] += 1.0
+                accSc[S_NNZ] += 1.0
+            if m == 0:
+                continue
+            if m == b1 - b0:
+                Xb = X[b0:b1]           # no row of the block pruned: no gathered copy
+            else:
+                for r in range(m):
+                    for j in range(D):
+                        Xg[r, j] = X[idx[r], j]
+                Xb = Xg[:m]
+            Gb = G[:m]
+            _block_distances(Xb, Ct, csq, metric, Gb)
+            for r in range(m):
+                wg[r] = w[idx[r]]
+            _block_responsibilities(Gb, m, wg, logp, use_prior, T, resp, log_eps, sort_max, accN,
+                                    cand, cidx, S, Si, soft_rows, zmaxs, rowres)
+            mn = _accumulate_block(Xb, Gb, m, wg, rowres, T, resp, hard_sums, sparse_fraction,
+                                   accSc, accHN, accS, accHS, Sb, mn)
+            for r in range(m):
+                # fresh bounds: Euclidean distances, widened by the rounding slack
+                i = idx[r]
+                kmin = np.int64(rowres[r, R_KMIN])
+                d1 = rowres[r, R_D1]
+                d2 = rowres[r, R_D2]
+                lab[i] = kmin
+                ue = d1 + coff[kmin] + slack
+                ub[i] = math.sqrt(ue) if ue > 0.0 else 0.0
+                le = d2 - maxoff - slack
+                if le == np.inf:
+                    lb[i] = np.inf
+                else:
+                    lb[i] = math.sqrt(le) if le > 0.0 else 0.0
         accMin[t, 0] = mn
-        accP[t, 0] = p
-        accP[t, 1] = o
+        accP[t, 0] = pruned
+        accP[t, 1] = owned
 
 
 @njit(cache=True, nogil=True)
 def _pruned_plan(coff, logp, drift):
     """What a pruned pass needs of the centers' moves: ``(movers, dnm, dnm2, top_nm, dall,
-    dall2, top_all, maxoff, maxlogp)`` (see :func:`_pruned_range`)."""
+    dall2, top_all, maxoff, maxlogp)`` (see :func:`_pruned_ranges`)."""
     K = drift.shape[0]
     # movers: the leading centers by drift, up to the last big gap (4x) among the 8 largest
     # (a partial selection of the top MAX_MOVERS + 2: no sort to compile)
@@ -1212,20 +1195,3 @@ def _pruned_plan(coff, logp, drift):
     return movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp
 
 
-@njit(cache=True, nogil=True)
-def _pruned_serial(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, hard_sums,
-                   log_eps, sparse_fraction, sort_max, gap, slack, lab, ub, lb, drift):
-    """:func:`pruned_moments_kernel` in the calling thread, in one call (one row range)."""
-    K = C.shape[0]
-    movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp = _pruned_plan(
-        coff, logp, drift)
-    accN, accS, accHN, accHS, accSc, accMin = _range_accumulators(
-        1, K, X.shape[1], K if hard_sums else 0)
-    accP = np.zeros((1, 2), np.int64)
-    _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
-                   block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
-                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN, accS,
-                   accHN, accHS, accSc, accMin, accP, 0, 1)
-    N, S, sc, HN, HS, mn = _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp,
-                                          hard_sums)
-    return N, S, sc, HN, HS, mn, accP[0, 0], accP[0, 1]
