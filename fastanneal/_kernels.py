@@ -348,7 +348,7 @@ ROW_SUMS_MAX_NNZ = 12
 R_SOFT, R_ENT, R_FREE, R_D1, R_D2, R_KMIN, R_NNZ = 0, 1, 2, 3, 4, 5, 6
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _row_scratch(K, block):
     """Scratch of :func:`_block_responsibilities`, made once per row range:
     ``(cand, cidx, S, Si, soft_rows, zmaxs, out)``."""
@@ -512,49 +512,33 @@ def _accumulate_block(Xb, Gb, m, wb, rowres, T, resp, hard_sums, sparse_fraction
 
 
 # ----------------------------------------------------------------------------- kernels
-@njit(cache=True, nogil=True)
 def _range_accumulators(nch, K, D, HK):
     """Zeroed per-thread accumulators of a moments pass (``nch`` row ranges; ``HK`` rows of
     hard sums): ``(N, S, hard N, hard S, scalars, min margin)``, each thread's row padded by
-    a cache line (see ``PAD``); :func:`_reduce_ranges` reads the unpadded part."""
-    pk = pad_rows(D)
+    a cache line (see ``PAD``); :func:`_reduce_ranges` reads the unpadded part. (Plain
+    NumPy, as :func:`_reduce_ranges`: a few microseconds per pass, and two Numba functions
+    fewer to compile on a first run: 0.7 s.)"""
+    pk = (PAD + D - 1) // D                     # pad_rows(D)
     return (np.zeros((nch, K + PAD)), np.zeros((nch, K + pk, D)), np.zeros((nch, K + PAD)),
             np.zeros((nch, HK + pk, D)), np.zeros((nch, N_SCALARS + PAD)),
             np.full((nch, PAD), np.inf))
 
 
-@njit(cache=True, nogil=True)
 def _reduce_ranges(accN, accS, accHN, accHS, accSc, accMin, resp, hard_sums):
-    """Sum the per-thread accumulators serially, in a fixed order (bit-identical run to
-    run): ``(N, S, scalars, hard_counts, hard_S, min_margin)``. Explicit loops: Numba's
-    array expressions on slices (``S += accS[u, :K]``) cost seconds of compile here."""
-    nch = accS.shape[0]
-    D = accS.shape[2]
+    """Sum the per-thread accumulators in range order (bit-identical run to run: NumPy adds
+    the rows of an axis-0 reduction one after the other): ``(N, S, scalars, hard_counts,
+    hard_S, min_margin)``. One range: views of its row, no copy."""
     K = accN.shape[1] - PAD
     HK = K if hard_sums else 0
-    N = np.zeros(K)
-    S = np.zeros((K, D))
-    HN = np.zeros(K)
-    HS = np.zeros((HK, D))
-    sc = np.zeros(N_SCALARS)
-    mn = np.inf
-    for u in range(nch):
-        for k in range(K):
-            N[k] += accN[u, k]
-            HN[k] += accHN[u, k]
-            for j in range(D):
-                S[k, j] += accS[u, k, j]
-        for k in range(HK):
-            for j in range(D):
-                HS[k, j] += accHS[u, k, j]
-        for q in range(N_SCALARS):
-            sc[q] += accSc[u, q]
-        if accMin[u, 0] < mn:
-            mn = accMin[u, 0]
+    if accN.shape[0] == 1:
+        N, S, HN, HS = accN[0, :K], accS[0, :K], accHN[0, :K], accHS[0, :HK]
+        sc, mn = accSc[0, :N_SCALARS], float(accMin[0, 0])
+    else:
+        N, S = accN[:, :K].sum(axis=0), accS[:, :K].sum(axis=0)
+        HN, HS = accHN[:, :K].sum(axis=0), accHS[:, :HK].sum(axis=0)
+        sc, mn = accSc[:, :N_SCALARS].sum(axis=0), float(accMin[:, 0].min())
     if resp == RESP_HARD and hard_sums:
-        for k in range(K):      # (with hard sums the soft sums are these numbers)
-            for j in range(D):
-                S[k, j] = HS[k, j]
+        S = HS.copy()           # (with hard sums the soft sums are these numbers)
     return N, S, sc, HN, HS, mn
 
 
@@ -954,23 +938,19 @@ def pruned_moments_kernel(X, w, C, csq, coff, logp, use_prior, T, metric, resp, 
     n, D = X.shape
     K = C.shape[0]
     nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
-    movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp = _pruned_plan(
-        coff, logp, drift)
     accs = _range_accumulators(nch, K, D, K if hard_sums else 0)
     accP = np.zeros((nch, 2), np.int64)
-    _pool.run(_pruned_ranges, (X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T,
-                               metric, resp, block, hard_sums, log_eps, sparse_fraction,
-                               sort_max, gap, slack, lab, ub, lb, movers, dnm, dnm2, top_nm,
-                               dall, dall2, top_all, drift) + accs + (accP,), nch)
+    _pool.run(_pruned_ranges, (X, w, C, csq, coff, logp, use_prior, T, metric, resp, block,
+                               hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab,
+                               ub, lb, drift) + accs + (accP,), nch)
     N, S, sc, HN, HS, mn = _reduce_ranges(*accs, resp, hard_sums)
     return N, S, sc, HN, HS, mn, int(accP[:, 0].sum()), int(accP[:, 1].sum())
 
 
 @njit(cache=True, nogil=True)
-def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metric, resp,
-                   block, hard_sums, log_eps, sparse_fraction, sort_max, gap, slack, lab, ub,
-                   lb, movers, dnm, dnm2, top_nm, dall, dall2, top_all, drift, accN_r, accS_r,
-                   accHN_r, accHS_r, accSc_r, accMin, accP, t0, t1):
+def _pruned_ranges(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, hard_sums,
+                   log_eps, sparse_fraction, sort_max, gap, slack, lab, ub, lb, drift, accN_r,
+                   accS_r, accHN_r, accHS_r, accSc_r, accMin, accP, t0, t1):
     """Row ranges ``t0:t1`` (of ``accMin.shape[0]``) of :func:`pruned_moments_kernel`,
     each into its own row of the per-range accumulators (``accP[t]``: rows pruned, own
     distances computed). Moments with per-row distance bounds (Hamerly): a row whose every
@@ -999,6 +979,8 @@ def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metr
     K = C.shape[0]
     nch = accMin.shape[0]
     Ct = C.T
+    movers, dnm, dnm2, top_nm, dall, dall2, top_all, maxoff, maxlogp = _pruned_plan(
+        coff, logp, drift)
     G = np.empty((block, K), X.dtype)
     Xg = np.empty((block, D), X.dtype)
     Sb = np.empty((K, D), X.dtype)
@@ -1156,7 +1138,7 @@ def _pruned_ranges(X, w, C, csq, coff, maxoff, logp, use_prior, maxlogp, T, metr
         accP[t, 1] = owned
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _pruned_plan(coff, logp, drift):
     """What a pruned pass needs of the centers' moves: ``(movers, dnm, dnm2, top_nm, dall,
     dall2, top_all, maxoff, maxlogp)`` (see :func:`_pruned_ranges`)."""
