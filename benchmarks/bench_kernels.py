@@ -107,6 +107,36 @@ def subprocess_compile_times():
             "warm_import_plus_first_call_s": warm[0] + warm[1]}
 
 
+_FLOOR_MODULE = """
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def total(x):
+    return x.sum()
+"""
+
+
+def subprocess_numba_floor():
+    """Numba's own floor of a warm start, beside fastanneal's: ``import numba`` and the first
+    call of one trivial cached ``@njit`` function, in a fresh process whose cache already
+    holds it (Numba's start-up: its target's registries and the BLAS it binds, which imports
+    SciPy's linear algebra)."""
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "_floor_mod.py").write_text(_FLOOR_MODULE)
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(Path(d, "cache")),
+                   PYTHONPATH=d + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        code = ("import time; t=time.perf_counter(); import numpy as np; import numba; "
+                "import _floor_mod; ti=time.perf_counter()-t; t=time.perf_counter(); "
+                "_floor_mod.total(np.ones(3)); print(ti, time.perf_counter()-t)")
+        runs = [[float(v) for v in subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+            check=True).stdout.split()] for _ in range(2)]
+    return {"numba_floor_import_s": runs[1][0], "numba_floor_first_call_s": runs[1][1],
+            "numba_floor_import_plus_first_call_s": runs[1][0] + runs[1][1]}
+
+
 def subprocess_fit_compile_times():
     """Cold-cache and warm-cache first default fit (``AnnealedKMeans(5).fit`` on 500 x 8
     float32): what a new user's first fit waits for, import of the estimator included."""
@@ -169,6 +199,7 @@ def main(argv=None):
     d = 384
     compile_info = subprocess_compile_times()
     compile_info.update(subprocess_fit_compile_times())
+    compile_info.update(subprocess_numba_floor())
     if args.compile_only:
         print("compile / import (s):", json.dumps(compile_info))
         path = Path(args.json if args.json != ap.get_default("json")

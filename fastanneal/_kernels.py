@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from . import _pool
+from . import _config, _pool
 
 METRIC_EUCLIDEAN = 0
 METRIC_COSINE = 1
@@ -409,7 +409,9 @@ def _block_responsibilities(G, m, wb, logp, use_prior, T, resp, log_eps, sort_ma
             soft_rows[ns] = r
             zmaxs[ns] = zmax
             ns += 1
-        else:
+        elif sort_max is not None:
+            # entmax-1.5: typed only where sort_max is an integer (entmax_sort_max), so a
+            # softmax or hard pass never compiles the entmax chain (about 1 s cold)
             soft, ent, free, nnz = _entmax_row(G, r, logp, use_prior, T, w, cand, cidx,
                                                sort_max, Nacc, zmax)
             out[r, R_SOFT] = soft
@@ -419,6 +421,13 @@ def _block_responsibilities(G, m, wb, logp, use_prior, T, resp, log_eps, sort_ma
     if ns > 0:
         _softmax_rows(G, soft_rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S, Si, Nacc,
                       out)
+
+
+def entmax_sort_max(resp):
+    """The ``sort_max`` argument of the kernels for the rule ``resp``: the configured
+    ``ENTMAX_SORT_MAX`` for entmax-1.5, else None (Numba prunes the entmax branch for a
+    None argument: the kernels of softmax and hard passes do not contain it)."""
+    return int(_config.ENTMAX_SORT_MAX) if resp == RESP_ENTMAX15 else None
 
 
 #: how :func:`_accumulate_block` sums a soft block (:func:`soft_sums_path`)

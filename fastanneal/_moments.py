@@ -265,7 +265,7 @@ def compute_moments(X, w, C, T, metric=0, resp=0, log_prior=None, hard_sums=True
     with blas_single_thread():
         N, S, sc, HN, HS, mn = K_.moments_kernel(
             X, w, C, csq, logp, use_prior, float(T), metric, resp, block, bool(hard_sums),
-            log_eps_for(X.dtype), float(_config.SPARSE_FRACTION), int(_config.ENTMAX_SORT_MAX),
+            log_eps_for(X.dtype), float(_config.SPARSE_FRACTION), K_.entmax_sort_max(resp),
             int(numba.get_num_threads()))
     return Moments(
         N=N, S=S, soft_distortion=sc[K_.S_SOFT_DIST], entropy=sc[K_.S_ENTROPY],
@@ -382,7 +382,7 @@ def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prio
     with blas_single_thread():
         K_.responsibilities_kernel(X, C, csq, logp, use_prior, max(T, 1e-300), mc, rc,
                                    int(_config.CPU_BLOCK_ROWS), log_eps_for(X.dtype),
-                                   int(_config.ENTMAX_SORT_MAX), out)
+                                   K_.entmax_sort_max(rc), out)
     return out
 
 

@@ -176,7 +176,7 @@ def pruned_moments(X, w, C, T, metric, resp, log_prior, hard_sums, bounds, block
     with blas_single_thread():
         N, S, sc, HN, HS, mn, pruned, owned = K_.pruned_moments_kernel(
             X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, bool(hard_sums),
-            log_eps, float(_config.SPARSE_FRACTION), int(_config.ENTMAX_SORT_MAX),
+            log_eps, float(_config.SPARSE_FRACTION), K_.entmax_sort_max(resp),
             int(numba.get_num_threads()), gap, slack, bounds.lab, bounds.ub, bounds.lb,
             drift)
     bounds.C = C.astype(np.float64)
