@@ -808,25 +808,28 @@ def _sqnorm_ranges(X, out, nch, t0, t1):
             out[i] = s
 
 
-def kpp_candidates_kernel(X, xsq, CcT, csq, w, closest, out, block, nth):
-    """One greedy k-means++ step, fused: for each candidate center (column ``j`` of ``CcT``,
-    in the dtype of ``X``) write ``out[j, i] = min(closest[i], ||x_i - c_j||^2)`` and return
+def kpp_candidates_kernel(X, xsq, Cc, csq, w, closest, out, block, nth):
+    """One greedy k-means++ step, fused: for each candidate center (row ``j`` of ``Cc``,
+    C-contiguous in the dtype of ``X``) write ``out[j, i] = min(closest[i], ||x_i - c_j||^2)`` and return
     the potentials ``sum_i w_i out[j, i]`` (float64). Per row block one small GEMM and one
     epilogue, instead of a float64 copy of ``X`` and five full-length temporaries per step.
     ``closest`` may hold ``inf`` (first step)."""
     n, D = X.shape
-    m = CcT.shape[1]
+    m = Cc.shape[0]
     nch = row_ranges(n, block, _pool.threads_for(nth, n * (m + D), light=True))
     acc = np.zeros((nch, m + PAD))                          # padded: see PAD
-    _pool.run(_kpp_ranges, (X, xsq, CcT, csq, w, closest, out, block, acc), nch)
+    _pool.run(_kpp_ranges, (X, xsq, Cc, csq, w, closest, out, block, acc), nch)
     return acc[0, :m].copy() if nch == 1 else acc[:, :m].sum(axis=0)
 
 
 @njit(cache=True, nogil=True)
-def _kpp_ranges(X, xsq, CcT, csq, w, closest, out, block, acc, t0, t1):
-    """Row ranges ``t0:t1`` (of ``acc.shape[0]``) of :func:`kpp_candidates_kernel`."""
+def _kpp_ranges(X, xsq, Cc, csq, w, closest, out, block, acc, t0, t1):
+    """Row ranges ``t0:t1`` (of ``acc.shape[0]``) of :func:`kpp_candidates_kernel`. (The
+    candidates' transpose is taken here: a layout-F operand, as in the other kernels' GEMM,
+    shares their compiled ``np.dot``; from Python a single candidate's would be typed C.)"""
     n = X.shape[0]
-    m = CcT.shape[1]
+    m = Cc.shape[0]
+    CcT = Cc.T
     nch = acc.shape[0]
     G = np.empty((block, m), X.dtype)
     for t in range(t0, t1):

@@ -34,9 +34,9 @@ def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
     block = int(_config.CPU_BLOCK_ROWS)
 
     def step(Cc, closest, out):
-        CcT = np.ascontiguousarray(Cc.T, dtype=X.dtype)
+        Cx = np.ascontiguousarray(Cc, dtype=X.dtype)
         with blas_single_thread():
-            return kpp_candidates_kernel(X, xsq, CcT, np.einsum("ij,ij->i", Cc, Cc), w,
+            return kpp_candidates_kernel(X, xsq, Cx, np.einsum("ij,ij->i", Cc, Cc), w,
                                          closest, out, block, nth)
 
     if n_local_trials is None:

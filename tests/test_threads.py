@@ -227,7 +227,7 @@ def test_light_passes_stay_in_the_calling_thread_below_their_threshold(spy, n, t
     _kernels.cluster_cov_matvec_kernel(X, w, labels, mu, mu, 2)
     xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
     Cc = X[:4].astype(np.float64)
-    _kernels.kpp_candidates_kernel(X, xsq, np.ascontiguousarray(Cc.T, dtype=np.float32),
+    _kernels.kpp_candidates_kernel(X, xsq, np.ascontiguousarray(Cc, dtype=np.float32),
                                    (Cc * Cc).sum(1), w, np.full(n, np.inf), np.empty((4, n)),
                                    _config.CPU_BLOCK_ROWS, 2)
     _kernels.row_sqnorms_kernel(X, np.empty(n), 2)
