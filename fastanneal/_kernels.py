@@ -219,23 +219,32 @@ _MAGIC_BITS = 0x4338000000000000
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
-def _softmax_rows(G, rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S, Si, Nacc, out):
+def _softmax_rows(G, rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, Z, KF, P, PB, Nacc,
+                  out):
     """Softmax of the soft rows ``rows[:ns]`` of the distance block ``G`` (logits
     ``log p_k - d_k / T - zmax <= 0``, ``zmax = zmaxs[q]``), written back as ``w * r_ik``
     (weights ``wb``) and added to the soft counts ``Nacc``; fills the row's soft distance,
     entropy, free energy and support size into ``out`` (columns ``R_*``; ``R_D1`` is read).
 
-    ``exp`` is a branch-free Cody-Waite reduction with a degree-13 Taylor polynomial
-    (relative error < 2e-16 on [-60, 0]) assembled through an integer view ``Si`` of the
-    scratch rows ``S`` (4 x K: logits, exponent, mantissa, 2^exponent), so every loop
-    vectorises (``np.exp`` does not inside Numba). Entries with ``z < log_eps`` are exact
-    zeros. Only re-association flags are set: no ``nnan``/``ninf``.
+    ``exp`` is a branch-free Cody-Waite reduction with a Taylor polynomial, ``2^k``
+    assembled through integer views of the scratch vectors (``Z`` logits, ``KF`` exponents,
+    ``P`` mantissas, ``PB`` powers of two: four separate allocations of K float64 -- rows of
+    one 2-D scratch array ran 1.3x slower, the loops no longer vectorised as well), so every
+    loop vectorises (``np.exp`` does not inside Numba). The polynomial's degree follows the
+    rows' precision (``log_eps``): 13 for float64 (relative error < 2e-15 on [-36, 0]), 7
+    for float32 (< 1e-8, below float32's rounding 6e-8, in which the responsibilities are
+    stored; 1.3x faster). ``e^0 = 1`` exactly at either degree, so every row's sum is >= 1
+    and ``F <= J`` stays exact. Entries with ``z < log_eps`` are exact zeros. Only
+    re-association flags are set: no ``nnan``/``ninf``.
 
     One call per block, not per row: every array a Numba function is handed costs an atomic
     reference-count increment and decrement per call, which at small K cost more than the
     row's arithmetic (~200 ns a row before this loop moved in here)."""
     K = G.shape[1]
     invT = 1.0 / T
+    KFi = KF.view(np.int64)
+    PBi = PB.view(np.int64)
+    hi = log_eps < -20.0                # float64 rows (log 2^-53); float32: log 2^-24
     for q in range(ns):
         i = rows[q]
         zmax = zmaxs[q]
@@ -243,17 +252,20 @@ def _softmax_rows(G, rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S, Si, Na
             z = -np.float64(G[i, k]) * invT - zmax
             if use_prior:
                 z += logp[k]
-            S[0, k] = z
+            Z[k] = z
             zc = z if z > -60.0 else -60.0
             kf = np.floor(zc * _LOG2E + 0.5)
             r = (zc - kf * _LN2_HI) - kf * _LN2_LO
-            p = 1.0 / 6227020800.0
-            p = p * r + 1.0 / 479001600.0
-            p = p * r + 1.0 / 39916800.0
-            p = p * r + 1.0 / 3628800.0
-            p = p * r + 1.0 / 362880.0
-            p = p * r + 1.0 / 40320.0
-            p = p * r + 1.0 / 5040.0
+            if hi:
+                p = 1.0 / 6227020800.0
+                p = p * r + 1.0 / 479001600.0
+                p = p * r + 1.0 / 39916800.0
+                p = p * r + 1.0 / 3628800.0
+                p = p * r + 1.0 / 362880.0
+                p = p * r + 1.0 / 40320.0
+                p = p * r + 1.0 / 5040.0
+            else:
+                p = 1.0 / 5040.0
             p = p * r + 1.0 / 720.0
             p = p * r + 1.0 / 120.0
             p = p * r + 1.0 / 24.0
@@ -261,27 +273,27 @@ def _softmax_rows(G, rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S, Si, Na
             p = p * r + 0.5
             p = p * r + 1.0
             p = p * r + 1.0
-            S[2, k] = p
-            S[1, k] = kf + _MAGIC
+            P[k] = p
+            KF[k] = kf + _MAGIC
         for k in range(K):
-            Si[3, k] = (Si[1, k] - _MAGIC_BITS + 1023) << 52
-        # S[3] (the bits just written, as float64) is 2^kf
+            PBi[k] = (KFi[k] - _MAGIC_BITS + 1023) << 52
+        # PB (the bits just written, as float64) is 2^kf
         s = 0.0
         sed = 0.0
         sez = 0.0
         nnz = 0
         for k in range(K):
-            z = S[0, k]
+            z = Z[k]
             keep = z >= log_eps
-            e = S[2, k] * S[3, k] if keep else 0.0
+            e = P[k] * PB[k] if keep else 0.0
             nnz += 1 if keep else 0
             s += e
             sed += e * np.float64(G[i, k])
             sez += e * z if keep else 0.0          # z may be -inf (log p_k = -inf)
-            S[2, k] = e
+            P[k] = e
         sc = wb[i] / s
         for k in range(K):
-            r = S[2, k] * sc
+            r = P[k] * sc
             G[i, k] = r
             Nacc[k] += r
         d1 = out[i, R_D1]
@@ -351,15 +363,16 @@ R_SOFT, R_ENT, R_FREE, R_D1, R_D2, R_KMIN, R_NNZ = 0, 1, 2, 3, 4, 5, 6
 @njit(cache=True, nogil=True, inline="always")
 def _row_scratch(K, block):
     """Scratch of :func:`_block_responsibilities`, made once per row range:
-    ``(cand, cidx, S, Si, soft_rows, zmaxs, out)``."""
-    S = np.empty((4, K))
-    return (np.empty(K), np.empty(K, np.int64), S, S.view(np.int64),
-            np.empty(block, np.int64), np.empty(block), np.empty((block, 7)))
+    ``(cand, cidx, S, soft_rows, zmaxs, out)``, ``S`` the four K-vectors of
+    :func:`_softmax_rows` (separate allocations: see there)."""
+    S = (np.empty(K), np.empty(K), np.empty(K), np.empty(K))
+    return (np.empty(K), np.empty(K, np.int64), S, np.empty(block, np.int64),
+            np.empty(block), np.empty((block, 7)))
 
 
 @njit(cache=True, nogil=True)
 def _block_responsibilities(G, m, wb, logp, use_prior, T, resp, log_eps, sort_max, Nacc,
-                            cand, cidx, S, Si, soft_rows, zmaxs, out):
+                            cand, cidx, S, soft_rows, zmaxs, out):
     """Turn the distance rows ``G[:m]`` into weighted responsibilities ``wb[r] * r_r`` in
     place, adding them to the soft counts ``Nacc``; ``out[r]`` gets the row's
     ``(soft_dist, entropy, free, d1, d2, kmin, nnz)`` (columns ``R_*``, unweighted) for the
@@ -419,8 +432,8 @@ def _block_responsibilities(G, m, wb, logp, use_prior, T, resp, log_eps, sort_ma
             out[r, R_FREE] = free
             out[r, R_NNZ] = nnz
     if ns > 0:
-        _softmax_rows(G, soft_rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S, Si, Nacc,
-                      out)
+        _softmax_rows(G, soft_rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, S[0], S[1],
+                      S[2], S[3], Nacc, out)
 
 
 def entmax_sort_max(resp):
@@ -583,7 +596,7 @@ def _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_
     Ct = C.T
     G = np.empty((block, K), X.dtype)
     Sb = np.empty((K, D), X.dtype)
-    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
+    cand, cidx, S, soft_rows, zmaxs, rowres = _row_scratch(K, block)
     for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
@@ -594,7 +607,7 @@ def _moments_ranges(X, w, C, csq, logp, use_prior, T, metric, resp, block, hard_
             Gb = G[:m]
             _block_distances(Xb, Ct, csq, metric, Gb)
             _block_responsibilities(Gb, m, w[b0:b1], logp, use_prior, T, resp, log_eps,
-                                    sort_max, accN[t], cand, cidx, S, Si, soft_rows, zmaxs,
+                                    sort_max, accN[t], cand, cidx, S, soft_rows, zmaxs,
                                     rowres)
             accMin[t, 0] = _accumulate_block(Xb, Gb, m, w[b0:b1], rowres, T, resp, hard_sums,
                                              sparse_fraction, accSc[t], accHN[t], accS[t],
@@ -611,14 +624,14 @@ def _responsibilities_rows(X, C, csq, logp, use_prior, T, metric, resp, block, l
     Ct = C.T
     dummy = np.zeros(K)
     ones = np.ones(block)
-    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
+    cand, cidx, S, soft_rows, zmaxs, rowres = _row_scratch(K, block)
     for b in range(nb):
         b0 = b * block
         b1 = min(b0 + block, n)
         Gb = out[b0:b1]
         _block_distances(X[b0:b1], Ct, csq, metric, Gb)
         _block_responsibilities(Gb, b1 - b0, ones, logp, use_prior, T, resp, log_eps,
-                                sort_max, dummy, cand, cidx, S, Si, soft_rows, zmaxs, rowres)
+                                sort_max, dummy, cand, cidx, S, soft_rows, zmaxs, rowres)
         if resp == RESP_HARD:
             for i in range(b1 - b0):
                 for k in range(K):
@@ -810,10 +823,10 @@ def _sqnorm_ranges(X, out, nch, t0, t1):
 
 def kpp_candidates_kernel(X, xsq, Cc, csq, w, closest, out, block, nth):
     """One greedy k-means++ step, fused: for each candidate center (row ``j`` of ``Cc``,
-    C-contiguous in the dtype of ``X``) write ``out[j, i] = min(closest[i], ||x_i - c_j||^2)`` and return
-    the potentials ``sum_i w_i out[j, i]`` (float64). Per row block one small GEMM and one
-    epilogue, instead of a float64 copy of ``X`` and five full-length temporaries per step.
-    ``closest`` may hold ``inf`` (first step)."""
+    C-contiguous in the dtype of ``X``) write ``out[j, i] = min(closest[i], ||x_i -
+    c_j||^2)`` and return the potentials ``sum_i w_i out[j, i]`` (float64). Per row block one
+    small GEMM and one epilogue, instead of a float64 copy of ``X`` and five full-length
+    temporaries per step. ``closest`` may hold ``inf`` (first step)."""
     n, D = X.shape
     m = Cc.shape[0]
     nch = row_ranges(n, block, _pool.threads_for(nth, n * (m + D), light=True))
@@ -997,7 +1010,7 @@ def _pruned_ranges(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, 
     Xg = np.empty((block, D), X.dtype)
     Sb = np.empty((K, D), X.dtype)
     idx = np.empty(block, np.int64)
-    cand, cidx, S, Si, soft_rows, zmaxs, rowres = _row_scratch(K, block)
+    cand, cidx, S, soft_rows, zmaxs, rowres = _row_scratch(K, block)
     wg = np.empty(block)
     # the block's prunable rows: own distance, bounds (scan first, then decide)
     pq = np.empty(block, np.int64)
@@ -1128,7 +1141,7 @@ def _pruned_ranges(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, 
             for r in range(m):
                 wg[r] = w[idx[r]]
             _block_responsibilities(Gb, m, wg, logp, use_prior, T, resp, log_eps, sort_max, accN,
-                                    cand, cidx, S, Si, soft_rows, zmaxs, rowres)
+                                    cand, cidx, S, soft_rows, zmaxs, rowres)
             mn = _accumulate_block(Xb, Gb, m, wg, rowres, T, resp, hard_sums, sparse_fraction,
                                    accSc, accHN, accS, accHS, Sb, mn)
             for r in range(m):

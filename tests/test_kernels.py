@@ -997,3 +997,38 @@ def test_soft_sums_path_choice():
     assert path(512 * 30, 512, 256, 384, 0.125) == K_.SUMS_SPARSE   # 30 of 256 a row
     assert path(512 * 40, 512, 256, 384, 0.125) == K_.SUMS_GEMM     # 40 of 256 a row
     assert path(512 * 64, 512, 64, 384, 0.125) == K_.SUMS_GEMM      # dense K = 64
+
+
+@pytest.mark.parametrize("dtype,bound", [(np.float64, 2e-15), (np.float32, 1.5e-8)])
+def test_softmax_exp_accuracy_follows_the_rows_precision(dtype, bound):
+    """The kernel's exp (Cody-Waite + Taylor) against math.exp over the logits it sees,
+    z in [-36, 0]: float64 rows get the degree-13 polynomial (< 2e-15 relative: a few
+    units of float64's rounding), float32 rows the degree-7 one (below float32's rounding 6e-8, in which their
+    responsibilities are stored); e^0 = 1 exactly in both. Read through a two-column block:
+    the row's first entry is the largest logit (z = 0), the second ``z``, so the written
+    responsibility is ``e^z / (1 + e^z)``, compared in float64 before the block's rounding
+    (the kernel's scratch ``P`` holds ``e^z`` after the call)."""
+    from fastanneal import _kernels as K_
+    z = np.concatenate([-np.linspace(0.0, 36.0, 4001), -np.geomspace(1e-9, 1.0, 200)])
+    n = z.size
+    T = 1.0
+    G = np.zeros((n, 2), dtype)             # distances: d = -z T (the first column d = 0)
+    G[:, 1] = (-z * T).astype(dtype)
+    zq = -np.asarray(G[:, 1], dtype=np.float64) / T      # the logits after the rounding of d
+    rows = np.arange(n, dtype=np.int64)
+    log_eps = K_.LOG_EPS32 if dtype == np.float32 else K_.LOG_EPS64
+    got = np.empty(n)
+    Z, KF, P, PB = (np.empty(2) for _ in range(4))
+    out = np.zeros((n, 7))
+    for i in range(n):          # row by row: P holds the row's e^z after each call
+        K_._softmax_rows(G, rows[i:i + 1], 1, np.zeros(1), np.ones(n), np.zeros(2), False,
+                         T, log_eps, Z, KF, P, PB, np.zeros(2), out)
+        assert P[0] == 1.0                                  # e^0, exactly
+        got[i] = P[1]
+    want = np.exp(zq)
+    keep = zq >= log_eps                     # below the drop threshold the entry is zero
+    assert np.all(got[~keep] == 0.0)
+    rel = np.abs(got[keep] - want[keep]) / want[keep]
+    assert rel.max() < bound, rel.max()
+    if dtype == np.float32:      # the cheaper polynomial is really in use (not degree 13)
+        assert rel.max() > 1e-12
