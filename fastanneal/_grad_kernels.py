@@ -85,34 +85,36 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
         z = -G[i, k] / T
         if z > zmax:
             zmax = z
-    if resp != RESP_ENTMAX15:
-        s = 0.0
-        sez = 0.0
+    if sort_max is not None and resp == RESP_ENTMAX15:
+        # (sort_max None: a softmax caller; Numba prunes this branch and the entmax
+        # chain is not compiled, see _kernels.entmax_sort_max)
+        n = np.int64(0)         # (not the literal 0: a second compile of the callee)
         for k in range(K):
-            z = -G[i, k] / T - zmax
-            e = math.exp(z)
-            s += e
-            sez += e * z
-            G[i, k] = e
+            zp = 0.5 * (-G[i, k] / T - zmax)
+            if zp > -1.0:
+                cand[n] = zp
+                cidx[n] = k
+                n += 1
+        psum = entmax15_support_probs(cand, n, sort_max)
         for k in range(K):
-            G[i, k] /= s
-        return math.log(s) - sez / s
-    n = 0
+            G[i, k] = 0.0
+        p15 = 0.0
+        for j in range(n):
+            p = cand[j] / psum
+            G[i, cidx[j]] = p
+            p15 += p * math.sqrt(p)
+        return (4.0 / 3.0) * (1.0 - p15)
+    s = 0.0
+    sez = 0.0
     for k in range(K):
-        zp = 0.5 * (-G[i, k] / T - zmax)
-        if zp > -1.0:
-            cand[n] = zp
-            cidx[n] = k
-            n += 1
-    psum = entmax15_support_probs(cand, n, sort_max)
+        z = -G[i, k] / T - zmax
+        e = math.exp(z)
+        s += e
+        sez += e * z
+        G[i, k] = e
     for k in range(K):
-        G[i, k] = 0.0
-    p15 = 0.0
-    for j in range(n):
-        p = cand[j] / psum
-        G[i, cidx[j]] = p
-        p15 += p * math.sqrt(p)
-    return (4.0 / 3.0) * (1.0 - p15)
+        G[i, k] /= s
+    return math.log(s) - sez / s
 
 
 def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):

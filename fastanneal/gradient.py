@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _config
 from . import _grad_kernels as G_
+from . import _kernels as K_
 from ._moments import blas_single_thread
 from ._validation import (as_float_matrix, as_weights, check_range, check_temperature,
                           metric_code)
@@ -274,7 +275,7 @@ def backward_moments(X, w, C, T, metric, resp, g, gX=None):
     with blas_single_thread():
         comp, A, a = G_.grad_backward_kernel(
             X, w, B, np.ascontiguousarray(B.T), csq, musq, gmu, g.N, 1.0 / g.W, g.lam, T,
-            metric, resp, int(_config.CPU_BLOCK_ROWS), int(_config.ENTMAX_SORT_MAX),
+            metric, resp, int(_config.CPU_BLOCK_ROWS), K_.entmax_sort_max(resp),
             int(numba.get_num_threads()), gX)
     return GradMoments(float(comp), A, a)
 
@@ -309,7 +310,7 @@ def _value_and_grad(X, C, T, lam, pc, margin, eps, w, W, mc, rc):
     """Fast path: validated ``X`` (C-contiguous float32/64), float64 ``C`` and ``w``."""
     csq = np.einsum("ij,ij->i", C, C)
     block = int(_config.CPU_BLOCK_ROWS)
-    sort_max = int(_config.ENTMAX_SORT_MAX)
+    sort_max = K_.entmax_sort_max(rc)
     nth = int(numba.get_num_threads())
     with blas_single_thread():
         N, S, Hsum = G_.grad_forward_kernel(X, w, np.ascontiguousarray(C.T), csq, T, mc, rc,

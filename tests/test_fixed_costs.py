@@ -209,6 +209,30 @@ def test_no_literal_typed_second_compile_of_the_row_rules(tmp_path):
         assert n_sigs == want, (r, name, n_sigs)
 
 
+def test_softmax_gradient_compiles_no_entmax(tmp_path):
+    """The gradient route's kernels take ``sort_max=None`` for softmax too: a softmax
+    ``value_and_grad`` compiles no entmax function, an entmax one each once, none for a
+    literal argument. In a fresh process with an empty Numba cache."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np, fastanneal as fa; from fastanneal import _kernels as k\n"
+            "X = np.random.default_rng(3).standard_normal((600, 4)).astype(np.float32)\n"
+            "for r in ('softmax', 'entmax15'):\n"
+            "    fa.value_and_grad(X, X[:4].astype(np.float64), 0.5, responsibilities=r)\n"
+            "    for f in (k.entmax15_support_probs, k.entmax15_tau_sort, "
+            "k.entmax15_tau_bisect):\n"
+            "        print(r, f.__name__, len(f.signatures), "
+            "sum('Literal' in str(s) for s in f.signatures))\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600, check=True).stdout.split("\n")
+    rows = [line.split() for line in out if line.strip()]
+    assert len(rows) == 6
+    for r, name, n_sigs, n_literal in rows:
+        assert (int(n_sigs), int(n_literal)) == ((0 if r == "softmax" else 1), 0), (r, name)
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 48, 702, 3000])
 def test_sorted_descending_matches_numpy(n):
     """The Shell sort that replaced Numba's ``np.sort`` in entmax (compile time) sorts like
