@@ -11,7 +11,8 @@ float64 for every method alike, so spherical and Euclidean fits are compared on 
 scale), the objective of the fitted metric (``obj``: spherical k-means objective
 ``sum_i w_i (2 - 2 cos(x_i, c_k))`` with unit centers for the cosine datasets, SSE otherwise),
 and wall time; ratios against ``sklearn n_init=10`` from the same run. Schedules are names
-of ``AnnealedKMeans(schedule=...)``; ``NAME-norealloc`` adds ``reallocate=False``.
+of ``AnnealedKMeans(schedule=...)``; ``NAME-norealloc`` adds ``reallocate=False``,
+``NAME@F`` sets ``auto_start_fraction=F`` (a hotter or colder start).
 ``clinc-domains`` runs the ten per-domain subsets of CLINC150 (15 intents each, K = 15).
 faiss (``Kmeans``, 25 iterations; spherical for cosine) runs when installed. Prints a
 table, writes JSON (default ``benchmarks/results/bench_quality.json``).
@@ -103,11 +104,13 @@ def run_methods(name, X, y, K, metric, seeds, schedules):
     for seed in seeds:
         for sched in schedules:
             name_, _, flag = sched.partition("-")
+            name_, _, frac = name_.partition("@")
+            kw = {"auto_start_fraction": float(frac)} if frac else {}
             t = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 m = fa.AnnealedKMeans(K, metric=metric, schedule=name_, random_state=seed,
-                                      reallocate=flag != "norealloc").fit(X)
+                                      reallocate=flag != "norealloc", **kw).fit(X)
             record(f"fastanneal {sched}", seed, m.labels_, time.perf_counter() - t)
         try:
             import faiss
