@@ -170,24 +170,22 @@ def test_lanczos_ritz_vectors_of_all_clusters_at_once():
     np.testing.assert_allclose(lam2, lam, rtol=1e-12)
 
 
-def test_no_literal_typed_second_compile_of_the_row_rules(tmp_path):
-    """The moments kernel compiles the row rules once each: a callee called with a
-    variable that starts as the literal ``0`` gets a second compile for the type
-    ``Literal[int](0)`` (seconds of a cold start); the kernels start such variables as
-    ``np.int64(0)``. A softmax pass compiles no part of the entmax chain (its branch is
-    typed only for an integer ``sort_max``: about 1 s of a cold first fit); an entmax pass
-    then compiles it once, and the rows' function a second time for that argument. In a
-    fresh process with an empty Numba cache (from a cache the callees are not compiled at
-    all and list no signature)."""
+ENTMAX_CHAIN = ("entmax15_support_probs", "entmax15_tau_sort", "entmax15_tau_bisect")
+
+
+def compile_counts(tmp_path, call, names):
+    """``{(rule, name): (signatures, Literal-typed signatures)}`` of the ``_kernels``
+    functions ``names`` after ``call`` (a statement using ``X`` and the rule ``r``) ran for
+    softmax, then for entmax-1.5, in a fresh process with an empty Numba cache (from a cache
+    the callees are not compiled at all and list no signature)."""
     import os
     import subprocess
     import sys
     code = ("import numpy as np, fastanneal as fa; from fastanneal import _kernels as k\n"
             "X = np.random.default_rng(3).standard_normal((600, 4)).astype(np.float32)\n"
-            "fs = (k._block_responsibilities, k._softmax_rows, k._accumulate_block,\n"
-            "      k.entmax15_support_probs, k.entmax15_tau_sort, k.entmax15_tau_bisect)\n"
+            f"fs = [getattr(k, n) for n in {list(names)!r}]\n"
             "for r in ('softmax', 'entmax15'):\n"
-            "    fa.moments(X, X[:4].copy(), 0.5, responsibilities=r)\n"
+            f"    {call}\n"
             "    for f in fs:\n"
             "        print(r, f.__name__, len(f.signatures), "
             "sum('Literal' in str(s) for s in f.signatures))\n")
@@ -196,11 +194,23 @@ def test_no_literal_typed_second_compile_of_the_row_rules(tmp_path):
                          text=True, timeout=600, check=True).stdout.split("\n")
     rows = {(r, name): (int(n), int(lit)) for r, name, n, lit in
             (line.split() for line in out if line.strip())}
-    assert len(rows) == 12
-    entmax_chain = ("entmax15_support_probs", "entmax15_tau_sort", "entmax15_tau_bisect")
+    assert len(rows) == 2 * len(names)
+    return rows
+
+
+def test_no_literal_typed_second_compile_of_the_row_rules(tmp_path):
+    """The moments kernel compiles the row rules once each: a callee called with a
+    variable that starts as the literal ``0`` gets a second compile for the type
+    ``Literal[int](0)`` (seconds of a cold start); the kernels start such variables as
+    ``np.int64(0)``. A softmax pass compiles no part of the entmax chain (its branch is
+    typed only for an integer ``sort_max``: about 1 s of a cold first fit); an entmax pass
+    then compiles it once, and the rows' function a second time for that argument."""
+    rows = compile_counts(tmp_path, "fa.moments(X, X[:4].copy(), 0.5, responsibilities=r)",
+                          ("_block_responsibilities", "_softmax_rows", "_accumulate_block")
+                          + ENTMAX_CHAIN)
     for (r, name), (n_sigs, n_literal) in rows.items():
         assert n_literal == 0, (r, name)
-        if name in entmax_chain:
+        if name in ENTMAX_CHAIN:
             want = 0 if r == "softmax" else 1
         elif name == "_block_responsibilities":
             want = 1 if r == "softmax" else 2
@@ -212,25 +222,12 @@ def test_no_literal_typed_second_compile_of_the_row_rules(tmp_path):
 def test_softmax_gradient_compiles_no_entmax(tmp_path):
     """The gradient route's kernels take ``sort_max=None`` for softmax too: a softmax
     ``value_and_grad`` compiles no entmax function, an entmax one each once, none for a
-    literal argument. In a fresh process with an empty Numba cache."""
-    import os
-    import subprocess
-    import sys
-    code = ("import numpy as np, fastanneal as fa; from fastanneal import _kernels as k\n"
-            "X = np.random.default_rng(3).standard_normal((600, 4)).astype(np.float32)\n"
-            "for r in ('softmax', 'entmax15'):\n"
-            "    fa.value_and_grad(X, X[:4].astype(np.float64), 0.5, responsibilities=r)\n"
-            "    for f in (k.entmax15_support_probs, k.entmax15_tau_sort, "
-            "k.entmax15_tau_bisect):\n"
-            "        print(r, f.__name__, len(f.signatures), "
-            "sum('Literal' in str(s) for s in f.signatures))\n")
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=600, check=True).stdout.split("\n")
-    rows = [line.split() for line in out if line.strip()]
-    assert len(rows) == 6
-    for r, name, n_sigs, n_literal in rows:
-        assert (int(n_sigs), int(n_literal)) == ((0 if r == "softmax" else 1), 0), (r, name)
+    literal argument."""
+    rows = compile_counts(
+        tmp_path, "fa.value_and_grad(X, X[:4].astype(np.float64), 0.5, responsibilities=r)",
+        ENTMAX_CHAIN)
+    for (r, name), counts in rows.items():
+        assert counts == ((0 if r == "softmax" else 1), 0), (r, name)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 48, 702, 3000])
