@@ -809,16 +809,12 @@ def row_sqnorms_kernel(X, out, nth):
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _sqnorm_ranges(X, out, nch, t0, t1):
-    """Row ranges ``t0:t1`` (of ``nch``) of :func:`row_sqnorms_kernel`. Re-association lets
-    the sum vectorise; no ``nnan``/``ninf``: a NaN or inf must reach ``out``."""
-    n, D = X.shape
+    """Row ranges ``t0:t1`` (of ``nch``) of :func:`row_sqnorms_kernel` (:func:`_sqnorm` per
+    row: re-association only, no ``nnan``/``ninf``: a NaN or inf must reach ``out``)."""
+    n = X.shape[0]
     for t in range(t0, t1):
         for i in range(t * n // nch, (t + 1) * n // nch):
-            s = 0.0
-            for j in range(D):
-                v = np.float64(X[i, j])
-                s += v * v
-            out[i] = s
+            out[i] = _sqnorm(X, i)
 
 
 def kpp_candidates_kernel(X, xsq, Cc, csq, w, closest, out, block, nth):

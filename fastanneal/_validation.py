@@ -71,8 +71,9 @@ def row_sqnorms(X):
 
 def check_rows(X, name="X", check_scale=True):
     """:func:`check_finite` and (``check_scale``) :func:`check_range` of a C-contiguous
-    float32/float64 ``X`` from its squared row norms: one pass instead of three. A non-finite norm or a largest one outside the safe range sends ``X``
-    to the element-wise checks, which name the problem (or pass: a float64 square may
+    float32/float64 ``X`` from its squared row norms: one pass instead of three. A
+    non-finite norm or a largest one outside the safe range sends ``X`` to the element-wise
+    checks, which name the problem (or pass: a float64 square may
     overflow on values that are still in range). Returns the squared norms."""
     sq = row_sqnorms(X)
     if X.size == 0:
