@@ -49,8 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes (simulator logic test)")
     p.add_argument("--sim", action="store_true", help="use the numba-cuda simulator")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement")
-    p.add_argument("--sections", default="correctness,timing",
-                   help="comma-separated subset of: correctness, timing")
+    p.add_argument("--sections", default="correctness,timing,peers,k20000",
+                   help="comma-separated subset of: correctness, timing, peers, k20000")
+    p.add_argument("--products", default="numba,cublas",
+                   help="comma-separated product paths to check and time: numba (the "
+                        "numba.cuda GEMM kernels), cublas (cuBLAS through CuPy)")
     return p.parse_args(argv)
 
 
@@ -131,16 +134,41 @@ def field_errors(got, ref, T, K):
 
 
 # ----------------------------------------------------------------------------- sections
-def section_correctness(fa, fcuda, cfg, rng, result):
+def make_source(fcuda, X, w, products, log_to=None):
+    """A CudaSource with the given product path, or None (logged) where it cannot run."""
+    try:
+        src = fcuda.CudaSource(X, w, 0, products=products)
+    except RuntimeError as exc:
+        log(f"   products={products}: not available here ({exc})")
+        if log_to is not None:
+            log_to[products] = {"skipped": str(exc)}
+        return None
+    log(f"   products={products}: {src.products} ({src.products_reason})")
+    return src
+
+
+def section_correctness(fa, fcuda, cfg, rng, result, products_list):
+    ok = True
+    result["correctness"] = {}
+    for products in products_list:
+        ok &= _correctness(fa, fcuda, cfg, np.random.default_rng(rng.integers(2 ** 32)),
+                           result, products)
+    return ok
+
+
+def _correctness(fa, fcuda, cfg, rng, result, products):
     from fastanneal._moments import compute_moments
     n, D, K = cfg["check_n"], cfg["check_d"], cfg["check_k"]
-    log(f"\n== (a) correctness: N={n}, D={D}, K={K}, float32 (GPU vs CPU float32 vs CPU float64)")
+    log(f"\n== (a) correctness [{products}]: N={n}, D={D}, K={K}, float32 (GPU vs CPU float32 "
+        f"vs CPU float64)")
     X32 = gaussian_mixture(rng, n, D, K)
     X64 = X32.astype(np.float64)
     w = rng.uniform(0.5, 2.0, n)
     C = pick_centers(rng, X32, K)
     temps = temperatures(X32, C, rng)
-    src = fcuda.CudaSource(X32, w, 0)
+    src = make_source(fcuda, X32, w, products, result["correctness"])
+    if src is None:
+        return True                 # a path that is not installed is reported, not failed
     gpu_lab = src.assign(C)[0]
     lab64, d64, marg64 = fa.assign(X64, C.astype(np.float64))
     flips = np.flatnonzero(gpu_lab != lab64)
@@ -152,7 +180,7 @@ def section_correctness(fa, fcuda, cfg, rng, result):
     cases = [("softmax", "high"), ("softmax", "low"), ("entmax15", "entmax"), ("hard", "low")]
     all_pass = True
     report = {"labels_differing": int(flips.size), "label_differences_are_ties": flips_ok,
-              "cases": []}
+              "cases": [], "products": src.products, "products_reason": src.products_reason}
     for resp, tname in cases:
         T = temps[tname]
         rc = {"softmax": 0, "entmax15": 1, "hard": 2}[resp]
@@ -184,7 +212,7 @@ def section_correctness(fa, fcuda, cfg, rng, result):
                 mark = "" if verdict[f] else "   <-- FAIL"
                 log(f"      {f:16s} gpu-vs-f64 {e_gpu[f]:.2e}  cpu32-vs-f64 {e_cpu[f]:.2e}"
                     f"  gpu-vs-cpu32 {e_gc[f]:.2e}{mark}")
-            result["correctness"] = report
+            result["correctness"][products] = report
             save(result)
             report["cases"].append({"responsibilities": resp, "T": T, "which_T": tname,
                                     "nnz_fraction": g.nnz / (n * K), "gpu_seconds": tg,
@@ -198,8 +226,8 @@ def section_correctness(fa, fcuda, cfg, rng, result):
             report["cases"].append({"responsibilities": resp, "which_T": tname,
                                     "error": repr(exc), "pass": False})
     report["pass"] = bool(all_pass)
-    result["correctness"] = report
-    log(f"   correctness: {'PASS' if all_pass else 'FAIL'}")
+    result["correctness"][products] = report
+    log(f"   correctness [{products}]: {'PASS' if all_pass else 'FAIL'}")
     return all_pass
 
 
@@ -262,8 +290,12 @@ def stage_breakdown(src, C, T, resp, repeats):
     dHN, dscal = cuda.to_device(np.zeros(K)), cuda.to_device(np.zeros(8))
     dmn = cuda.to_device(np.full(1, np.inf))
 
+    prod = src._prod
+    Cv, Sv, Nv = ((prod.view(dC), prod.view(dS), prod.view(dN)) if prod is not None
+                  else (None, None, None))
+
     def dist():
-        src._launch_distances(kern, G, 0, m, dC, dcsq, bx, by)
+        src._launch_distances(kern, G, 0, m, dC, dcsq, bx, by, Cv)
 
     def rows():
         src._launch_rows(kern, G, 0, m, tpb, R, dlogp, False, float(T), resp, labels, dHN,
@@ -285,7 +317,8 @@ def stage_breakdown(src, C, T, resp, repeats):
     dist()
     rows()
     cuda.synchronize()
-    out["accumulate_dense"] = timed(lambda: src._launch_dense(kern, G, 0, m, R, bx, by, dS, dN))
+    out["accumulate_dense"] = timed(lambda: src._launch_dense(kern, G, 0, m, R, bx, by, dS, dN,
+                                                              Sv, Nv))
     out["accumulate_sparse"] = timed(lambda: src._launch_sparse(kern, G, 0, m, tpb, R, dS,
                                                                  dN))
     out["chunks_per_pass"] = S._cdiv(src.n_rows, m)
@@ -294,22 +327,34 @@ def stage_breakdown(src, C, T, resp, repeats):
     return out
 
 
-def section_timing(fa, fcuda, cfg, rng, result, repeats):
+def section_timing(fa, fcuda, cfg, rng, result, repeats, products_list):
     n, D = cfg["bench_n"], cfg["bench_d"]
     log(f"\n== (b) timing: N={n}, D={D}, float32 Gaussian mixture; seconds per moments pass")
     t0 = time.perf_counter()
     X = gaussian_mixture(rng, n, D, 64)
     w = np.ones(n)
     log(f"   data generated in {time.perf_counter() - t0:.1f}s")
-    t0 = time.perf_counter()
-    src = fcuda.CudaSource(X, w, 0)
-    log(f"   CudaSource (host -> device) in {time.perf_counter() - t0:.2f}s")
     rows = []
+    ok = True
+    for products in products_list:
+        t0 = time.perf_counter()
+        src = make_source(fcuda, X, w, products)
+        if src is None:
+            rows.append({"products": products, "skipped": True})
+            continue
+        log(f"   CudaSource (host -> device) in {time.perf_counter() - t0:.2f}s")
+        ok &= _timing(src, X, n, D, cfg, rng, result, repeats, rows, products)
+        src.close()
+    result["timing"] = rows
+    return ok
+
+
+def _timing(src, X, n, D, cfg, rng, result, repeats, rows, products):
     ok = True
     for K in cfg["bench_k"]:
         C = pick_centers(rng, X, K)
         temps = temperatures(X, C, rng)
-        entry = {"K": K, "N": n, "D": D, "temperatures": temps}
+        entry = {"K": K, "N": n, "D": D, "temperatures": temps, "products": src.products}
         try:
             g, lib = gemm_timer(src._X, C, max(repeats, 5))
             entry.update(gemm_seconds=g, gemm_library=lib,
@@ -338,7 +383,7 @@ def section_timing(fa, fcuda, cfg, rng, result, repeats):
                 frac = m.nnz / (n * K)
                 rec = {"seconds": sec, "first_call_seconds": first, "all_seconds": ts,
                        "T": T, "nnz_fraction": frac, "ratio_to_gemm": sec / g}
-                log(f"   K={K} {name:20s} {sec:8.4f} s  = {sec / g:6.1f} x GEMM   "
+                log(f"   [{products}] K={K} {name:20s} {sec:8.4f} s  = {sec / g:6.1f} x GEMM   "
                     f"nnz/(NK)={frac:.4f}  (first call {first:.1f}s)")
                 try:
                     br = stage_breakdown(src, C, T, rc, repeats)
@@ -360,8 +405,166 @@ def section_timing(fa, fcuda, cfg, rng, result, repeats):
                 log(f"   K={K} {name}: ERROR {exc!r}")
                 traceback.print_exc()
         rows.append(entry)
-    result["timing"] = rows
     return ok
+
+
+# ----------------------------------------------------------------------------- peers
+def _sse(src, C):
+    """Hard objective ``sum min_k ||x - c_k||^2`` of centers ``C`` on the source's rows."""
+    return float(np.sum(src.assign(np.asarray(C, dtype=np.float32))[1]))
+
+
+def cupy_soft_iteration(Xdev, C, T, chunk=65536):
+    """One dense soft k-means iteration in plain CuPy (float32 products, float64 sums):
+    the peer that the fastanneal pass must beat. Returns ``(N, S)`` as NumPy."""
+    import cupy as cp
+    X = cp.asarray(Xdev)
+    Cc = cp.asarray(C, dtype=X.dtype)
+    csq = (Cc.astype(cp.float64) ** 2).sum(1)
+    N = cp.zeros(C.shape[0])
+    S = cp.zeros(C.shape)
+    for r0 in range(0, X.shape[0], chunk):
+        Xb = X[r0:r0 + chunk]
+        d = (Xb.astype(cp.float64) ** 2).sum(1)[:, None] + csq[None] - 2.0 * (Xb @ Cc.T)
+        z = -d / T
+        z -= z.max(axis=1, keepdims=True)
+        R = cp.exp(z)
+        R /= R.sum(axis=1, keepdims=True)
+        N += R.sum(0)
+        S += (R.astype(X.dtype).T @ Xb)
+    cp.cuda.Device().synchronize()
+    return cp.asnumpy(N), cp.asnumpy(S)
+
+
+def section_peers(fa, fcuda, cfg, rng, result, repeats):
+    """End-to-end default fits on the GPU against faiss-gpu and cuML hard k-means (where they
+    are installed) on the same data, with the objective of each; and a plain CuPy soft
+    iteration against one fastanneal dense pass."""
+    n, D = cfg["peer_n"], cfg["bench_d"]
+    log(f"\n== (c) peers: N={n}, D={D}, float32 Gaussian mixture; default fit vs faiss-gpu, "
+        f"cuML")
+    X = gaussian_mixture(rng, n, D, 256)
+    src = fcuda.CudaSource(X, np.ones(n), 0)
+    out = []
+    result["peers"] = out
+    for K in cfg["peer_k"]:
+        entry = {"K": K, "N": n, "D": D, "products": src.products}
+        out.append(entry)
+        try:
+            est = fa.AnnealedKMeans(K, backend="cuda", random_state=0)
+            t0 = time.perf_counter()
+            est.fit(X)
+            t = time.perf_counter() - t0
+            entry["fastanneal"] = {"seconds": t, "sse": _sse(src, est.cluster_centers_),
+                                   "passes": int(est.n_iter_), "steps": int(est.n_steps_)}
+            log(f"   K={K} fastanneal default fit (backend='cuda'): {t:.2f} s, "
+                f"SSE {entry['fastanneal']['sse']:.6g}, {est.n_iter_} passes")
+        except Exception as exc:
+            entry["fastanneal"] = {"error": repr(exc)}
+            log(f"   K={K} fastanneal fit: ERROR {exc!r}")
+            traceback.print_exc()
+        try:
+            import faiss
+            km = faiss.Kmeans(D, K, niter=25, gpu=True, seed=0, verbose=False)
+            t0 = time.perf_counter()
+            km.train(X)
+            t = time.perf_counter() - t0
+            entry["faiss_gpu"] = {"seconds": t, "sse": _sse(src, km.centroids), "iters": 25}
+            log(f"   K={K} faiss-gpu Kmeans(niter=25): {t:.2f} s, SSE "
+                f"{entry['faiss_gpu']['sse']:.6g}")
+        except Exception as exc:
+            entry["faiss_gpu"] = {"unavailable": repr(exc)}
+            log(f"   K={K} faiss-gpu: unavailable ({exc!r})")
+        try:
+            from cuml.cluster import KMeans as CuKMeans
+            km = CuKMeans(n_clusters=K, random_state=0, n_init=1)
+            t0 = time.perf_counter()
+            km.fit(X)
+            t = time.perf_counter() - t0
+            C = np.asarray(km.cluster_centers_.get() if hasattr(km.cluster_centers_, "get")
+                           else km.cluster_centers_)
+            entry["cuml"] = {"seconds": t, "sse": _sse(src, C)}
+            log(f"   K={K} cuML KMeans(n_init=1): {t:.2f} s, SSE {entry['cuml']['sse']:.6g}")
+        except Exception as exc:
+            entry["cuml"] = {"unavailable": repr(exc)}
+            log(f"   K={K} cuML: unavailable ({exc!r})")
+        try:
+            C = pick_centers(rng, X, K)
+            T = temperatures(X, C, rng)["high"]
+            cupy_soft_iteration(src._X, C, T)             # warm-up
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                N1, S1 = cupy_soft_iteration(src._X, C, T)
+                ts.append(time.perf_counter() - t0)
+            m = src.moments(C, T, 0)
+            tf = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                m = src.moments(C, T, 0)
+                tf.append(time.perf_counter() - t0)
+            agree = float(np.max(np.abs(m.S - S1)) / np.abs(S1).max())
+            entry["cupy_soft_iteration"] = {"seconds": float(np.median(ts)),
+                                            "fastanneal_dense_pass": float(np.median(tf)),
+                                            "S_relative_difference": agree}
+            log(f"   K={K} plain CuPy soft iteration {np.median(ts):.4f} s vs fastanneal dense "
+                f"pass {np.median(tf):.4f} s (S agree to {agree:.1e})")
+        except Exception as exc:
+            entry["cupy_soft_iteration"] = {"unavailable": repr(exc)}
+            log(f"   K={K} CuPy soft iteration: unavailable ({exc!r})")
+        save(result)
+    src.close()
+    return True
+
+
+def section_k20000(fa, fcuda, cfg, rng, result):
+    """The classic faiss size (1M x 256 into 20,000 centroids): 25 annealing passes (the
+    centers re-estimated after each, the temperature falling geometrically from the dense
+    to the low end), timed, with faiss-gpu's 25 hard iterations where it is installed."""
+    n, D, K = cfg["big_n"], cfg["big_d"], cfg["big_k"]
+    log(f"\n== (d) N={n}, D={D}, K={K}: 25 annealing passes")
+    X = gaussian_mixture(rng, n, D, 2000)
+    entry = {"N": n, "D": D, "K": K, "passes": 25}
+    result["k20000"] = entry
+    src = fcuda.CudaSource(X, np.ones(n), 0)
+    entry["products"] = src.products
+    C0 = pick_centers(rng, X, K).astype(np.float64)
+    temps = temperatures(X, C0.astype(np.float32), rng, n_sample=500)
+    Ts = np.geomspace(temps["high"], temps["low"], 25)
+    try:
+        src.moments(C0[:K], Ts[-1], 0)                     # compile / warm-up
+        C = C0.copy()
+        t0 = time.perf_counter()
+        per = []
+        for T in Ts:
+            t1 = time.perf_counter()
+            m = src.moments(C, T, 0)
+            per.append(time.perf_counter() - t1)
+            ok = m.N > 0
+            C[ok] = m.S[ok] / m.N[ok, None]
+        t = time.perf_counter() - t0
+        entry.update(seconds=t, seconds_per_pass=per, sse=_sse(src, C))
+        log(f"   fastanneal [{src.products}]: 25 passes in {t:.2f} s (first {per[0]:.3f} s, "
+            f"last {per[-1]:.3f} s), SSE {entry['sse']:.6g}")
+    except Exception as exc:
+        entry["error"] = repr(exc)
+        log(f"   fastanneal: ERROR {exc!r}")
+        traceback.print_exc()
+    save(result)
+    try:
+        import faiss
+        km = faiss.Kmeans(D, K, niter=25, gpu=True, seed=0, verbose=False)
+        t0 = time.perf_counter()
+        km.train(X)
+        t = time.perf_counter() - t0
+        entry["faiss_gpu"] = {"seconds": t, "sse": _sse(src, km.centroids)}
+        log(f"   faiss-gpu 25 iterations: {t:.2f} s, SSE {entry['faiss_gpu']['sse']:.6g}")
+    except Exception as exc:
+        entry["faiss_gpu"] = {"unavailable": repr(exc)}
+        log(f"   faiss-gpu: unavailable ({exc!r})")
+    src.close()
+    save(result)
+    return "error" not in entry
 
 
 def main(argv=None):
@@ -401,29 +604,43 @@ def main(argv=None):
             _config.CUDA_ROWS_PER_BLOCK = 5
             _config.CUDA_CHUNK_ROWS = 16
             sys.setswitchinterval(1e-5)
-            cfg = dict(check_n=30, check_d=10, check_k=7, bench_n=40, bench_d=8, bench_k=[6])
+            cfg = dict(check_n=30, check_d=10, check_k=7, bench_n=40, bench_d=8, bench_k=[6],
+                       peer_n=24, peer_k=[2], big_n=16, big_d=3, big_k=3)
         else:
             cfg = dict(check_n=20000, check_d=384, check_k=256, bench_n=1_000_000, bench_d=384,
-                       bench_k=[256, 1024])
+                       bench_k=[256, 1024], peer_n=1_000_000, peer_k=[256, 1024],
+                       big_n=1_000_000, big_d=256, big_k=20000)
         result["meta"]["config"] = {k: getattr(_config, k) for k in dir(_config)
                                     if k.startswith("CUDA")}
         result["meta"]["sizes"] = cfg
         rng = np.random.default_rng(20240601)
         sections = args.sections.split(",")
+        products_list = [p for p in args.products.split(",") if p]
         if "correctness" in sections:
             try:
-                status &= section_correctness(fa, fcuda, cfg, rng, result)
+                status &= section_correctness(fa, fcuda, cfg, rng, result, products_list)
             except Exception as exc:
                 status = False
                 result["errors"].append(f"correctness: {exc!r}")
                 traceback.print_exc()
         if "timing" in sections:
             try:
-                status &= section_timing(fa, fcuda, cfg, rng, result, args.repeats)
+                status &= section_timing(fa, fcuda, cfg, rng, result, args.repeats,
+                                         products_list)
             except Exception as exc:
                 status = False
                 result["errors"].append(f"timing: {exc!r}")
                 traceback.print_exc()
+        for name, fn in (("peers", lambda: section_peers(fa, fcuda, cfg, rng, result,
+                                                         args.repeats)),
+                         ("k20000", lambda: section_k20000(fa, fcuda, cfg, rng, result))):
+            if name in sections:
+                try:
+                    status &= fn()
+                except Exception as exc:
+                    status = False
+                    result["errors"].append(f"{name}: {exc!r}")
+                    traceback.print_exc()
     except Exception as exc:
         status = False
         result["errors"].append(f"setup: {exc!r}")

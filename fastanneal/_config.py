@@ -24,6 +24,12 @@ CUDA_ROWS_PER_BLOCK = 64
 #: allocation), and the non-zero fraction below which a chunk is accumulated sparsely.
 CUDA_CHUNK_ROWS = 65536
 CUDA_SPARSE_FRACTION = 0.08
+#: CUDA: who computes a pass's two matrix products -- "auto" (cuBLAS through CuPy when CuPy
+#: is installed, else the numba.cuda kernels), "cublas" or "numba"; and the rows per dense
+#: accumulation GEMM before its float32 sums enter the float64 accumulators
+#: (:mod:`fastanneal.cuda._blas`). ``FASTANNEAL_CUDA_PRODUCTS`` sets the first.
+CUDA_PRODUCTS = __import__("os").environ.get("FASTANNEAL_CUDA_PRODUCTS", "auto")
+CUDA_BLAS_ACCUM_ROWS = 16384
 
 #: In-memory CPU passes keep per-row distance bounds (Hamerly) between passes and skip the
 #: distances of rows whose every other center is provably beyond the responsibility drop

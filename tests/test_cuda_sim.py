@@ -42,6 +42,8 @@ def tiny_blocks(monkeypatch):
     monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 8)
     monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 5)
     monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 13, raising=False)
+    # several dense-accumulation GEMMs per chunk on the library-product path
+    monkeypatch.setattr(_config, "CUDA_BLAS_ACCUM_ROWS", 4, raising=False)
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     yield
@@ -503,6 +505,7 @@ def test_kernels_compile_for_a_real_gpu():
                 "rowdot_kernel": (A(dt, 2), i64, A(i64, 1), b1, A(f64, 2), A(f64, 2),
                                   A(f64, 1), i64, A(f64, 1)),
                 "gather_rows_kernel": (A(dt, 2), A(i64, 1), A(dt, 2)),
+                "distance_epilogue_kernel": (A(dt, 2), i64, A(f64, 1), i64, A(f64, 1), i64),
             }
             for name, sig in sigs.items():
                 cres = compiler.compile_cuda(getattr(K, name).py_func, t.void, sig,
@@ -515,12 +518,13 @@ def test_kernels_compile_for_a_real_gpu():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "compiled 16"
+    assert out.stdout.strip() == "compiled 18"
 
 
 def test_gpu_check_script_logic(tmp_path):
-    """benchmarks/gpu_check.py --tiny runs both sections end to end (on the simulator here;
-    the cuBLAS floor is absent without cupy/torch and is reported, not fatal)."""
+    """benchmarks/gpu_check.py --tiny runs every section end to end, for both product paths
+    (on the simulator here, where NumPy stands in for cuBLAS; the GEMM floor, faiss-gpu,
+    cuML and CuPy are absent and are reported, not fatal)."""
     import importlib.util
     import json
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" /
@@ -531,15 +535,134 @@ def test_gpu_check_script_logic(tmp_path):
     rc = mod.main(["--tiny", "--repeats", "1", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0 and res["status"] == "PASS", res.get("errors")
-    cases = res["correctness"]["cases"]
-    assert [c["responsibilities"] for c in cases] == ["softmax", "softmax", "entmax15", "hard"]
-    assert all(c["pass"] for c in cases)
-    assert cases[0]["nnz_fraction"] == 1.0 and cases[1]["nnz_fraction"] < 1.0
-    for c in cases:   # the GPU is as close to float64 as the CPU's float32 kernel, or closer
-        assert c["err_gpu_vs_f64"]["N"] <= max(4 * c["err_cpu32_vs_f64"]["N"], 1e-5)
-    (timing,) = res["timing"]
-    assert set(timing["modes"]) == {"softmax_dense_highT", "softmax_lowT", "entmax15"}
-    for rec in timing["modes"].values():
-        assert rec["seconds"] > 0
-        assert set(rec["stages_one_chunk"]) >= {"distances", "responsibilities",
-                                                "accumulate_dense", "accumulate_sparse"}
+    assert set(res["correctness"]) == {"numba", "cublas"}
+    assert res["correctness"]["cublas"]["products"].startswith("cublas")
+    for rep in res["correctness"].values():
+        cases = rep["cases"]
+        assert [c["responsibilities"] for c in cases] == ["softmax", "softmax", "entmax15",
+                                                          "hard"]
+        assert all(c["pass"] for c in cases)
+        assert cases[0]["nnz_fraction"] == 1.0 and cases[1]["nnz_fraction"] < 1.0
+        for c in cases:   # the GPU is as close to float64 as the CPU's float32 kernel
+            assert c["err_gpu_vs_f64"]["N"] <= max(4 * c["err_cpu32_vs_f64"]["N"], 1e-5)
+    assert [t["products"].split()[0] for t in res["timing"]] == ["numba", "cublas"]
+    for timing in res["timing"]:
+        assert set(timing["modes"]) == {"softmax_dense_highT", "softmax_lowT", "entmax15"}
+        for rec in timing["modes"].values():
+            assert rec["seconds"] > 0
+            assert set(rec["stages_one_chunk"]) >= {"distances", "responsibilities",
+                                                    "accumulate_dense", "accumulate_sparse"}
+    (peer,) = res["peers"]
+    assert peer["fastanneal"]["sse"] > 0 and peer["fastanneal"]["passes"] > 0
+    assert "unavailable" in peer["faiss_gpu"] and "unavailable" in peer["cuml"]
+    big = res["k20000"]
+    assert big["seconds"] > 0 and len(big["seconds_per_pass"]) == 25 and big["sse"] > 0
+
+
+# ----------------------------------------------------------------------------- library products
+# The pass's two products through a library GEMM (cuBLAS by CuPy on a GPU; under the
+# simulator NumPy stands in for it on the same device buffers): the distance epilogue, the
+# row kernel and the accumulation around them must give what the numba.cuda products give.
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", ["softmax-high", "softmax-low", "softmax-low-sparse",
+                                  "entmax15", "hard", "cosine", "prior"])
+def test_library_products_match_the_kernels_and_reference(gpu, rng, monkeypatch, dtype,
+                                                          case):
+    monkeypatch.setattr(_config, "CUDA_SPARSE_FRACTION",
+                        2.0 if case.endswith("sparse") else -1.0, raising=False)
+    n, D, K = 23, 18, 19
+    X, C, w = data(rng, n, D, K, dtype)
+    med, gap = typical_scale(X, C)
+    resp = {"entmax15": "entmax15", "hard": "hard"}.get(case, "softmax")
+    metric = "cosine" if case == "cosine" else "euclidean"
+    T = {"softmax-high": 3.0 * med, "entmax15": 0.3 * med, "cosine": 0.05,
+         "prior": 0.5 * med}.get(case, 0.02 * med)
+    logp = np.log(rng.dirichlet(np.ones(K))) if case == "prior" else None
+    kw = dict(weights=w, metric=metric, responsibilities=resp, log_prior=logp)
+    got = gpu.cuda_moments(X, C, T, products="cublas", **kw)
+    kern = gpu.cuda_moments(X, C, T, products="numba", **kw)
+    if metric == "cosine":
+        Xr = (X / np.linalg.norm(X, axis=1, keepdims=True)).astype(dtype)
+        Cr = (C / np.linalg.norm(C, axis=1, keepdims=True)).astype(dtype)
+    else:
+        Xr, Cr = X, C
+    ref = reference(Xr, Cr, T, w, metric=metric, resp=resp, log_prior=logp)
+    rtol = RTOL[dtype]
+    assert_moments_close(got, ref, rtol, T, K, "library products vs reference")
+    assert_moments_close(got, kern, rtol, T, K, "library vs numba.cuda products")
+    np.testing.assert_allclose(got.hard_sums, ref["hard_sums"], rtol=rtol,
+                               atol=rtol * np.abs(ref["hard_sums"]).max())
+    if resp != "softmax":
+        assert got.nnz == kern.nnz == ref["nnz"]
+    else:
+        kept, borderline = softmax_nnz(ref, dtype, slack=1e-3 if dtype == np.float32 else 1e-9)
+        assert abs(got.nnz - kept) <= borderline
+    if case == "softmax-high":
+        assert got.nnz == n * K                       # the dense accumulation really ran
+
+
+def test_library_products_source_interface(gpu, rng):
+    """assign (distances through the library product) and the pass agree with the kernels'
+    source on the same rows; the source says which products it uses and why."""
+    X, C, w = data(rng, 29, 7, 6, np.float64)
+    lib = gpu.CudaSource(X, w, 0, products="cublas")
+    ker = gpu.CudaSource(X, w, 0, products="numba")
+    assert lib.products.startswith("cublas") and "simulator" in lib.products_reason
+    assert ker.products == "numba" and "asked for" in ker.products_reason
+    for a, b in zip(lib.assign(C), ker.assign(C)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    T = typical_scale(X, C)[0]
+    assert_moments_close(lib.moments(C, T, 0, hard_sums=True),
+                         ker.moments(C, T, 0, hard_sums=True), 1e-12, T, 6, "source")
+    # a second pass with another K reallocates the chunk buffers and their views
+    C2 = np.concatenate([C, C[:2] + 0.5])
+    assert_moments_close(lib.moments(C2, T, 0, hard_sums=True),
+                         reference(X, C2, T, w), 1e-9, T, 8, "new K")
+
+
+def test_products_selection_without_cupy(gpu, monkeypatch):
+    """Where CuPy (or a GPU for it) is absent, "auto" falls back to the numba.cuda
+    products and says why; "cublas" fails naming what to install; a bad mode is refused.
+    (Run as on a real GPU: the simulator switch is turned off for the selection.)"""
+    import builtins
+
+    from fastanneal.cuda import _blas
+    monkeypatch.setattr(_blas, "_simulator", lambda: False)
+    real_import = builtins.__import__
+
+    def no_cupy(name, *a, **k):
+        if name == "cupy" or name.startswith("cupy."):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    prod, why = _blas.select("auto")
+    assert prod is None and "CuPy is not usable" in why and "cupy-cuda12x" in why
+    with pytest.raises(RuntimeError, match=r"cuBLAS products were asked for.*cupy-cuda12x"):
+        _blas.select("cublas")
+    assert _blas.select("numba") == (None, "numba.cuda products (asked for)")
+    with pytest.raises(ValueError, match="CUDA products must be one of"):
+        _blas.select("cutlass")
+    monkeypatch.setattr(_config, "CUDA_PRODUCTS", "auto")
+    src = gpu.CudaSource(np.ones((3, 2)), np.ones(3), 0)
+    assert src.products == "numba" and "CuPy is not usable" in src.products_reason
+
+
+def test_products_selection_checks_the_library_before_using_it(gpu, monkeypatch):
+    """On a GPU, "auto" takes cuBLAS only after one tiny product through it is right: a
+    library that imports but computes wrong numbers (or fails) leaves the numba.cuda
+    products in charge, with the reason; "cublas" then fails naming it. (The simulator's
+    NumPy stand-in plays CuPy here.)"""
+    from fastanneal.cuda import _blas
+    monkeypatch.setattr(_blas, "_simulator", lambda: False)
+    monkeypatch.setattr(_blas, "CupyProducts", _blas.SimulatedProducts)
+    prod, why = _blas.select("auto")
+    assert isinstance(prod, _blas.SimulatedProducts) and why == "cuBLAS through CuPy"
+
+    class Wrong(_blas.SimulatedProducts):
+        def distances(self, Xv, Cv, Gv):
+            Gv[:] = 0.0
+    monkeypatch.setattr(_blas, "CupyProducts", Wrong)
+    prod, why = _blas.select("auto")
+    assert prod is None and "a 3 x 2 product gave" in why
+    with pytest.raises(RuntimeError, match="cuBLAS products were asked for.*3 x 2 product"):
+        _blas.select("cublas")

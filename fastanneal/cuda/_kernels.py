@@ -718,3 +718,20 @@ def gather_rows_kernel(X, idx, out):
         a = t // D
         j = t - a * D
         out[a, j] = X[idx[a], j]
+
+
+@cuda.jit
+def distance_epilogue_kernel(G, m, xsq, r0, csq, metric):
+    """Turn the products ``G[i, k] = x_i . c_k`` (rows ``i < m``, written by a library GEMM)
+    into squared distances in place: ``||x_i||^2 + ||c_k||^2 - 2 x_i . c_k`` (``xsq[r0 +
+    i]``, ``csq[k]`` float64), or ``2 - 2 x_i . c_k`` for cosine, clamped at 0 -- the same
+    arithmetic as the end of :func:`distance_kernel` (and the CPU kernel). 2-D grid over
+    ``(K, m)``; one entry per thread."""
+    k, i = cuda.grid(2)
+    if i < m and k < G.shape[1]:
+        g = float64(G[i, k])
+        if metric == METRIC_COSINE:
+            d = 2.0 - 2.0 * g
+        else:
+            d = xsq[r0 + i] + csq[k] - 2.0 * g
+        G[i, k] = d if d > 0.0 else 0.0

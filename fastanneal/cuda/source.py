@@ -97,6 +97,12 @@ class CudaSource:
         float64 non-negative weights.
     metric : int
         0 euclidean, 1 cosine.
+    products : {"auto", "cublas", "numba"} or None, default=None
+        Who computes the pass's two matrix products (``X C^T`` and the dense ``R^T X``):
+        cuBLAS through CuPy, or the numba.cuda kernels; None reads
+        ``fastanneal._config.CUDA_PRODUCTS`` (default ``"auto"``: cuBLAS when CuPy is
+        installed, else the numba.cuda kernels). ``.products`` says which one runs and
+        ``.products_reason`` why (:mod:`fastanneal.cuda._blas`).
 
     Raises
     ------
@@ -104,10 +110,14 @@ class CudaSource:
         When no usable CUDA GPU (or the simulator) is present.
     """
 
-    def __init__(self, X, w, metric):
+    def __init__(self, X, w, metric, products=None):
         self._k = _require_cuda()
         from numba import cuda
+
+        from . import _blas
         self._cuda = cuda
+        self._prod, self.products_reason = _blas.select(products)
+        self.products = self._prod.name if self._prod is not None else "numba"
         X = np.asarray(X)
         if X.ndim != 2 or X.dtype not in (np.float32, np.float64):
             raise ValueError(f"X must be a 2-D float32/float64 array; got {X.dtype} with "
@@ -130,8 +140,9 @@ class CudaSource:
             self._w = cuda.to_device(w)
             xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
             self._xsq = cuda.to_device(xsq)
+            self._Xv = self._prod.view(self._X) if self._prod is not None else None
         else:
-            self._X = self._w = self._xsq = None
+            self._X = self._w = self._xsq = self._Xv = None
 
     # ------------------------------------------------------------------ helpers
     def _chunk_rows(self, K, BM):
@@ -141,13 +152,19 @@ class CudaSource:
         return max(1, c)
 
     def _chunk_buffers(self, chunk, K):
-        """The ``chunk x K`` distance/responsibility buffer and ``chunk`` labels (reused)."""
+        """The ``chunk x K`` distance/responsibility buffer and ``chunk`` labels (reused);
+        with library products also their view of the buffer and a ``K x D`` scratch."""
         key = (chunk, K)
         if self._buffers is None or self._buffers[0] != key:
             self._buffers = None        # free the old ones first
             cuda = self._cuda
-            self._buffers = (key, cuda.device_array((chunk, K), dtype=self.dtype),
-                             cuda.device_array(chunk, dtype=np.int32))
+            G = cuda.device_array((chunk, K), dtype=self.dtype)
+            Gv = Sblk = None
+            if self._prod is not None:
+                Gv = self._prod.view(G)
+                Sblk = self._prod.view(cuda.device_array((K, self.n_features),
+                                                         dtype=self.dtype))
+            self._buffers = (key, G, cuda.device_array(chunk, dtype=np.int32), Gv, Sblk)
         return self._buffers[1], self._buffers[2]
 
     def _centers(self, centers):
@@ -158,8 +175,14 @@ class CudaSource:
         csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
         return C, csq
 
-    def _launch_distances(self, kern, G, r0, m, dC, dcsq, bx, by):
+    def _launch_distances(self, kern, G, r0, m, dC, dcsq, bx, by, Cv=None):
         K = dC.shape[0]
+        if self._prod is not None:
+            # the product by cuBLAS into the chunk buffer, then the distance epilogue
+            self._prod.distances(self._Xv[r0:r0 + m], Cv, self._buffers[3][:m])
+            kern.distance_epilogue_kernel[(_cdiv(K, 16), _cdiv(m, 16)), (16, 16)](
+                G, m, self._xsq, r0, dcsq, self.metric)
+            return
         grid = (_cdiv(K, kern.MICRO_D * bx), _cdiv(m, kern.MICRO_D * by))
         shm = kern.distance_shared_bytes(bx, by, self.dtype.itemsize)
         kern.distance_kernel[grid, (bx, by), 0, shm](self._X, self._xsq, r0, m, dC, dcsq,
@@ -171,8 +194,12 @@ class CudaSource:
             G, m, self._w, r0, dlogp, use_prior, T, resp, float(log_eps_for(self.dtype)), R,
             labels, dHN, dscal, dmn)
 
-    def _launch_dense(self, kern, G, r0, m, R, bx, by, dS, dN):
+    def _launch_dense(self, kern, G, r0, m, R, bx, by, dS, dN, Sv=None, Nv=None):
         K, D = dS.shape
+        if self._prod is not None:
+            self._prod.accumulate(self._buffers[3][:m], self._Xv[r0:r0 + m],
+                                  self._buffers[4], Sv, Nv)
+            return
         flush_tiles = max(1, R // kern.TILE_A)
         BD = kern.MICRO_A * bx
         BK = kern.MICRO_A * by
@@ -221,11 +248,15 @@ class CudaSource:
         dscal = cuda.to_device(np.zeros(N_SCALARS))
         dmn = cuda.to_device(np.full(1, np.inf))
         G, labels = self._chunk_buffers(chunk, K)
+        prod = self._prod
+        Cv = prod.view(dC) if prod is not None else None
+        Sv = prod.view(dS) if prod is not None else None
+        Nv = prod.view(dN) if prod is not None else None
 
         nnz_before = 0.0
         for r0 in range(0, self.n_rows, chunk):
             m = min(chunk, self.n_rows - r0)
-            self._launch_distances(kern, G, r0, m, dC, dcsq, bx, by)
+            self._launch_distances(kern, G, r0, m, dC, dcsq, bx, by, Cv)
             self._launch_rows(kern, G, r0, m, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
                               dscal, dmn)
             nnz_now = float(dscal.copy_to_host()[S_NNZ])     # (syncs once per chunk)
@@ -234,7 +265,7 @@ class CudaSource:
             if nnz <= frac * m * K:
                 self._launch_sparse(kern, G, r0, m, tpb, R, dS, dN)
             else:
-                self._launch_dense(kern, G, r0, m, R, bx, by, dS, dN)
+                self._launch_dense(kern, G, r0, m, R, bx, by, dS, dN, Sv, Nv)
             if hard_sums:
                 kern.scatter_rows_kernel[(_cdiv(m, R), _cdiv(D, tpb)), tpb](
                     self._X, r0, m, labels, 0, self._w, r0, R, dHS)
@@ -261,9 +292,10 @@ class CudaSource:
         dmin = cuda.device_array(self.n_rows, dtype=np.float64)
         margin = cuda.device_array(self.n_rows, dtype=np.float64)
         G, _ = self._chunk_buffers(chunk, K)
+        Cv = self._prod.view(dC) if self._prod is not None else None
         for r0 in range(0, self.n_rows, chunk):
             m = min(chunk, self.n_rows - r0)
-            self._launch_distances(kern, G, r0, m, dC, dcsq, bx, by)
+            self._launch_distances(kern, G, r0, m, dC, dcsq, bx, by, Cv)
             kern.argmin_kernel[_cdiv(m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
                 G, m, R, r0, labels, dmin, margin)
         return labels, dmin, margin
@@ -366,17 +398,18 @@ class CudaSource:
         return "cuda:" + data_fingerprint(self._X_host, self._w_host, self.metric)
 
     def close(self):
-        self._X = self._w = self._xsq = None
+        self._X = self._w = self._xsq = self._Xv = None
         self._buffers = None
 
 
 def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibilities="softmax",
-                 log_prior=None, hard_sums=True):
+                 log_prior=None, hard_sums=True, products=None):
     """Moments of the rows ``X`` on the GPU: the CUDA twin of :func:`fastanneal.moments`.
 
     Same parameters, validation and result (a :class:`~fastanneal.Moments` of NumPy arrays)
     as :func:`fastanneal.moments`; ``X`` is copied to the device for this one call (hold the
-    data with :class:`CudaSource` to keep it there across calls).
+    data with :class:`CudaSource` to keep it there across calls). ``products`` as for
+    :class:`CudaSource`.
 
     Raises
     ------
@@ -396,7 +429,7 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
             raise ValueError(f"log_prior must have shape ({C.shape[0]},); got {log_prior.shape}")
         if np.isnan(log_prior).any() or (log_prior == np.inf).any():
             raise ValueError("log_prior contains NaN or +inf")
-    return CudaSource(X, w, mc).moments(C, T, rc, log_prior, hard_sums)
+    return CudaSource(X, w, mc, products).moments(C, T, rc, log_prior, hard_sums)
 
 
 __all__ = ["CudaSource", "cuda_moments", "is_available"]

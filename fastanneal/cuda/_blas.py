@@ -1,0 +1,129 @@
+"""The two matrix products of a CUDA moments pass through a library GEMM (cuBLAS, by CuPy).
+
+A pass has two products per chunk of rows: the distances' ``X C^T`` and the dense
+accumulation ``R^T X`` (``docs/theory.md`` gives the rest of the pass). The numba.cuda
+kernels compute both with SIMT FMAs (7-15 TFLOP/s on an H200, against ~49 for cuBLAS sgemm
+without TF32); :class:`CupyProducts` hands them to cuBLAS through CuPy and leaves the rest
+of the pass (distance epilogue, responsibilities, sparse accumulation, hard sums) to the
+numba.cuda kernels, which read and write the same device buffers (CuPy views them through
+``__cuda_array_interface__``; no copies). Both libraries launch on the legacy default
+stream, so the kernels and the GEMMs run in launch order.
+
+Why CuPy: it is the maintained Python binding of cuBLAS that accepts Numba's device arrays
+without a copy, ships as a wheel per CUDA major version (``cupy-cuda12x``), and exposes
+``matmul(..., out=)``, so no per-chunk allocation is needed. It is optional (the ``cuda``
+extra lists ``numba-cuda`` only): without it the pass uses the numba.cuda products.
+
+Precision: the products run in the rows' dtype (float32 sgemm without TF32, unless the
+user sets ``CUPY_TF32=1``); the dense accumulation is summed by cuBLAS over at most
+``CUDA_BLAS_ACCUM_ROWS`` rows (default 16384) and then added into the float64
+accumulators, as the CPU sums 512-row blocks in float32 GEMMs.
+
+:class:`SimulatedProducts` does the same two products with NumPy on the arrays behind the
+numba-cuda simulator's device arrays, so that the orchestration and the epilogue kernel are
+tested without a GPU; it is used only under ``NUMBA_ENABLE_CUDASIM=1``.
+"""
+import numpy as np
+
+from .. import _config
+
+DEFAULT_ACCUM_ROWS = 16384
+MODES = ("auto", "cublas", "numba")
+
+
+def accum_rows():
+    """Rows per dense-accumulation GEMM (``_config.CUDA_BLAS_ACCUM_ROWS``)."""
+    return max(1, int(getattr(_config, "CUDA_BLAS_ACCUM_ROWS", DEFAULT_ACCUM_ROWS)))
+
+
+def _simulator():
+    from numba import config
+    return bool(getattr(config, "ENABLE_CUDASIM", 0))
+
+
+class CupyProducts:
+    """cuBLAS products on Numba device arrays, through CuPy views (no copies)."""
+
+    name = "cublas"
+
+    def __init__(self):
+        import cupy
+        self.cp = cupy
+
+    def view(self, dev):
+        """A CuPy array over the memory of a Numba device array (or a slice of one)."""
+        return self.cp.asarray(dev)
+
+    def distances(self, Xv, Cv, Gv):
+        """``Gv[:] = Xv @ Cv.T`` (all CuPy views, the rows' dtype)."""
+        self.cp.matmul(Xv, Cv.T, out=Gv)
+
+    def accumulate(self, Gv, Xv, Sblk, S, N):
+        """``S += Gv^T Xv`` and ``N += column sums of Gv`` (``S``, ``N`` float64; ``Sblk``
+        a K x D scratch in the rows' dtype), ``accum_rows()`` rows per GEMM."""
+        cp = self.cp
+        step = accum_rows()
+        for a in range(0, Gv.shape[0], step):
+            g = Gv[a:a + step]
+            cp.matmul(g.T, Xv[a:a + step], out=Sblk)
+            cp.add(S, Sblk, out=S)
+            cp.add(N, g.sum(axis=0, dtype=cp.float64), out=N)
+
+
+class SimulatedProducts(CupyProducts):
+    """The same products with NumPy on the simulator's device arrays (tests only)."""
+
+    name = "cublas (simulated)"
+
+    def __init__(self):
+        self.cp = np
+
+    def view(self, dev):
+        return dev._ary            # the ndarray behind a FakeCUDAArray (slices share it)
+
+    def distances(self, Xv, Cv, Gv):
+        np.matmul(Xv, Cv.T, out=Gv)
+
+
+def _smoke(prod):
+    """One tiny product through ``prod`` on Numba device arrays, checked against NumPy:
+    catches a CuPy that imports but cannot run here (driver / CUDA version mismatch, no
+    interoperability) before a fit depends on it."""
+    from numba import cuda
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)
+    b = np.array([[1.0, -2.0], [0.5, 3.0]], dtype=np.float32)
+    da, db = cuda.to_device(a), cuda.to_device(b)
+    dg = cuda.device_array((3, 2), dtype=np.float32)
+    prod.distances(prod.view(da), prod.view(db), prod.view(dg))
+    got = dg.copy_to_host()
+    if not np.allclose(got, a @ b.T, rtol=1e-6, atol=1e-6):
+        raise RuntimeError(f"a 3 x 2 product gave {got.tolist()}, not {(a @ b.T).tolist()}")
+
+
+def select(mode=None):
+    """``(products or None, reason)`` for ``mode`` (default ``_config.CUDA_PRODUCTS``):
+
+    - ``"numba"``: None (the numba.cuda products);
+    - ``"cublas"``: cuBLAS through CuPy; a RuntimeError naming what is missing when CuPy
+      cannot be imported (under the simulator: :class:`SimulatedProducts`);
+    - ``"auto"``: cuBLAS when CuPy imports on a real GPU, else None with the reason.
+    """
+    mode = getattr(_config, "CUDA_PRODUCTS", "auto") if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"CUDA products must be one of {MODES}; got {mode!r}")
+    if mode == "numba":
+        return None, "numba.cuda products (asked for)"
+    if _simulator():
+        if mode == "cublas":
+            return SimulatedProducts(), "cuBLAS stand-in: NumPy under the numba-cuda simulator"
+        return None, "numba.cuda products: the simulator has no cuBLAS"
+    try:
+        prod = CupyProducts()
+        _smoke(prod)
+    except Exception as exc:      # ImportError, or CuPy's own errors (no CUDA runtime)
+        why = (f"CuPy is not usable here ({type(exc).__name__}: {exc}); install "
+               f"cupy-cuda12x (or the wheel for your CUDA major version)")
+        if mode == "cublas":
+            raise RuntimeError(f"fastanneal.cuda: cuBLAS products were asked for, but {why}")
+        return None, f"numba.cuda products: {why}"
+    return prod, "cuBLAS through CuPy"
