@@ -294,11 +294,13 @@ def stage_breakdown(src, C, T, resp, repeats):
     Cv, Sv, Nv = ((prod.view(dC), prod.view(dS), prod.view(dN)) if prod is not None
                   else (None, None, None))
 
+    ch = next(src._chunks(chunk))           # the first chunk (resident source: no copy)
+
     def dist():
-        src._launch_distances(kern, G, 0, m, dC, dcsq, bx, by, Cv)
+        src._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
 
     def rows():
-        src._launch_rows(kern, G, 0, m, tpb, R, dlogp, False, float(T), resp, labels, dHN,
+        src._launch_rows(kern, G, ch, tpb, R, dlogp, False, float(T), resp, labels, dHN,
                          dscal, dmn)
 
     def timed(fn, prep=None):
@@ -317,10 +319,9 @@ def stage_breakdown(src, C, T, resp, repeats):
     dist()
     rows()
     cuda.synchronize()
-    out["accumulate_dense"] = timed(lambda: src._launch_dense(kern, G, 0, m, R, bx, by, dS, dN,
+    out["accumulate_dense"] = timed(lambda: src._launch_dense(kern, G, ch, R, bx, by, dS, dN,
                                                               Sv, Nv))
-    out["accumulate_sparse"] = timed(lambda: src._launch_sparse(kern, G, 0, m, tpb, R, dS,
-                                                                 dN))
+    out["accumulate_sparse"] = timed(lambda: src._launch_sparse(kern, G, ch, tpb, R, dS, dN))
     out["chunks_per_pass"] = S._cdiv(src.n_rows, m)
     out["distance_tflops"] = 2.0 * m * K * D / out["distances"] / 1e12
     out["dense_accumulate_tflops"] = 2.0 * m * K * D / out["accumulate_dense"] / 1e12

@@ -666,3 +666,29 @@ def test_products_selection_checks_the_library_before_using_it(gpu, monkeypatch)
     assert prod is None and "a 3 x 2 product gave" in why
     with pytest.raises(RuntimeError, match="cuBLAS products were asked for.*3 x 2 product"):
         _blas.select("cublas")
+
+
+def test_rows_stay_on_the_host_when_they_do_not_fit(gpu, rng, monkeypatch):
+    """``resident=None`` copies the rows to the device only when they take at most
+    ``CUDA_RESIDENT_FRACTION`` of its free memory; a streamed source gives the resident
+    source's results (chunks of 13 rows: two staging buffers, each reused), empty too."""
+    from fastanneal.cuda import source
+    X, C, w = data(rng, 41, 6, 5, np.float32)
+    monkeypatch.setattr(source, "_free_bytes", lambda: 2.0 * (X.nbytes + 16 * 41))
+    assert gpu.CudaSource(X, w, 0).resident is True
+    monkeypatch.setattr(source, "_free_bytes", lambda: 1.5 * (X.nbytes + 16 * 41))
+    streamed = gpu.CudaSource(X, w, 0)
+    assert streamed.resident is False and streamed._X is None
+    resident = gpu.CudaSource(X, w, 0, resident=True)
+    T = typical_scale(X, C)[0]
+    for rc in (0, 1, 2):
+        assert_moments_close(streamed.moments(C, T, rc, None, True),
+                             resident.moments(C, T, rc, None, True), 1e-12, T, 5, f"resp {rc}")
+    for a, b in zip(streamed.assign(C), resident.assign(C)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(streamed.mean(), resident.mean(), rtol=1e-13)
+    lam_s = streamed.cluster_top_eigenvalues(C, 10, np.random.default_rng(1))
+    lam_r = resident.cluster_top_eigenvalues(C, 10, np.random.default_rng(1))
+    np.testing.assert_allclose(lam_s, lam_r, rtol=1e-12)
+    empty = gpu.CudaSource(np.zeros((0, 6), np.float32), np.zeros(0), 0, resident=False)
+    assert empty.moments(C, 1.0, 0).rows == 0

@@ -33,7 +33,10 @@ from fastanneal.gradient import value_and_grad_from_source
 
 from conftest import require_cuda
 
-KINDS = ["memory-f64", "memory-f32", "dask", "dask-stream", "cuda"]
+#: "cuda-streamed": rows kept in host memory and streamed through the GPU in chunks of 20
+#: (three per pass), the pass's products by the library path (NumPy standing in for cuBLAS
+#: under the simulator)
+KINDS = ["memory-f64", "memory-f32", "dask", "dask-stream", "cuda", "cuda-streamed"]
 RESP_NAMES = ["softmax", "entmax15", "hard"]
 
 
@@ -48,7 +51,7 @@ class Data:
     """The rows of one source kind (the simulator is slow: 48 rows for CUDA)."""
 
     def __init__(self, kind):
-        small = kind == "cuda"
+        small = kind.startswith("cuda")
         n, self.K, D = (48, 3, 4) if small else (1200, 5, 8)
         X, y = blobs(n, self.K, D, seed=11)
         self.w = np.random.default_rng(12).uniform(0.5, 2.0, n)
@@ -71,10 +74,17 @@ def ragged_chunks(n):
 def make_source(kind, X, w, request):
     if kind.startswith("memory"):
         return InMemorySource(np.ascontiguousarray(X), np.asarray(w, dtype=np.float64), 0)
-    if kind == "cuda":
+    if kind.startswith("cuda"):
         from fastanneal import cuda
         require_cuda()
         request.getfixturevalue("cuda_tuning")
+        if kind == "cuda-streamed":
+            request.getfixturevalue("monkeypatch").setattr(_config, "CUDA_CHUNK_ROWS", 20,
+                                                           raising=False)
+            src = cuda.CudaSource(np.ascontiguousarray(X), np.asarray(w, dtype=np.float64), 0,
+                                  products="cublas", resident=False)
+            assert not src.resident and src.products.startswith("cublas")
+            return src
         return cuda.CudaSource(np.ascontiguousarray(X), np.asarray(w, dtype=np.float64), 0)
     da = pytest.importorskip("dask.array")
     client = request.getfixturevalue("client")
@@ -274,7 +284,7 @@ def test_sample_returns_rows_of_X(src, data):
 
 
 def test_n_distinct_rows_with_duplicates(kind, data, request):
-    n_unique = 20 if kind == "cuda" else 150
+    n_unique = 20 if kind.startswith("cuda") else 150
     base = data.X[:n_unique]
     g = np.random.default_rng(9)
     idx = np.concatenate([np.arange(n_unique), g.choice(n_unique, 2 * n_unique)])
@@ -363,6 +373,34 @@ def test_gradient_solver_on_cuda_matches_in_memory(request):
     g_mem = np.asarray(mem.trace_["grad_norm"], dtype=float)
     assert np.isfinite(g_mem[:-1]).all() and (g_mem[:-1] > 0).all()
     assert_allclose(gpu.trace_["grad_norm"], g_mem, rtol=1e-6)
+
+
+def test_default_fit_streamed_through_the_gpu_matches_in_memory(request, monkeypatch):
+    """A default fit with ``backend="cuda"`` whose rows do not "fit" the device
+    (``CUDA_RESIDENT_FRACTION = 0``: streamed from host memory in chunks of 20 rows) and
+    whose products go through the library path gives the in-memory fit's partition."""
+    require_cuda()
+    request.getfixturevalue("cuda_tuning")
+    monkeypatch.setattr(_config, "CUDA_RESIDENT_FRACTION", 0.0, raising=False)
+    monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 20, raising=False)
+    monkeypatch.setattr(_config, "CUDA_PRODUCTS", "cublas")
+    d = Data("cuda")
+    mem = fa.AnnealedKMeans(d.K, random_state=0).fit(d.X, sample_weight=d.w)
+    from fastanneal.cuda import CudaSource
+    made = []
+    real_init = CudaSource.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(CudaSource, "__init__", spy)
+    gpu = fa.AnnealedKMeans(d.K, backend="cuda", random_state=0).fit(d.X, sample_weight=d.w)
+    assert made and all(not s.resident and s.products.startswith("cublas") for s in made)
+    assert_array_equal(gpu.labels_, mem.labels_)
+    assert_allclose(gpu.cluster_centers_, mem.cluster_centers_, rtol=1e-8,
+                    atol=1e-8 * np.abs(mem.cluster_centers_).max())
+    assert gpu.inertia_ == pytest.approx(mem.inertia_, rel=1e-8)
+    assert len(gpu.trace_) == len(mem.trace_)
 
 
 # ============================================================================ user sources

@@ -85,6 +85,55 @@ def _sm_count():
         return 1
 
 
+def _free_bytes():
+    """Free device memory in bytes (inf under the simulator)."""
+    from numba import cuda
+    try:
+        return float(cuda.current_context().get_memory_info().free)
+    except Exception:           # pragma: no cover - depends on the driver
+        return float("inf")
+
+
+class _Chunk:
+    """Rows ``[r0, r0 + m)`` on the device: ``X`` holds them from row ``off`` (the whole
+    resident array with ``off = r0``, or a staging buffer with ``off = 0``); ``xsq`` and
+    ``w`` are indexed like ``X``; ``Xv`` is the library products' view of ``X``."""
+    __slots__ = ("r0", "m", "X", "Xv", "xsq", "w", "off")
+
+    def __init__(self, r0, m, X, Xv, xsq, w, off):
+        self.r0, self.m, self.X, self.Xv, self.xsq, self.w, self.off = r0, m, X, Xv, xsq, w, off
+
+    def rows(self):
+        """``X`` cut to the chunk's rows (a device view)."""
+        return self.X[self.off:self.off + self.m]
+
+
+class _Stager:
+    """Two pinned host buffers and two device buffers of ``rows`` rows: chunk ``i`` is
+    copied into pinned buffer ``i % 2`` on the host and uploaded asynchronously (legacy
+    default stream, the one the kernels and CuPy use) into device buffer ``i % 2``; an
+    event per buffer says when its last upload finished, so that the host never overwrites
+    a pinned buffer still being read."""
+
+    def __init__(self, cuda, rows, D, dtype, prod):
+        self.rows = rows
+        self.stream = cuda.default_stream()
+        self.pinned = [cuda.pinned_array((rows, D), dtype=dtype) for _ in range(2)]
+        self.dev = [cuda.device_array((rows, D), dtype=dtype) for _ in range(2)]
+        self.view = [prod.view(d) if prod is not None else None for d in self.dev]
+        self.done = [None, None]
+        self._cuda = cuda
+
+    def load(self, slot, X, r0, m):
+        if self.done[slot] is not None:
+            self.done[slot].synchronize()
+        np.copyto(self.pinned[slot][:m], X[r0:r0 + m])
+        self.dev[slot][:m].copy_to_device(self.pinned[slot][:m], stream=self.stream)
+        ev = self._cuda.event()
+        ev.record(self.stream)
+        self.done[slot] = ev
+
+
 class CudaSource:
     """Moment source whose rows live on the GPU (see :mod:`fastanneal._sources`).
 
@@ -97,6 +146,14 @@ class CudaSource:
         float64 non-negative weights.
     metric : int
         0 euclidean, 1 cosine.
+    resident : bool or None, default=None
+        True: copy the rows to the GPU once (every pass then moves only centers and
+        results); False: keep them in host memory and stream them through the GPU chunk by
+        chunk in every pass (two pinned host buffers and two device buffers of one chunk
+        each; the host copy of the next chunk runs while the GPU works on this one), for
+        data that does not fit the GPU. None: resident when the rows take at most
+        ``fastanneal._config.CUDA_RESIDENT_FRACTION`` (default 0.5) of the free device
+        memory. ``.resident`` says which.
     products : {"auto", "cublas", "numba"} or None, default=None
         Who computes the pass's two matrix products (``X C^T`` and the dense ``R^T X``):
         cuBLAS through CuPy, or the numba.cuda kernels; None reads
@@ -110,7 +167,7 @@ class CudaSource:
         When no usable CUDA GPU (or the simulator) is present.
     """
 
-    def __init__(self, X, w, metric, products=None):
+    def __init__(self, X, w, metric, products=None, resident=None):
         self._k = _require_cuda()
         from numba import cuda
 
@@ -135,14 +192,19 @@ class CudaSource:
         self._w_host = w
         self._X_host = X     # the caller's validated array (no copy): host-side passes
         self._buffers = None
+        self._stage = None
+        self._X = self._Xv = self._w = self._xsq = None
+        if resident is None:
+            resident = X.nbytes + 16 * X.shape[0] <= (
+                float(getattr(_config, "CUDA_RESIDENT_FRACTION", 0.5)) * _free_bytes())
+        self.resident = bool(resident)
         if self.n_rows:
-            self._X = cuda.to_device(X)
             self._w = cuda.to_device(w)
             xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
             self._xsq = cuda.to_device(xsq)
-            self._Xv = self._prod.view(self._X) if self._prod is not None else None
-        else:
-            self._X = self._w = self._xsq = self._Xv = None
+            if self.resident:
+                self._X = cuda.to_device(X)
+                self._Xv = self._prod.view(self._X) if self._prod is not None else None
 
     # ------------------------------------------------------------------ helpers
     def _chunk_rows(self, K, BM):
@@ -150,6 +212,35 @@ class CudaSource:
         c = min(c, max(BM, MAX_BUFFER_BYTES // (K * self.dtype.itemsize)))
         c = min(c, 65535 * BM, self.n_rows)     # grid.y limit of the distance kernel
         return max(1, c)
+
+    def _chunks(self, chunk):
+        """The rows as :class:`_Chunk` s of at most ``chunk`` rows, in order. Streamed
+        sources upload chunk ``i + 1`` once the caller has launched its work on chunk
+        ``i`` (the host copy then overlaps that work)."""
+        n = self.n_rows
+        starts = range(0, n, chunk)
+        if self.resident:
+            for r0 in starts:
+                yield _Chunk(r0, min(chunk, n - r0), self._X, self._Xv, self._xsq, self._w, r0)
+            return
+        if self._stage is None or self._stage.rows < chunk:
+            self._stage = None
+            self._stage = _Stager(self._cuda, chunk, self.n_features, self.dtype, self._prod)
+        st = self._stage
+        X = self._X_host
+        st.load(0, X, 0, min(chunk, n))
+        for i, r0 in enumerate(starts):
+            m = min(chunk, n - r0)
+            s = i % 2
+            yield _Chunk(r0, m, st.dev[s], st.view[s], self._xsq[r0:r0 + m],
+                         self._w[r0:r0 + m], 0)
+            nxt = r0 + chunk
+            if nxt < n:
+                st.load(1 - s, X, nxt, min(chunk, n - nxt))
+
+    def _stage_rows(self):
+        return max(1, min(int(getattr(_config, "CUDA_CHUNK_ROWS", DEFAULT_CHUNK_ROWS)),
+                          self.n_rows))
 
     def _chunk_buffers(self, chunk, K):
         """The ``chunk x K`` distance/responsibility buffer and ``chunk`` labels (reused);
@@ -175,30 +266,32 @@ class CudaSource:
         csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
         return C, csq
 
-    def _launch_distances(self, kern, G, r0, m, dC, dcsq, bx, by, Cv=None):
+    def _launch_distances(self, kern, G, ch, dC, dcsq, bx, by, Cv=None):
         K = dC.shape[0]
+        m = ch.m
         if self._prod is not None:
             # the product by cuBLAS into the chunk buffer, then the distance epilogue
-            self._prod.distances(self._Xv[r0:r0 + m], Cv, self._buffers[3][:m])
+            self._prod.distances(ch.Xv[ch.off:ch.off + m], Cv, self._buffers[3][:m])
             kern.distance_epilogue_kernel[(_cdiv(K, 16), _cdiv(m, 16)), (16, 16)](
-                G, m, self._xsq, r0, dcsq, self.metric)
+                G, m, ch.xsq, ch.off, dcsq, self.metric)
             return
         grid = (_cdiv(K, kern.MICRO_D * bx), _cdiv(m, kern.MICRO_D * by))
         shm = kern.distance_shared_bytes(bx, by, self.dtype.itemsize)
-        kern.distance_kernel[grid, (bx, by), 0, shm](self._X, self._xsq, r0, m, dC, dcsq,
+        kern.distance_kernel[grid, (bx, by), 0, shm](ch.X, ch.xsq, ch.off, m, dC, dcsq,
                                                      self.metric, G)
 
-    def _launch_rows(self, kern, G, r0, m, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
+    def _launch_rows(self, kern, G, ch, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
                      dscal, dmn):
-        kern.rows_kernel[_cdiv(m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
-            G, m, self._w, r0, dlogp, use_prior, T, resp, float(log_eps_for(self.dtype)), R,
-            labels, dHN, dscal, dmn)
+        kern.rows_kernel[_cdiv(ch.m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
+            G, ch.m, ch.w, ch.off, dlogp, use_prior, T, resp, float(log_eps_for(self.dtype)),
+            R, labels, dHN, dscal, dmn)
 
-    def _launch_dense(self, kern, G, r0, m, R, bx, by, dS, dN, Sv=None, Nv=None):
+    def _launch_dense(self, kern, G, ch, R, bx, by, dS, dN, Sv=None, Nv=None):
         K, D = dS.shape
+        m, r0 = ch.m, ch.off
         if self._prod is not None:
-            self._prod.accumulate(self._buffers[3][:m], self._Xv[r0:r0 + m],
-                                  self._buffers[4], Sv, Nv)
+            self._prod.accumulate(self._buffers[3][:m], ch.Xv[r0:r0 + m], self._buffers[4],
+                                  Sv, Nv)
             return
         flush_tiles = max(1, R // kern.TILE_A)
         BD = kern.MICRO_A * bx
@@ -211,12 +304,12 @@ class CudaSource:
         splits = _cdiv(m, per)
         shm = kern.accum_shared_bytes(bx, by, self.dtype.itemsize)
         kern.accum_dense_kernel[(_cdiv(D, BD), _cdiv(K, BK), splits), (bx, by), 0, shm](
-            G, self._X, r0, m, per, flush_tiles, dS, dN)
+            G, ch.X, r0, m, per, flush_tiles, dS, dN)
 
-    def _launch_sparse(self, kern, G, r0, m, tpb, R, dS, dN):
+    def _launch_sparse(self, kern, G, ch, tpb, R, dS, dN):
         D = dS.shape[1]
-        kern.accum_sparse_kernel[(_cdiv(m, R), _cdiv(D, tpb)), tpb, 0, 2 * tpb * 8](
-            G, self._X, r0, m, R, dS, dN)
+        kern.accum_sparse_kernel[(_cdiv(ch.m, R), _cdiv(D, tpb)), tpb, 0, 2 * tpb * 8](
+            G, ch.X, ch.off, ch.m, R, dS, dN)
 
     # ------------------------------------------------------------------ interface
     def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
@@ -254,21 +347,21 @@ class CudaSource:
         Nv = prod.view(dN) if prod is not None else None
 
         nnz_before = 0.0
-        for r0 in range(0, self.n_rows, chunk):
-            m = min(chunk, self.n_rows - r0)
-            self._launch_distances(kern, G, r0, m, dC, dcsq, bx, by, Cv)
-            self._launch_rows(kern, G, r0, m, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
+        for ch in self._chunks(chunk):
+            m = ch.m
+            self._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
+            self._launch_rows(kern, G, ch, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
                               dscal, dmn)
             nnz_now = float(dscal.copy_to_host()[S_NNZ])     # (syncs once per chunk)
             nnz = nnz_now - nnz_before
             nnz_before = nnz_now
             if nnz <= frac * m * K:
-                self._launch_sparse(kern, G, r0, m, tpb, R, dS, dN)
+                self._launch_sparse(kern, G, ch, tpb, R, dS, dN)
             else:
-                self._launch_dense(kern, G, r0, m, R, bx, by, dS, dN, Sv, Nv)
+                self._launch_dense(kern, G, ch, R, bx, by, dS, dN, Sv, Nv)
             if hard_sums:
                 kern.scatter_rows_kernel[(_cdiv(m, R), _cdiv(D, tpb)), tpb](
-                    self._X, r0, m, labels, 0, self._w, r0, R, dHS)
+                    ch.X, ch.off, m, labels, 0, ch.w, ch.off, R, dHS)
         sc = dscal.copy_to_host()
         return Moments(
             N=dN.copy_to_host(), S=dS.copy_to_host(), soft_distortion=float(sc[S_SOFT_DIST]),
@@ -293,11 +386,10 @@ class CudaSource:
         margin = cuda.device_array(self.n_rows, dtype=np.float64)
         G, _ = self._chunk_buffers(chunk, K)
         Cv = self._prod.view(dC) if self._prod is not None else None
-        for r0 in range(0, self.n_rows, chunk):
-            m = min(chunk, self.n_rows - r0)
-            self._launch_distances(kern, G, r0, m, dC, dcsq, bx, by, Cv)
-            kern.argmin_kernel[_cdiv(m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
-                G, m, R, r0, labels, dmin, margin)
+        for ch in self._chunks(chunk):
+            self._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
+            kern.argmin_kernel[_cdiv(ch.m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
+                G, ch.m, R, ch.r0, labels, dmin, margin)
         return labels, dmin, margin
 
     def assign(self, centers):
@@ -312,8 +404,9 @@ class CudaSource:
         kern = self._k
         tpb, R, _ = _launch_params(kern)
         out = self._cuda.to_device(np.zeros((K, self.n_features)))
-        kern.scatter_rows_kernel[(_cdiv(self.n_rows, R), _cdiv(self.n_features, tpb)), tpb](
-            self._X, 0, self.n_rows, labels, 0 if use_labels else -1, wts, 0, R, out)
+        for ch in self._chunks(self._stage_rows()):
+            kern.scatter_rows_kernel[(_cdiv(ch.m, R), _cdiv(self.n_features, tpb)), tpb](
+                ch.X, ch.off, ch.m, labels, ch.r0 if use_labels else -1, wts, ch.r0, R, out)
         return out.copy_to_host()
 
     def mean(self):
@@ -328,14 +421,11 @@ class CudaSource:
         if n >= self.n_rows:
             if self.n_rows == 0:
                 return np.empty((0, self.n_features), self.dtype), self._w_host
-            return self._X.copy_to_host(), self._w_host
+            return self._X_host.copy(), self._w_host
         idx = np.sort(rng.choice(self.n_rows, size=n, replace=False))
-        out = self._cuda.device_array((n, self.n_features), dtype=self.dtype)
-        if n:
-            total = n * self.n_features
-            self._k.gather_rows_kernel[_cdiv(total, 256), 256](
-                self._X, self._cuda.to_device(idx.astype(np.int64)), out)
-        return out.copy_to_host(), self._w_host[idx]
+        # (from the host array the source was built from: the same rows, no device round
+        # trip, and the same for resident and streamed sources)
+        return np.ascontiguousarray(self._X_host[idx]), self._w_host[idx]
 
     def cluster_top_eigenvalues(self, centers, n_iter, rng, return_vectors=False,
                                 means=None, tol=None, start=None):
@@ -363,8 +453,11 @@ class CudaSource:
         def matvec(mu, V):
             dmu = cuda.to_device(np.ascontiguousarray(mu, dtype=np.float64))
             dV = cuda.to_device(np.ascontiguousarray(V, dtype=np.float64))
-            kern.rowdot_kernel[_cdiv(self.n_rows, R), tpb, 0, tpb * 8](
-                self._X, self.n_rows, dlabels, use_labels, dmu, dV, self._w, R, s)
+            for ch in self._chunks(self._stage_rows()):
+                a, b = ch.r0, ch.r0 + ch.m
+                kern.rowdot_kernel[_cdiv(ch.m, R), tpb, 0, tpb * 8](
+                    ch.rows(), ch.m, dlabels[a:b] if use_labels else dlabels, use_labels,
+                    dmu, dV, self._w[a:b], R, s[a:b])
             sx = self._weighted_row_sums(dlabels, use_labels, s, K)
             ssum = np.bincount(labels, weights=s.copy_to_host(), minlength=K)
             return sx - mu * ssum[:, None]
@@ -399,7 +492,7 @@ class CudaSource:
 
     def close(self):
         self._X = self._w = self._xsq = self._Xv = None
-        self._buffers = None
+        self._buffers = self._stage = None
 
 
 def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibilities="softmax",
