@@ -181,7 +181,7 @@ class ParquetDataset:
 
 # ------------------------------------------------------------------------- the stream
 def open_parquet(path, column="embedding", weight=None, id=None, *, metric="euclidean",
-                 dtype=None, chunk_rows=4096, prefetch=1):
+                 dtype=None, chunk_rows=4096, prefetch=1, device=None):
     """Open Parquet embeddings for out-of-core annealing in this process (no Dask).
 
     ``MiniBatchAnnealedKMeans(K).fit(open_parquet("log.parquet", weight="count"))`` anneals
@@ -207,10 +207,18 @@ def open_parquet(path, column="embedding", weight=None, id=None, *, metric="eucl
         Rows per mini-batch update (``batch_size`` of the estimator rounds to whole chunks).
     prefetch : int
         Row groups decoded ahead in a background thread (0: none).
+    device : {None, "cpu", "cuda"}
+        Where the batches' and the full passes' moments are computed: the CPU kernels
+        (None, "cpu"), or the GPU (``"cuda"``: each decoded batch is streamed through the
+        GPU by :class:`fastanneal.cuda.CudaBlocks`, the products by cuBLAS where CuPy is
+        installed). The seeding sample, the per-cluster statistics and the final labelling
+        pass stay on the CPU.
     """
     from ._validation import metric_code
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
     return ParquetStream(ParquetDataset(path), column, weight, id, metric_code(metric),
-                         dtype, chunk_rows, prefetch)
+                         dtype, chunk_rows, prefetch, device)
 
 
 def _passes_base():
@@ -227,9 +235,11 @@ class ParquetStream(_passes_base()):
     nthreads = 0                              # the kernels use every Numba thread
 
     def __init__(self, data, column="embedding", weight=None, id=None, metric=0, dtype=None,
-                 chunk_rows=4096, prefetch=1):
+                 chunk_rows=4096, prefetch=1, device=None):
         import pyarrow as pa
         self.data = data
+        self.device = "cuda" if device == "cuda" else "cpu"
+        self._gpu = None
         names = data.column_names
         for what, col in (("embedding", column), ("weight", weight), ("id", id)):
             if col is not None and col not in names:
@@ -335,14 +345,22 @@ class ParquetStream(_passes_base()):
             out.extend(js[k] for k in rng.permutation(len(js)))
         return np.asarray(out, dtype=np.int64)
 
-    def batch_moments(self, ids, C, T, resp, log_prior):
+    def _block_moments(self, X, w, C, T, resp, log_prior, hard_sums):
+        """One block's moments on this stream's device (the CPU kernels or the GPU)."""
+        if self.device == "cuda":
+            if self._gpu is None:
+                from .cuda import CudaBlocks
+                self._gpu = CudaBlocks(self.n_features, self.dtype, self.metric)
+            return self._gpu.moments(X, w, C, T, resp, log_prior, hard_sums)
         from ._moments import compute_moments
+        return compute_moments(X, w, C, T, self.metric, resp, log_prior, hard_sums=hard_sums)
+
+    def batch_moments(self, ids, C, T, resp, log_prior):
         m = None
         for j in ids:
             p, a, b = self.chunks[j]
             ch = self._piece(p)
-            mi = compute_moments(ch.X[a:b], ch.w[a:b], C, T, self.metric, resp, log_prior,
-                                 hard_sums=False)
+            mi = self._block_moments(ch.X[a:b], ch.w[a:b], C, T, resp, log_prior, False)
             m = mi if m is None else m + mi
         return m
 
@@ -389,9 +407,9 @@ class ParquetStream(_passes_base()):
         return total
 
     def moments(self, centers, T, resp=0, log_prior=None, hard_sums=False):
-        from ._moments import Moments, compute_moments
-        m = self._reduce(lambda ch: compute_moments(ch.X, ch.w, centers, T, self.metric, resp,
-                                                    log_prior, hard_sums=hard_sums))
+        from ._moments import Moments
+        m = self._reduce(lambda ch: self._block_moments(ch.X, ch.w, centers, T, resp,
+                                                        log_prior, hard_sums))
         if m is None:
             return Moments.zeros(np.shape(centers)[0], self.n_features, T, hard_sums=hard_sums)
         return m
@@ -429,3 +447,6 @@ class ParquetStream(_passes_base()):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None

@@ -692,3 +692,52 @@ def test_rows_stay_on_the_host_when_they_do_not_fit(gpu, rng, monkeypatch):
     np.testing.assert_allclose(lam_s, lam_r, rtol=1e-12)
     empty = gpu.CudaSource(np.zeros((0, 6), np.float32), np.zeros(0), 0, resident=False)
     assert empty.moments(C, 1.0, 0).rows == 0
+
+
+def test_parquet_stream_reduces_its_blocks_on_the_gpu(gpu, tmp_path, monkeypatch):
+    """``open_parquet(..., device="cuda")``: every full pass and every mini-batch is reduced
+    by the GPU (row groups decoded on the CPU, streamed through the device in chunks of
+    13 rows, products by the library path), and a mini-batch fit over it equals the CPU
+    stream's fit; a bad device is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fastanneal import MiniBatchAnnealedKMeans
+    from fastanneal._parquet import open_parquet
+    monkeypatch.setattr(_config, "CUDA_PRODUCTS", "cublas")
+    rng = np.random.default_rng(4)
+    n, D, K = 60, 5, 3
+    centers = rng.normal(size=(K, D)) * 6
+    X = (centers[rng.integers(0, K, n)] + rng.normal(size=(n, D))).astype(np.float32)
+    cnt = rng.integers(1, 5, n).astype(np.int64)
+    p = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"count": cnt, "emb": pa.FixedSizeListArray.from_arrays(
+        pa.array(X.ravel()), D)}), p, row_group_size=25)
+    cpu = open_parquet(p, column="emb", weight="count", chunk_rows=16)
+    dev = open_parquet(p, column="emb", weight="count", chunk_rows=16, device="cuda")
+    calls = []
+    real = gpu.CudaBlocks.moments
+    monkeypatch.setattr(gpu.CudaBlocks, "moments",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    C = X[:K].astype(np.float64) + 0.5
+    T = float(np.median(((X[:, None] - C[None]) ** 2).sum(-1)))
+    for rc in (0, 2):
+        assert_moments_close(dev.moments(C, T, rc, None, True),
+                             cpu.moments(C, T, rc, None, True), 1e-4, T, K, f"full, resp {rc}")
+    assert len(calls) == 2 * 3                           # three row groups, two passes
+    mb = dev.batch_moments([0, 3], C, T, 0, None)      # 16 + 9 rows of two row groups
+    mc = cpu.batch_moments([0, 3], C, T, 0, None)
+    assert mb.rows == mc.rows == 25 and mb.hard_sums is None
+    for f in ("N", "S", "free_energy", "hard_distortion", "entropy"):
+        np.testing.assert_allclose(getattr(mb, f), getattr(mc, f), rtol=1e-4,
+                                   atol=1e-4 * np.abs(getattr(mc, f)).max(), err_msg=f)
+    kw = dict(random_state=0, n_steps=4)
+    a = MiniBatchAnnealedKMeans(K, **kw).fit(cpu)
+    before = len(calls)
+    b = MiniBatchAnnealedKMeans(K, **kw).fit(dev)
+    assert len(calls) > before + 3                     # the fit's passes ran on the GPU
+    np.testing.assert_array_equal(a.predict(X), b.predict(X))
+    np.testing.assert_allclose(b.cluster_centers_, a.cluster_centers_, rtol=1e-4, atol=1e-4)
+    assert dev._gpu is None                              # the fit closed the stream
+    with pytest.raises(ValueError, match="device must be"):
+        open_parquet(p, column="emb", device="gpu")

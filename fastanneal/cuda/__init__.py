@@ -5,6 +5,6 @@
 ``RuntimeError`` when no usable GPU is present. Tests run the kernels on the numba-cuda
 simulator (``NUMBA_ENABLE_CUDASIM=1``).
 """
-from .source import CudaSource, cuda_moments, is_available
+from .source import CudaBlocks, CudaSource, cuda_moments, is_available
 
-__all__ = ["CudaSource", "cuda_moments", "is_available"]
+__all__ = ["CudaBlocks", "CudaSource", "cuda_moments", "is_available"]

@@ -494,6 +494,45 @@ class CudaSource:
         self._X = self._w = self._xsq = self._Xv = None
         self._buffers = self._stage = None
 
+    def _set_rows(self, X, w):
+        """Make the host block ``(X, w)`` this streamed source's rows (weights and squared
+        norms uploaded; the staging and chunk buffers are kept). For :class:`CudaBlocks`."""
+        X = np.ascontiguousarray(X, dtype=self.dtype)
+        if X.ndim != 2 or X.shape[1] != self.n_features:
+            raise ValueError(f"a block must have shape (n, {self.n_features}); got {X.shape}")
+        w = np.ascontiguousarray(w, dtype=np.float64)
+        self._X_host, self._w_host = X, w
+        self.n_rows = X.shape[0]
+        self.total_weight = float(w.sum())
+        if self.n_rows:
+            self._w = self._cuda.to_device(w)
+            self._xsq = self._cuda.to_device(np.einsum("ij,ij->i", X, X, dtype=np.float64))
+
+
+class CudaBlocks:
+    """Moments of host row blocks on the GPU, block after block, with one set of device
+    buffers: the out-of-core route's per-block pass (``open_parquet(..., device="cuda")``
+    decodes a row group on the CPU and reduces it here). Each block's rows are streamed
+    through the GPU as in :class:`CudaSource` with ``resident=False``; ``products`` as
+    there.
+
+    ``moments(X, w, C, T, resp, log_prior, hard_sums)`` returns the block's
+    :class:`~fastanneal.Moments` (NumPy), the contract of every backend: blocks add up.
+    """
+
+    def __init__(self, n_features, dtype, metric, products=None):
+        self._src = CudaSource(np.zeros((0, int(n_features)), dtype=dtype), np.zeros(0),
+                               metric, products=products, resident=False)
+        self.products = self._src.products
+        self.products_reason = self._src.products_reason
+
+    def moments(self, X, w, centers, T, resp=0, log_prior=None, hard_sums=False):
+        self._src._set_rows(X, w)
+        return self._src.moments(centers, T, resp, log_prior, hard_sums)
+
+    def close(self):
+        self._src.close()
+
 
 def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibilities="softmax",
                  log_prior=None, hard_sums=True, products=None):
@@ -525,4 +564,4 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
     return CudaSource(X, w, mc, products).moments(C, T, rc, log_prior, hard_sums)
 
 
-__all__ = ["CudaSource", "cuda_moments", "is_available"]
+__all__ = ["CudaBlocks", "CudaSource", "cuda_moments", "is_available"]
