@@ -10,24 +10,35 @@ or ``bash benchmarks/gpu_check.sh`` (which does that). Sections:
 
 (a) correctness -- N=20000, D=384, K=256, float32 Gaussian-mixture data: moments on the GPU
     (softmax at high and low T, entmax15, hard) against the CPU kernels in float32 and in
-    float64 (the truth for the same float32 inputs). A field passes when the GPU's error
+    float64 (the truth for the same float32 inputs), once per product path (``--products``:
+    ``numba`` = the numba.cuda GEMM kernels, ``cublas`` = cuBLAS through CuPy; a path that
+    cannot run here is reported and skipped). A field passes when the GPU's error
     against float64 is at most ``max(4 x CPU-float32 error, 1e-5)`` (relative to the field's
     scale); fields that depend on the hard labels may differ only by rows whose float64
     margin is below ``1e-5 x median distance`` (rounding ties), which is reported.
 (b) timing -- seconds per moments pass for N = 1,000,000, D = 384, K in {256, 1024}
-    (float32; softmax dense at high T, softmax at low T, entmax15), next to the cuBLAS
-    GEMM ``X @ C.T`` (cupy, else torch; fp32, no TF32) timed with CUDA events, and the ratio.
-    Every timing is a median of repeats after a warm-up call. A per-stage breakdown of one
-    chunk (distances, responsibilities, dense or sparse accumulation) says where time goes.
+    (float32; softmax dense at high T, softmax at low T, entmax15), per product path, next
+    to the cuBLAS GEMM ``X @ C.T`` (cupy, else torch; fp32, no TF32) timed with CUDA events,
+    and the ratio. Every timing is a median of repeats after a warm-up call. A per-stage
+    breakdown of one chunk (distances, responsibilities, dense or sparse accumulation) says
+    where time goes.
+(c) peers -- N = 1,000,000, D = 384, K in {256, 1024}: a default ``AnnealedKMeans(K,
+    backend="cuda")`` fit end to end, faiss-gpu ``Kmeans(niter=25, gpu=True)`` and cuML
+    ``KMeans`` where they are installed (each with its SSE on the same rows), and a plain
+    CuPy dense soft k-means iteration against one fastanneal dense pass.
+(d) k20000 -- the classic faiss size, 1M x 256 into 20,000 centroids: 25 annealing passes
+    (centers re-estimated after each, T falling geometrically), and faiss-gpu's 25
+    iterations where installed.
 
 Each section runs in its own try/except; the JSON (``--out``, else $GPU_CHECK_OUT, else
 benchmarks/results/gpu_check.json) records results, errors and an overall PASS/FAIL.
 ``--tiny`` shrinks every size (seconds under the simulator); ``--sim`` sets
 NUMBA_ENABLE_CUDASIM=1 (with ``--tiny``: the logic test used by the test suite).
 
-Measured on one H200 (numba 0.68.0, NumPy 2.5; see fastanneal/cuda/_kernels.py for the
-breakdown): correctness PASS (GPU errors at or below the CPU float32 kernel's); seconds per
-pass K=256: 0.065 dense softmax, 0.045 low-T softmax, 0.074 entmax15 (cuBLAS GEMM 4.1 ms);
+Measured on one H200 before the cuBLAS path existed (numba 0.68.0, NumPy 2.5; see
+fastanneal/cuda/_kernels.py for the breakdown; sections (a)-(b), numba products):
+correctness PASS (GPU errors at or below the CPU float32 kernel's); seconds per pass
+K=256: 0.065 dense softmax, 0.045 low-T softmax, 0.074 entmax15 (cuBLAS GEMM 4.1 ms);
 K=1024: 0.19, 0.10, 0.15 (GEMM 16 ms). The whole script ran in about 70 s.
 """
 import argparse

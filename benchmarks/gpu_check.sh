@@ -6,7 +6,7 @@
 # Runs from the repository root with PYTHONPATH=. (fastanneal need not be installed; dask is
 # not needed). Needs python3 with numpy, numba, numba-cuda, and cupy or torch for the GEMM
 # floor. Default JSON: $GPU_CHECK_OUT, else benchmarks/results/gpu_check.json. Wall-clock
-# limit: $GPU_CHECK_TIMEOUT seconds (default 280). Set GPU_CHECK_TESTS=1 to also run
+# limit: $GPU_CHECK_TIMEOUT seconds (default 420). Set GPU_CHECK_TESTS=1 to also run
 # tests/test_cuda_sim.py on the real GPU first (FASTANNEAL_REAL_CUDA=1; needs pytest).
 # Exit status: 0 when every section passed.
 set -uo pipefail
@@ -40,7 +40,7 @@ if [[ "${GPU_CHECK_TESTS:-0}" == "1" ]]; then
     echo "tests exit status: $rc_tests"
 fi
 
-timeout "${GPU_CHECK_TIMEOUT:-280}" python3 benchmarks/gpu_check.py --out "$out" "$@"
+timeout "${GPU_CHECK_TIMEOUT:-420}" python3 benchmarks/gpu_check.py --out "$out" "$@"
 rc=$?
 echo "gpu_check.py exit status: $rc (JSON: $out)"
 if [[ $rc -eq 0 && $rc_tests -ne 0 ]]; then

@@ -43,8 +43,9 @@ reduction, ``log2(threads)`` ``__syncthreads``, per step), ``G^T X`` 6.7 ms, the
 scatter 0.9 ms at 0.3 % non-zeros (it is bound by float64 atomics, ``nnz * D`` of them, and
 costs 9x ``G^T X`` on a fully dense chunk, hence the sparse-fraction switch). Memory traffic
 is minor (``G`` is written once and read three times per chunk). Closing the gap to the
-GEMM floor would take cuBLAS/tensor-core GEMMs for the two products (the row kernel would
-stay): about 2 GEMMs + 2 ms per chunk.
+GEMM floor takes library GEMMs for the two products: :mod:`fastanneal.cuda._blas` runs them
+through cuBLAS (CuPy) and :func:`distance_epilogue_kernel` turns the product into distances;
+the row kernel stays (about 2 GEMMs + 2 ms per chunk expected, not yet measured).
 
 Accumulators (``N``, ``S``, hard sums, scalars) are float64 everywhere; within a GEMM tile
 the products are summed in the input dtype over at most ``CUDA_ROWS_PER_BLOCK`` rows (or

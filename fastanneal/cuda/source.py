@@ -1,4 +1,5 @@
-"""The CUDA moment source: rows held on the GPU, moments computed by numba.cuda kernels.
+"""The CUDA moment source: rows held on the GPU (or streamed through it from host memory),
+moments computed by numba.cuda kernels around cuBLAS products (:mod:`._blas`).
 
 Importing this module does not import ``numba.cuda``; constructing a :class:`CudaSource`
 (or calling :func:`cuda_moments`) does, and raises a clear :class:`RuntimeError` when no
@@ -140,8 +141,9 @@ class CudaSource:
     Parameters
     ----------
     X : ndarray (n, D)
-        C-contiguous float32 or float64 (unit rows for cosine). Copied to the device once;
-        every call after that moves only centers and results.
+        C-contiguous float32 or float64 (unit rows for cosine). Copied to the device once
+        when it fits (``resident``), else streamed from this array in every pass (it must
+        not change while the source is in use).
     w : ndarray (n,)
         float64 non-negative weights.
     metric : int
