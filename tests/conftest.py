@@ -57,6 +57,20 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "clinc150.parquet"
 
 
+def require_library_products():
+    """The library-product path (cuBLAS by CuPy) of the CUDA tests: on the simulator NumPy
+    stands in for cuBLAS, so it always runs; on a real GPU (FASTANNEAL_REAL_CUDA=1) without
+    a usable CuPy the test skips, naming why (the GPU machine's image decides)."""
+    require_cuda()
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return
+    from fastanneal.cuda import _blas
+    try:
+        _blas.select("cublas")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
 def require_cuda():
     """CUDA tests run on the simulator (numba-cuda is in the test extra), so an unavailable
     backend is a broken install and fails the test; only with FASTANNEAL_REAL_CUDA=1 on a

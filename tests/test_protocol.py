@@ -31,7 +31,7 @@ from fastanneal._protocol import MomentSource, check_source
 from fastanneal._sources import InMemorySource
 from fastanneal.gradient import value_and_grad_from_source
 
-from conftest import require_cuda
+from conftest import require_cuda, require_library_products
 
 #: "cuda-streamed": rows kept in host memory and streamed through the GPU in chunks of 20
 #: (three per pass), the pass's products by the library path (NumPy standing in for cuBLAS
@@ -79,6 +79,7 @@ def make_source(kind, X, w, request):
         require_cuda()
         request.getfixturevalue("cuda_tuning")
         if kind == "cuda-streamed":
+            require_library_products()
             request.getfixturevalue("monkeypatch").setattr(_config, "CUDA_CHUNK_ROWS", 20,
                                                            raising=False)
             src = cuda.CudaSource(np.ascontiguousarray(X), np.asarray(w, dtype=np.float64), 0,
@@ -379,7 +380,7 @@ def test_default_fit_streamed_through_the_gpu_matches_in_memory(request, monkeyp
     """A default fit with ``backend="cuda"`` whose rows do not "fit" the device
     (``CUDA_RESIDENT_FRACTION = 0``: streamed from host memory in chunks of 20 rows) and
     whose products go through the library path gives the in-memory fit's partition."""
-    require_cuda()
+    require_library_products()
     request.getfixturevalue("cuda_tuning")
     monkeypatch.setattr(_config, "CUDA_RESIDENT_FRACTION", 0.0, raising=False)
     monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 20, raising=False)
