@@ -93,8 +93,9 @@ def _add_cluster_options(p, demo=False):
     p.add_argument("--responsibilities", choices=["softmax", "entmax15"], default="softmax",
                    help="soft assignment rule (default: softmax)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
-    p.add_argument("--backend", choices=["cpu", "dask"], default="cpu",
-                   help="where the fit runs (default: cpu)")
+    p.add_argument("--backend", choices=["cpu", "cuda", "dask"], default="cpu",
+                   help="where the fit runs (default: cpu; cuda: an NVIDIA GPU, pip install "
+                        "'fastanneal[cuda]'; out of core, the GPU reduces the batches)")
     p.add_argument("--memory-limit", type=_size, metavar="SIZE",
                    help="Parquet input with --embedding-column: when the embeddings need more "
                         "than SIZE (e.g. 8G; default: half of this machine's memory), cluster "

@@ -304,9 +304,9 @@ def fit_stream(log, args, console):
     if args.schedule == "critical":
         raise CLIError("--schedule critical needs the embeddings in memory; use the default "
                        "schedule out of core, or raise --memory-limit")
-    def local_stream():
+    def local_stream(device=None):
         return ParquetStream(log.data, args.embedding_column, args.weight_column, None,
-                             metric_code(args.metric), log.dtype)
+                             metric_code(args.metric), log.dtype, device=device)
     suggestion = None
     if args.k == "auto":
         stream = local_stream()
@@ -335,7 +335,8 @@ def fit_stream(log, args, console):
         kw["scheduler"] = args._dask_scheduler
         data = dask_inputs(log, args, console)
     else:
-        data = local_stream()
+        # --backend cuda: the row groups are decoded here and each batch reduced on the GPU
+        data = local_stream("cuda" if args.backend == "cuda" else None)
     est = MiniBatchAnnealedKMeans(**kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -300,6 +300,8 @@ def fit_model(X, w, args, console):
         kw["checkpoint"] = args.checkpoint
     if args.backend == "dask":
         kw.update(backend="dask", scheduler=args._dask_scheduler)
+    elif args.backend == "cuda":
+        kw["backend"] = "cuda"
     est = AnnealedKMeans(**kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -411,6 +413,17 @@ def check_paths(inputs, outputs, folders=()):
                                "paths")
 
 
+def _cuda_check(args):
+    """``--backend cuda`` without a usable GPU: say so before reading anything."""
+    if args.backend != "cuda":
+        return
+    from .cuda import is_available
+    if not is_available():
+        raise CLIError("--backend cuda: no usable CUDA GPU here (numba.cuda finds no device "
+                       "or driver, or numba-cuda is missing: pip install 'fastanneal[cuda]' on "
+                       "a machine with an NVIDIA GPU); use --backend cpu")
+
+
 def _dask_setup(args, stack):
     """Scheduler for ``--backend dask`` (None: the estimator's default)."""
     args._dask_scheduler = None
@@ -508,6 +521,7 @@ def run_cluster(args, console):
         ck = Path(args.checkpoint)
         _make_folder(ck, f"--checkpoint {ck}: not a folder",
                      f"cannot create the checkpoint folder {ck}", created)
+    _cuda_check(args)
     with contextlib.ExitStack() as stack:
         _dask_setup(args, stack)
         # ------------------------------------------------------------- read + check

@@ -750,3 +750,56 @@ def test_parquet_stream_reduces_its_blocks_on_the_gpu(gpu, tmp_path, monkeypatch
     assert dev._gpu is None                              # the fit closed the stream
     with pytest.raises(ValueError, match="device must be"):
         open_parquet(p, column="emb", device="gpu")
+
+
+def test_command_runs_on_the_gpu_in_memory_and_out_of_core(gpu, tmp_path, capsys,
+                                                           monkeypatch):
+    """``fastanneal cluster --backend cuda``: in memory the fit runs on a CudaSource, out of
+    core (``--memory-limit`` below the embeddings) each batch is reduced by CudaBlocks; both
+    write the partition of ``--backend cpu``. Without a usable GPU the command says so
+    before it reads anything (exit 2)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fastanneal.cli import main
+    rng = np.random.default_rng(11)
+    n, D, K = 60, 4, 3
+    centers = rng.normal(size=(K, D)) * 8
+    lab = rng.integers(0, K, n)
+    X = (centers[lab] + rng.normal(size=(n, D))).astype(np.float32)
+    p = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"query": [f"q{k} {i}" for i, k in enumerate(lab)],
+                             "emb": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), D)}),
+                   p, row_group_size=25)
+    made = []
+    real_src, real_blk = gpu.CudaSource.__init__, gpu.CudaBlocks.moments
+    monkeypatch.setattr(gpu.CudaSource, "__init__",
+                        lambda self, *a, **k: made.append("source") or real_src(self, *a, **k))
+    monkeypatch.setattr(gpu.CudaBlocks, "moments",
+                        lambda self, *a, **k: made.append("block") or real_blk(self, *a, **k))
+
+    def run(name, *extra):
+        out = tmp_path / f"{name}.parquet"
+        rc = main([str(a) for a in ("cluster", p, "--embedding-column", "emb", "--k", K,
+                                    "--metric", "euclidean", "-q", "-o", out,
+                                    *extra)])
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        return pq.read_table(out).column("cluster").to_numpy(), err
+
+    cpu, _ = run("cpu")
+    assert not made
+    mem, _ = run("gpu_mem", "--backend", "cuda")
+    assert "source" in made and "block" not in made
+    made.clear()
+    ooc, _ = run("gpu_ooc", "--backend", "cuda", "--memory-limit", "1K")
+    assert "block" in made                              # the out-of-core route, on the GPU
+    np.testing.assert_array_equal(mem, cpu)
+    from fastanneal._cli_results import adjusted_rand_index
+    assert adjusted_rand_index(cpu, ooc) == pytest.approx(1.0)
+    monkeypatch.setattr(gpu, "is_available", lambda: False)
+    rc = main(["cluster", str(p), "--embedding-column", "emb", "--k", "3", "-q",
+               "-o", str(tmp_path / "none.parquet"), "--backend", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--backend cuda: no usable CUDA GPU" in err
+    assert not (tmp_path / "none.parquet").exists()
