@@ -217,6 +217,9 @@ def open_parquet(path, column="embedding", weight=None, id=None, *, metric="eucl
     from ._validation import metric_code
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
+    if device == "cuda":
+        from .cuda.source import _require_cuda
+        _require_cuda()             # no usable GPU: a clear RuntimeError now, not mid-fit
     return ParquetStream(ParquetDataset(path), column, weight, id, metric_code(metric),
                          dtype, chunk_rows, prefetch, device)
 

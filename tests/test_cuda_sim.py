@@ -750,6 +750,10 @@ def test_parquet_stream_reduces_its_blocks_on_the_gpu(gpu, tmp_path, monkeypatch
     assert dev._gpu is None                              # the fit closed the stream
     with pytest.raises(ValueError, match="device must be"):
         open_parquet(p, column="emb", device="gpu")
+    from fastanneal.cuda import source
+    monkeypatch.setattr(source, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no usable CUDA GPU"):
+        open_parquet(p, column="emb", device="cuda")
 
 
 def test_command_runs_on_the_gpu_in_memory_and_out_of_core(gpu, tmp_path, capsys,

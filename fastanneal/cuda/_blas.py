@@ -1,7 +1,7 @@
 """The two matrix products of a CUDA moments pass through a library GEMM (cuBLAS, by CuPy).
 
 A pass has two products per chunk of rows: the distances' ``X C^T`` and the dense
-accumulation ``R^T X`` (``docs/theory.md`` gives the rest of the pass). The numba.cuda
+accumulation ``R^T X`` (the rest of the pass: :mod:`fastanneal.cuda._kernels`). The numba.cuda
 kernels compute both with SIMT FMAs (7-15 TFLOP/s on an H200, against ~49 for cuBLAS sgemm
 without TF32); :class:`CupyProducts` hands them to cuBLAS through CuPy and leaves the rest
 of the pass (distance epilogue, responsibilities, sparse accumulation, hard sums) to the
@@ -11,8 +11,8 @@ stream, so the kernels and the GEMMs run in launch order.
 
 Why CuPy: it is the maintained Python binding of cuBLAS that accepts Numba's device arrays
 without a copy, ships as a wheel per CUDA major version (``cupy-cuda12x``), and exposes
-``matmul(..., out=)``, so no per-chunk allocation is needed. It is optional (the ``cuda``
-extra lists ``numba-cuda`` only): without it the pass uses the numba.cuda products.
+``matmul(..., out=)``, so no per-chunk allocation is needed. The ``cuda`` extra installs it
+(``cupy-cuda12x``); without it the pass uses the numba.cuda products.
 
 Precision: the products run in the rows' dtype (float32 sgemm without TF32, unless the
 user sets ``CUPY_TF32=1``); the dense accumulation is summed by cuBLAS over at most
@@ -106,7 +106,8 @@ def select(mode=None):
     - ``"numba"``: None (the numba.cuda products);
     - ``"cublas"``: cuBLAS through CuPy; a RuntimeError naming what is missing when CuPy
       cannot be imported (under the simulator: :class:`SimulatedProducts`);
-    - ``"auto"``: cuBLAS when CuPy imports on a real GPU, else None with the reason.
+    - ``"auto"``: cuBLAS when CuPy imports on a real GPU and a tiny product through it is
+      right (:func:`_smoke`), else None with the reason.
     """
     mode = getattr(_config, "CUDA_PRODUCTS", "auto") if mode is None else mode
     if mode not in MODES:
