@@ -21,7 +21,8 @@ or ``bash benchmarks/gpu_check.sh`` (which does that). Sections:
     to the cuBLAS GEMM ``X @ C.T`` (cupy, else torch; fp32, no TF32) timed with CUDA events,
     and the ratio. Every timing is a median of repeats after a warm-up call. A per-stage
     breakdown of one chunk (distances, responsibilities, dense or sparse accumulation) says
-    where time goes.
+    where time goes; under the first path, a sweep of the row kernel's launch parameters
+    (threads per row 32-256, rows per block 8 / 64) on one chunk.
 (c) peers -- N = 1,000,000, D = 384, K in {256, 1024}: a default ``AnnealedKMeans(K,
     backend="cuda")`` fit end to end, faiss-gpu ``Kmeans(niter=25, gpu=True)`` and cuML
     ``KMeans`` where they are installed (each with its SSE on the same rows), and a plain
@@ -339,6 +340,28 @@ def stage_breakdown(src, C, T, resp, repeats):
     return out
 
 
+def row_kernel_sweep(src, C, temps, repeats, cfg):
+    """Seconds of the responsibilities kernel on one chunk for each (threads per row, rows
+    per block) of ``cfg``: the launch parameters ``CUDA_ROW_THREADS`` /
+    ``CUDA_ROWS_PER_BLOCK`` to choose from (the defaults use 256 threads per row)."""
+    from fastanneal import _config
+    old = (getattr(_config, "CUDA_ROW_THREADS", None), _config.CUDA_ROWS_PER_BLOCK)
+    out = []
+    try:
+        for rt in cfg["row_threads"]:
+            for rpb in cfg["rows_per_block"]:
+                _config.CUDA_ROW_THREADS, _config.CUDA_ROWS_PER_BLOCK = rt, rpb
+                rec = {"row_threads": rt, "rows_per_block": rpb}
+                for name, T in (("dense", temps["high"]), ("lowT", temps["low"])):
+                    rec[name] = stage_breakdown(src, C, T, 0, repeats)["responsibilities"]
+                out.append(rec)
+                log(f"      row kernel: {rt:4d} threads/row, {rpb:4d} rows/block: dense "
+                    f"{rec['dense'] * 1e3:.3f} ms, low T {rec['lowT'] * 1e3:.3f} ms per chunk")
+    finally:
+        _config.CUDA_ROW_THREADS, _config.CUDA_ROWS_PER_BLOCK = old
+    return out
+
+
 def section_timing(fa, fcuda, cfg, rng, result, repeats, products_list):
     n, D = cfg["bench_n"], cfg["bench_d"]
     log(f"\n== (b) timing: N={n}, D={D}, float32 Gaussian mixture; seconds per moments pass")
@@ -355,13 +378,15 @@ def section_timing(fa, fcuda, cfg, rng, result, repeats, products_list):
             rows.append({"products": products, "skipped": True})
             continue
         log(f"   CudaSource (host -> device) in {time.perf_counter() - t0:.2f}s")
-        ok &= _timing(src, X, n, D, cfg, rng, result, repeats, rows, products)
+        # the row-kernel sweep once, under the first path timed (the row kernel is the same)
+        ok &= _timing(src, X, n, D, cfg, rng, result, repeats, rows, products,
+                      sweep=not any("modes" in r for r in rows))
         src.close()
     result["timing"] = rows
     return ok
 
 
-def _timing(src, X, n, D, cfg, rng, result, repeats, rows, products):
+def _timing(src, X, n, D, cfg, rng, result, repeats, rows, products, sweep=False):
     ok = True
     for K in cfg["bench_k"]:
         C = pick_centers(rng, X, K)
@@ -416,6 +441,13 @@ def _timing(src, X, n, D, cfg, rng, result, repeats, rows, products):
                 entry["modes"][name] = {"error": repr(exc)}
                 log(f"   K={K} {name}: ERROR {exc!r}")
                 traceback.print_exc()
+        if sweep:
+            try:
+                log(f"   K={K}: row-kernel launch sweep (one chunk, softmax)")
+                entry["row_kernel_sweep"] = row_kernel_sweep(src, C, temps, repeats, cfg)
+            except Exception as exc:
+                entry["row_kernel_sweep"] = {"error": repr(exc)}
+                log(f"      row-kernel sweep failed: {exc!r}")
         rows.append(entry)
     return ok
 
@@ -617,11 +649,13 @@ def main(argv=None):
             _config.CUDA_CHUNK_ROWS = 16
             sys.setswitchinterval(1e-5)
             cfg = dict(check_n=30, check_d=10, check_k=7, bench_n=40, bench_d=8, bench_k=[6],
-                       peer_n=24, peer_k=[2], big_n=16, big_d=3, big_k=3)
+                       peer_n=24, peer_k=[2], big_n=16, big_d=3, big_k=3,
+                       row_threads=[8, 16], rows_per_block=[5])
         else:
             cfg = dict(check_n=20000, check_d=384, check_k=256, bench_n=1_000_000, bench_d=384,
                        bench_k=[256, 1024], peer_n=1_000_000, peer_k=[256, 1024],
-                       big_n=1_000_000, big_d=256, big_k=20000)
+                       big_n=1_000_000, big_d=256, big_k=20000,
+                       row_threads=[32, 64, 128, 256], rows_per_block=[8, 64])
         result["meta"]["config"] = {k: getattr(_config, k) for k in dir(_config)
                                     if k.startswith("CUDA")}
         result["meta"]["sizes"] = cfg

@@ -360,6 +360,12 @@ def test_launch_parameters_do_not_change_results(gpu, rng, monkeypatch):
     b = gpu.cuda_moments(X, C, T, weights=w)
     assert_moments_close(a, b, 1e-12, T, 5, "launch parameters")
     assert a.nnz == b.nnz
+    # the row kernels' own thread count (more threads than centers: idle lanes)
+    monkeypatch.setattr(_config, "CUDA_ROW_THREADS", 32, raising=False)
+    c = gpu.cuda_moments(X, C, T, weights=w)
+    assert_moments_close(a, c, 1e-12, T, 5, "row threads")
+    for x, y in zip(gpu.CudaSource(X, w, 0).assign(C), fastanneal.assign(X, C)):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
 
 
 def test_source_interface(gpu, rng):
@@ -548,6 +554,10 @@ def test_gpu_check_script_logic(tmp_path):
         for c in cases:   # the GPU is as close to float64 as the CPU's float32 kernel
             assert c["err_gpu_vs_f64"]["N"] <= max(4 * c["err_cpu32_vs_f64"]["N"], 1e-5)
     assert [t["products"].split()[0] for t in res["timing"]] == ["numba", "cublas"]
+    sweep = res["timing"][0]["row_kernel_sweep"]
+    assert [(r["row_threads"], r["rows_per_block"]) for r in sweep] == [(8, 5), (16, 5)]
+    assert all(r["dense"] > 0 and r["lowT"] > 0 for r in sweep)
+    assert "row_kernel_sweep" not in res["timing"][1]
     for timing in res["timing"]:
         assert set(timing["modes"]) == {"softmax_dense_highT", "softmax_lowT", "entmax15"}
         for rec in timing["modes"].values():

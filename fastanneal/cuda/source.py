@@ -66,12 +66,24 @@ def _require_cuda():
     return _kernels
 
 
+def _pow2_threads(v):
+    """``v`` rounded down to a power of two in [8, 1024]."""
+    return 1 << max(3, min(10, int(v).bit_length() - 1))
+
+
 def _launch_params(kern):
     """(threads per row block, rows per block, (bx, by) of the GEMM blocks), from _config."""
-    tpb = int(_config.CUDA_THREADS_PER_BLOCK)
-    tpb = 1 << max(3, min(10, tpb.bit_length() - 1))
+    tpb = _pow2_threads(_config.CUDA_THREADS_PER_BLOCK)
     rows = max(1, int(_config.CUDA_ROWS_PER_BLOCK))
     return tpb, rows, kern.gemm_block_shape(min(tpb, 256))
+
+
+def _row_threads(tpb):
+    """Threads per row of the row-reduction kernels (responsibilities, nearest centers):
+    ``_config.CUDA_ROW_THREADS`` when set (a launch parameter to tune on a GPU, see
+    ``benchmarks/gpu_check.py``'s row-kernel sweep), else ``tpb``."""
+    rt = getattr(_config, "CUDA_ROW_THREADS", None)
+    return tpb if rt is None else _pow2_threads(rt)
 
 
 def _cdiv(a, b):
@@ -284,6 +296,7 @@ class CudaSource:
 
     def _launch_rows(self, kern, G, ch, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
                      dscal, dmn):
+        tpb = _row_threads(tpb)
         kern.rows_kernel[_cdiv(ch.m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
             G, ch.m, ch.w, ch.off, dlogp, use_prior, T, resp, float(log_eps_for(self.dtype)),
             R, labels, dHN, dscal, dmn)
@@ -390,7 +403,8 @@ class CudaSource:
         Cv = self._prod.view(dC) if self._prod is not None else None
         for ch in self._chunks(chunk):
             self._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
-            kern.argmin_kernel[_cdiv(ch.m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
+            rt = _row_threads(tpb)
+            kern.argmin_kernel[_cdiv(ch.m, R), rt, 0, kern.ROW_SLOTS * rt * 8](
                 G, ch.m, R, ch.r0, labels, dmin, margin)
         return labels, dmin, margin
 
