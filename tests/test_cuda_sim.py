@@ -685,6 +685,13 @@ def test_products_selection_checks_the_library_before_using_it(gpu, monkeypatch)
     with pytest.raises(RuntimeError, match="cuBLAS products were asked for.*3 x 2 product"):
         _blas.select("cublas")
 
+    class NoAccumulate(_blas.SimulatedProducts):       # e.g. CuPy without NVRTC
+        def accumulate(self, *a):
+            raise RuntimeError("nvrtc: libnvrtc.so.12 not found")
+    monkeypatch.setattr(_blas, "CupyProducts", NoAccumulate)
+    prod, why = _blas.select("auto")
+    assert prod is None and "libnvrtc" in why
+
 
 def test_rows_stay_on_the_host_when_they_do_not_fit(gpu, rng, monkeypatch):
     """``resident=None`` copies the rows to the device only when they take at most
@@ -758,6 +765,13 @@ def test_parquet_stream_reduces_its_blocks_on_the_gpu(gpu, tmp_path, monkeypatch
     np.testing.assert_array_equal(a.predict(X), b.predict(X))
     np.testing.assert_allclose(b.cluster_centers_, a.cluster_centers_, rtol=1e-4, atol=1e-4)
     assert dev._gpu is None                              # the fit closed the stream
+    # a block engine keeps its buffers from block to block while K stays
+    eng = gpu.CudaBlocks(D, np.float32, 0)
+    eng.moments(X[:20], np.ones(20), C, T)
+    kept = eng._src._buffers[1]
+    eng.moments(X[20:30], np.ones(10), C, T)
+    assert eng._src._buffers[1] is kept
+    eng.close()
     with pytest.raises(ValueError, match="device must be"):
         open_parquet(p, column="emb", device="gpu")
     from fastanneal.cuda import source

@@ -23,6 +23,8 @@ accumulators, as the CPU sums 512-row blocks in float32 GEMMs.
 numba-cuda simulator's device arrays, so that the orchestration and the epilogue kernel are
 tested without a GPU; it is used only under ``NUMBA_ENABLE_CUDASIM=1``.
 """
+import contextlib
+
 import numpy as np
 
 from .. import _config
@@ -49,6 +51,9 @@ class CupyProducts:
     def __init__(self):
         import cupy
         self.cp = cupy
+        # the legacy default stream, the one the numba.cuda kernels run on: the products
+        # stay in order with them even when the caller made another CuPy stream current
+        self.stream = cupy.cuda.Stream.null
 
     def view(self, dev):
         """A CuPy array over the memory of a Numba device array (or a slice of one)."""
@@ -56,18 +61,20 @@ class CupyProducts:
 
     def distances(self, Xv, Cv, Gv):
         """``Gv[:] = Xv @ Cv.T`` (all CuPy views, the rows' dtype)."""
-        self.cp.matmul(Xv, Cv.T, out=Gv)
+        with self.stream:
+            self.cp.matmul(Xv, Cv.T, out=Gv)
 
     def accumulate(self, Gv, Xv, Sblk, S, N):
         """``S += Gv^T Xv`` and ``N += column sums of Gv`` (``S``, ``N`` float64; ``Sblk``
         a K x D scratch in the rows' dtype), ``accum_rows()`` rows per GEMM."""
         cp = self.cp
         step = accum_rows()
-        for a in range(0, Gv.shape[0], step):
-            g = Gv[a:a + step]
-            cp.matmul(g.T, Xv[a:a + step], out=Sblk)
-            cp.add(S, Sblk, out=S)
-            cp.add(N, g.sum(axis=0, dtype=cp.float64), out=N)
+        with self.stream:
+            for a in range(0, Gv.shape[0], step):
+                g = Gv[a:a + step]
+                cp.matmul(g.T, Xv[a:a + step], out=Sblk)
+                cp.add(S, Sblk, out=S)
+                cp.add(N, g.sum(axis=0, dtype=cp.float64), out=N)
 
 
 class SimulatedProducts(CupyProducts):
@@ -77,6 +84,7 @@ class SimulatedProducts(CupyProducts):
 
     def __init__(self):
         self.cp = np
+        self.stream = contextlib.nullcontext()
 
     def view(self, dev):
         return dev._ary            # the ndarray behind a FakeCUDAArray (slices share it)
@@ -86,9 +94,10 @@ class SimulatedProducts(CupyProducts):
 
 
 def _smoke(prod):
-    """One tiny product through ``prod`` on Numba device arrays, checked against NumPy:
+    """Both operations of ``prod`` once on tiny Numba device arrays, checked against NumPy:
     catches a CuPy that imports but cannot run here (driver / CUDA version mismatch, no
-    interoperability) before a fit depends on it."""
+    interoperability, no NVRTC for the element-wise kernels ``accumulate`` compiles)
+    before a fit depends on it."""
     from numba import cuda
     a = np.arange(6, dtype=np.float32).reshape(3, 2)
     b = np.array([[1.0, -2.0], [0.5, 3.0]], dtype=np.float32)
@@ -98,6 +107,15 @@ def _smoke(prod):
     got = dg.copy_to_host()
     if not np.allclose(got, a @ b.T, rtol=1e-6, atol=1e-6):
         raise RuntimeError(f"a 3 x 2 product gave {got.tolist()}, not {(a @ b.T).tolist()}")
+    dS, dN = cuda.to_device(np.ones((2, 2))), cuda.to_device(np.ones(2))
+    dSb = cuda.device_array((2, 2), dtype=np.float32)
+    prod.accumulate(prod.view(dg), prod.view(da), prod.view(dSb), prod.view(dS),
+                    prod.view(dN))
+    g = a @ b.T
+    S, N = dS.copy_to_host(), dN.copy_to_host()
+    if not (np.allclose(S, 1.0 + g.T @ a, rtol=1e-6) and np.allclose(N, 1.0 + g.sum(0),
+                                                                      rtol=1e-6)):
+        raise RuntimeError(f"a 3-row accumulation gave S = {S.tolist()}, N = {N.tolist()}")
 
 
 def select(mode=None):

@@ -727,8 +727,9 @@ def distance_epilogue_kernel(G, m, xsq, r0, csq, metric):
     into squared distances in place: ``||x_i||^2 + ||c_k||^2 - 2 x_i . c_k`` (``xsq[r0 +
     i]``, ``csq[k]`` float64), or ``2 - 2 x_i . c_k`` for cosine, clamped at 0 -- the same
     arithmetic as the end of :func:`distance_kernel` (and the CPU kernel). 2-D grid over
-    ``(K, m)``; one entry per thread."""
-    k, i = cuda.grid(2)
+    ``(m, K)`` (rows on x: grid.x allows 2^31 - 1 blocks, grid.y only 65,535); one entry
+    per thread."""
+    i, k = cuda.grid(2)
     if i < m and k < G.shape[1]:
         g = float64(G[i, k])
         if metric == METRIC_COSINE:

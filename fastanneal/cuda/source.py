@@ -164,8 +164,8 @@ class CudaSource:
         True: copy the rows to the GPU once (every pass then moves only centers and
         results); False: keep them in host memory and stream them through the GPU chunk by
         chunk in every pass (two pinned host buffers and two device buffers of one chunk
-        each; the host copy of the next chunk runs while the GPU works on this one), for
-        data that does not fit the GPU. None: resident when the rows take at most
+        each; the host copy of the next chunk runs while the GPU works on this one, its
+        upload is queued behind that work), for data that does not fit the GPU. None: resident when the rows take at most
         ``fastanneal._config.CUDA_RESIDENT_FRACTION`` (default 0.5) of the free device
         memory. ``.resident`` says which.
     products : {"auto", "cublas", "numba"} or None, default=None
@@ -257,10 +257,12 @@ class CudaSource:
                           self.n_rows))
 
     def _chunk_buffers(self, chunk, K):
-        """The ``chunk x K`` distance/responsibility buffer and ``chunk`` labels (reused);
-        with library products also their view of the buffer and a ``K x D`` scratch."""
-        key = (chunk, K)
-        if self._buffers is None or self._buffers[0] != key:
+        """The distance/responsibility buffer (at least ``chunk x K``) and the chunk's labels,
+        reused while ``K`` stays and they are large enough (the kernels use the first ``m``
+        rows); with library products also their view of the buffer and a ``K x D``
+        scratch."""
+        b = self._buffers
+        if b is None or b[0][1] != K or b[0][0] < chunk:
             self._buffers = None        # free the old ones first
             cuda = self._cuda
             G = cuda.device_array((chunk, K), dtype=self.dtype)
@@ -269,7 +271,8 @@ class CudaSource:
                 Gv = self._prod.view(G)
                 Sblk = self._prod.view(cuda.device_array((K, self.n_features),
                                                          dtype=self.dtype))
-            self._buffers = (key, G, cuda.device_array(chunk, dtype=np.int32), Gv, Sblk)
+            self._buffers = ((chunk, K), G, cuda.device_array(chunk, dtype=np.int32), Gv,
+                             Sblk)
         return self._buffers[1], self._buffers[2]
 
     def _centers(self, centers):
@@ -286,7 +289,7 @@ class CudaSource:
         if self._prod is not None:
             # the product by cuBLAS into the chunk buffer, then the distance epilogue
             self._prod.distances(ch.Xv[ch.off:ch.off + m], Cv, self._buffers[3][:m])
-            kern.distance_epilogue_kernel[(_cdiv(K, 16), _cdiv(m, 16)), (16, 16)](
+            kern.distance_epilogue_kernel[(_cdiv(m, 16), _cdiv(K, 16)), (16, 16)](
                 G, m, ch.xsq, ch.off, dcsq, self.metric)
             return
         grid = (_cdiv(K, kern.MICRO_D * bx), _cdiv(m, kern.MICRO_D * by))
