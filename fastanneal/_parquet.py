@@ -158,7 +158,8 @@ class ParquetDataset:
         return list(self.schema.names)
 
     def where(self, i):
-        return f"{os.path.basename(self.pieces[i].path)} row group {self.pieces[i].row_groups[0].id}"
+        piece = self.pieces[i]
+        return f"{os.path.basename(piece.path)} row group {piece.row_groups[0].id}"
 
     def read(self, i, columns):
         """Row group ``i`` as a ``pyarrow.Table`` of ``columns`` (None: all)."""
