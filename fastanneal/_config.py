@@ -28,11 +28,15 @@ CUDA_ROW_THREADS = None
 CUDA_CHUNK_ROWS = 65536
 CUDA_SPARSE_FRACTION = 0.08
 #: CUDA: who computes a pass's two matrix products -- "auto" (cuBLAS through CuPy when CuPy
-#: is installed, else the numba.cuda kernels), "cublas" or "numba"; and the rows per dense
-#: accumulation GEMM before its float32 sums enter the float64 accumulators
-#: (:mod:`fastanneal.cuda._blas`). ``FASTANNEAL_CUDA_PRODUCTS`` sets the first.
+#: is installed and a tiny product through it checks out, else the numba.cuda kernels),
+#: "cublas" or "numba"; and the rows per dense accumulation GEMM before its float32 sums
+#: enter the float64 accumulators (:mod:`fastanneal.cuda._blas`).
+#: ``FASTANNEAL_CUDA_PRODUCTS`` sets the first.
 CUDA_PRODUCTS = __import__("os").environ.get("FASTANNEAL_CUDA_PRODUCTS", "auto")
 CUDA_BLAS_ACCUM_ROWS = 16384
+#: CUDA: a source keeps its rows on the device when they take at most this fraction of the
+#: free device memory, else it streams them from host memory in every pass.
+CUDA_RESIDENT_FRACTION = 0.5
 
 #: In-memory CPU passes keep per-row distance bounds (Hamerly) between passes and skip the
 #: distances of rows whose every other center is provably beyond the responsibility drop

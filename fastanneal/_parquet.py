@@ -209,11 +209,12 @@ def open_parquet(path, column="embedding", weight=None, id=None, *, metric="eucl
     prefetch : int
         Row groups decoded ahead in a background thread (0: none).
     device : {None, "cpu", "cuda"}
-        Where the batches' and the full passes' moments are computed: the CPU kernels
-        (None, "cpu"), or the GPU (``"cuda"``: each decoded batch is streamed through the
-        GPU by :class:`fastanneal.cuda.CudaBlocks`, the products by cuBLAS where CuPy is
-        installed). The seeding sample, the per-cluster statistics and the final labelling
-        pass stay on the CPU.
+        Where the mini-batches' and the full moments passes' moments are computed: the CPU
+        kernels (None, "cpu"), or the GPU (``"cuda"``: each decoded batch is streamed
+        through the GPU by :class:`fastanneal.cuda.CudaBlocks`, the products by cuBLAS
+        where CuPy is installed). Everything else stays on the CPU kernels: the seeding
+        sample (and ``suggest_k``'s sample), the mean, covariance and per-cluster
+        eigenvalues, the gradient passes and the final labelling pass.
     """
     from ._validation import metric_code
     if device not in (None, "cpu", "cuda"):
@@ -242,6 +243,8 @@ class ParquetStream(_passes_base()):
                  chunk_rows=4096, prefetch=1, device=None):
         import pyarrow as pa
         self.data = data
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
         self.device = "cuda" if device == "cuda" else "cpu"
         self._gpu = None
         names = data.column_names

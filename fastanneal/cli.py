@@ -422,6 +422,11 @@ def _cuda_check(args):
         raise CLIError("--backend cuda: no usable CUDA GPU here (numba.cuda finds no device "
                        "or driver, or numba-cuda is missing: pip install 'fastanneal[cuda]' on "
                        "a machine with an NVIDIA GPU); use --backend cpu")
+    from .cuda import _blas
+    try:
+        _blas.select()              # FASTANNEAL_CUDA_PRODUCTS=cublas without CuPy, a bad value
+    except (RuntimeError, ValueError) as e:
+        raise CLIError(f"--backend cuda: {_one_line(e)}") from None
 
 
 def _dask_setup(args, stack):

@@ -71,6 +71,23 @@ def require_library_products():
         pytest.skip(str(exc))
 
 
+def count_library_products(monkeypatch):
+    """Count the calls of the library-product path (the simulator's NumPy stand-in for
+    cuBLAS): ``{"distances": n, "accumulate": n}``, so that a test can tell the path ran
+    (results alone are the same either way). Real-GPU runs count CuPy's calls."""
+    from fastanneal.cuda import _blas
+    calls = {"distances": 0, "accumulate": 0}
+    for cls in (_blas.SimulatedProducts, _blas.CupyProducts):
+        for name in calls:
+            real = getattr(cls, name)
+
+            def counted(self, *a, _real=real, _name=name, **k):
+                calls[_name] += 1
+                return _real(self, *a, **k)
+            monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
 def require_cuda():
     """CUDA tests run on the simulator (numba-cuda is in the test extra), so an unavailable
     backend is a broken install and fails the test; only with FASTANNEAL_REAL_CUDA=1 on a

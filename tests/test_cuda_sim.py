@@ -30,7 +30,7 @@ import fastanneal
 from fastanneal import _config
 from fastanneal._sources import InMemorySource
 
-from conftest import require_library_products
+from conftest import count_library_products, require_library_products
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL = {np.float32: 1e-4, np.float64: 1e-9}
@@ -362,6 +362,8 @@ def test_launch_parameters_do_not_change_results(gpu, rng, monkeypatch):
     assert a.nnz == b.nnz
     # the row kernels' own thread count (more threads than centers: idle lanes)
     monkeypatch.setattr(_config, "CUDA_ROW_THREADS", 32, raising=False)
+    from fastanneal.cuda import source
+    assert source._row_threads(8) == 32 and source._row_threads(16) == 32
     c = gpu.cuda_moments(X, C, T, weights=w)
     assert_moments_close(a, c, 1e-12, T, 5, "row threads")
     for x, y in zip(gpu.CudaSource(X, w, 0).assign(C), fastanneal.assign(X, C)):
@@ -592,8 +594,13 @@ def test_library_products_match_the_kernels_and_reference(gpu, rng, monkeypatch,
          "prior": 0.5 * med}.get(case, 0.02 * med)
     logp = np.log(rng.dirichlet(np.ones(K))) if case == "prior" else None
     kw = dict(weights=w, metric=metric, responsibilities=resp, log_prior=logp)
-    got = gpu.cuda_moments(X, C, T, products="cublas", **kw)
+    calls = count_library_products(monkeypatch)
     kern = gpu.cuda_moments(X, C, T, products="numba", **kw)
+    assert calls == {"distances": 0, "accumulate": 0}
+    got = gpu.cuda_moments(X, C, T, products="cublas", **kw)
+    assert calls["distances"] == 2                      # two chunks of 13 + 10 rows
+    # the dense accumulation through the library unless the chunks went sparse
+    assert (calls["accumulate"] == 0) == case.endswith("sparse")
     if metric == "cosine":
         Xr = (X / np.linalg.norm(X, axis=1, keepdims=True)).astype(dtype)
         Cr = (C / np.linalg.norm(C, axis=1, keepdims=True)).astype(dtype)
@@ -611,13 +618,14 @@ def test_library_products_match_the_kernels_and_reference(gpu, rng, monkeypatch,
         kept, borderline = softmax_nnz(ref, dtype, slack=1e-3 if dtype == np.float32 else 1e-9)
         assert abs(got.nnz - kept) <= borderline
     if case == "softmax-high":
-        assert got.nnz == n * K                       # the dense accumulation really ran
+        assert got.nnz == n * K                       # nothing dropped at high T
 
 
-def test_library_products_source_interface(gpu, rng):
+def test_library_products_source_interface(gpu, rng, monkeypatch):
     """assign (distances through the library product) and the pass agree with the kernels'
     source on the same rows; the source says which products it uses and why."""
     require_library_products()
+    calls = count_library_products(monkeypatch)
     X, C, w = data(rng, 29, 7, 6, np.float64)
     lib = gpu.CudaSource(X, w, 0, products="cublas")
     ker = gpu.CudaSource(X, w, 0, products="numba")
@@ -627,6 +635,7 @@ def test_library_products_source_interface(gpu, rng):
     assert ker.products == "numba" and "asked for" in ker.products_reason
     for a, b in zip(lib.assign(C), ker.assign(C)):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert calls["distances"] == 3                      # assign: 3 chunks, by the library
     T = typical_scale(X, C)[0]
     assert_moments_close(lib.moments(C, T, 0, hard_sums=True),
                          ker.moments(C, T, 0, hard_sums=True), 1e-12, T, 6, "source")
@@ -709,6 +718,9 @@ def test_rows_stay_on_the_host_when_they_do_not_fit(gpu, rng, monkeypatch):
     for rc in (0, 1, 2):
         assert_moments_close(streamed.moments(C, T, rc, None, True),
                              resident.moments(C, T, rc, None, True), 1e-12, T, 5, f"resp {rc}")
+        if rc == 0:
+            stage = streamed._stage
+        assert streamed._stage is stage                  # staging buffers kept across passes
     for a, b in zip(streamed.assign(C), resident.assign(C)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(streamed.mean(), resident.mean(), rtol=1e-13)
@@ -741,6 +753,7 @@ def test_parquet_stream_reduces_its_blocks_on_the_gpu(gpu, tmp_path, monkeypatch
         pa.array(X.ravel()), D)}), p, row_group_size=25)
     cpu = open_parquet(p, column="emb", weight="count", chunk_rows=16)
     dev = open_parquet(p, column="emb", weight="count", chunk_rows=16, device="cuda")
+    lib_calls = count_library_products(monkeypatch)
     calls = []
     real = gpu.CudaBlocks.moments
     monkeypatch.setattr(gpu.CudaBlocks, "moments",
@@ -751,6 +764,7 @@ def test_parquet_stream_reduces_its_blocks_on_the_gpu(gpu, tmp_path, monkeypatch
         assert_moments_close(dev.moments(C, T, rc, None, True),
                              cpu.moments(C, T, rc, None, True), 1e-4, T, K, f"full, resp {rc}")
     assert len(calls) == 2 * 3                           # three row groups, two passes
+    assert lib_calls["distances"] >= 2 * 3                # through the library products
     mb = dev.batch_moments([0, 3], C, T, 0, None)      # 16 + 9 rows of two row groups
     mc = cpu.batch_moments([0, 3], C, T, 0, None)
     assert mb.rows == mc.rows == 25 and mb.hard_sums is None
@@ -825,6 +839,14 @@ def test_command_runs_on_the_gpu_in_memory_and_out_of_core(gpu, tmp_path, capsys
     np.testing.assert_array_equal(mem, cpu)
     from fastanneal._cli_results import adjusted_rand_index
     assert adjusted_rand_index(cpu, ooc) == pytest.approx(1.0)
+    # a products setting that cannot be honoured: said before reading, as a usage error
+    monkeypatch.setattr(_config, "CUDA_PRODUCTS", "cutlass")
+    rc = main(["cluster", str(p), "--embedding-column", "emb", "--k", "3", "-q",
+               "-o", str(tmp_path / "none.parquet"), "--backend", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--backend cuda: CUDA products must be one of" in err
+    assert "FASTANNEAL_CUDA_PRODUCTS" in err
+    monkeypatch.setattr(_config, "CUDA_PRODUCTS", "auto")
     monkeypatch.setattr(gpu, "is_available", lambda: False)
     rc = main(["cluster", str(p), "--embedding-column", "emb", "--k", "3", "-q",
                "-o", str(tmp_path / "none.parquet"), "--backend", "cuda"])

@@ -31,7 +31,7 @@ from fastanneal._protocol import MomentSource, check_source
 from fastanneal._sources import InMemorySource
 from fastanneal.gradient import value_and_grad_from_source
 
-from conftest import require_cuda, require_library_products
+from conftest import count_library_products, require_cuda, require_library_products
 
 #: "cuda-streamed": rows kept in host memory and streamed through the GPU in chunks of 20
 #: (three per pass), the pass's products by the library path (NumPy standing in for cuBLAS
@@ -387,6 +387,7 @@ def test_default_fit_streamed_through_the_gpu_matches_in_memory(request, monkeyp
     monkeypatch.setattr(_config, "CUDA_PRODUCTS", "cublas")
     d = Data("cuda")
     mem = fa.AnnealedKMeans(d.K, random_state=0).fit(d.X, sample_weight=d.w)
+    calls = count_library_products(monkeypatch)
     from fastanneal.cuda import CudaSource
     made = []
     real_init = CudaSource.__init__
@@ -397,6 +398,7 @@ def test_default_fit_streamed_through_the_gpu_matches_in_memory(request, monkeyp
     monkeypatch.setattr(CudaSource, "__init__", spy)
     gpu = fa.AnnealedKMeans(d.K, backend="cuda", random_state=0).fit(d.X, sample_weight=d.w)
     assert made and all(not s.resident and s.products.startswith("cublas") for s in made)
+    assert calls["distances"] > 0                       # the passes used the library products
     assert_array_equal(gpu.labels_, mem.labels_)
     assert_allclose(gpu.cluster_centers_, mem.cluster_centers_, rtol=1e-8,
                     atol=1e-8 * np.abs(mem.cluster_centers_).max())

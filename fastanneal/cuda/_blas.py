@@ -129,7 +129,9 @@ def select(mode=None):
     """
     mode = getattr(_config, "CUDA_PRODUCTS", "auto") if mode is None else mode
     if mode not in MODES:
-        raise ValueError(f"CUDA products must be one of {MODES}; got {mode!r}")
+        raise ValueError(f"CUDA products must be one of {MODES}; got {mode!r} (from "
+                         f"fastanneal._config.CUDA_PRODUCTS / FASTANNEAL_CUDA_PRODUCTS or "
+                         f"products=)")
     if mode == "numba":
         return None, "numba.cuda products (asked for)"
     if _simulator():

@@ -165,15 +165,16 @@ class CudaSource:
         results); False: keep them in host memory and stream them through the GPU chunk by
         chunk in every pass (two pinned host buffers and two device buffers of one chunk
         each; the host copy of the next chunk runs while the GPU works on this one, its
-        upload is queued behind that work), for data that does not fit the GPU. None: resident when the rows take at most
-        ``fastanneal._config.CUDA_RESIDENT_FRACTION`` (default 0.5) of the free device
-        memory. ``.resident`` says which.
+        upload is queued behind that work), for data that does not fit the GPU. None:
+        resident when the rows take at most ``fastanneal._config.CUDA_RESIDENT_FRACTION``
+        (default 0.5) of the free device memory. ``.resident`` says which.
     products : {"auto", "cublas", "numba"} or None, default=None
         Who computes the pass's two matrix products (``X C^T`` and the dense ``R^T X``):
         cuBLAS through CuPy, or the numba.cuda kernels; None reads
         ``fastanneal._config.CUDA_PRODUCTS`` (default ``"auto"``: cuBLAS when CuPy is
-        installed, else the numba.cuda kernels). ``.products`` says which one runs and
-        ``.products_reason`` why (:mod:`fastanneal.cuda._blas`).
+        installed and a tiny product and accumulation through it check out, else the
+        numba.cuda kernels; under the simulator always the kernels). ``.products`` says
+        which one runs and ``.products_reason`` why (:mod:`fastanneal.cuda._blas`).
 
     Raises
     ------
@@ -520,6 +521,9 @@ class CudaSource:
         if X.ndim != 2 or X.shape[1] != self.n_features:
             raise ValueError(f"a block must have shape (n, {self.n_features}); got {X.shape}")
         w = np.ascontiguousarray(w, dtype=np.float64)
+        if w.shape != (X.shape[0],):
+            raise ValueError(f"the block's weights must have shape ({X.shape[0]},); got "
+                             f"{w.shape}")
         self._X_host, self._w_host = X, w
         self.n_rows = X.shape[0]
         self.total_weight = float(w.sum())
@@ -535,7 +539,8 @@ class CudaBlocks:
     through the GPU as in :class:`CudaSource` with ``resident=False``; ``products`` as
     there.
 
-    ``moments(X, w, C, T, resp, log_prior, hard_sums)`` returns the block's
+    ``moments(X, w, C, T, resp, log_prior, hard_sums)`` (``resp``: 0 softmax, 1 entmax15,
+    2 hard, as every source's ``moments``) returns the block's
     :class:`~fastanneal.Moments` (NumPy), the contract of every backend: blocks add up.
     """
 
