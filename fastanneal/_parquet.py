@@ -217,11 +217,6 @@ def open_parquet(path, column="embedding", weight=None, id=None, *, metric="eucl
         eigenvalues, the gradient passes and the final labelling pass.
     """
     from ._validation import metric_code
-    if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
-    if device == "cuda":
-        from .cuda.source import _require_cuda
-        _require_cuda()             # no usable GPU: a clear RuntimeError now, not mid-fit
     return ParquetStream(ParquetDataset(path), column, weight, id, metric_code(metric),
                          dtype, chunk_rows, prefetch, device)
 
@@ -245,6 +240,9 @@ class ParquetStream(_passes_base()):
         self.data = data
         if device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
+        if device == "cuda":
+            from .cuda.source import _require_cuda
+            _require_cuda()         # no usable GPU: a clear RuntimeError now, not mid-fit
         self.device = "cuda" if device == "cuda" else "cpu"
         self._gpu = None
         names = data.column_names

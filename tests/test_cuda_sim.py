@@ -678,7 +678,10 @@ def test_products_selection_checks_the_library_before_using_it(gpu, monkeypatch)
     products in charge, with the reason; "cublas" then fails naming it. (The simulator's
     NumPy stand-in plays CuPy here.)"""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        pytest.skip("NumPy plays CuPy on the simulator's arrays: a simulator-only logic test")
+        # FASTANNEAL_REAL_CUDA=1: real device arrays have no host ndarray for NumPy to play
+        # CuPy on; the real selection is exercised there by the library-product tests
+        pytest.skip("FASTANNEAL_REAL_CUDA=1: NumPy can play CuPy only on the simulator's "
+                    "host-backed arrays (the real CuPy selection runs in the library tests)")
     from fastanneal.cuda import _blas
     monkeypatch.setattr(_blas, "_simulator", lambda: False)
     monkeypatch.setattr(_blas, "CupyProducts", _blas.SimulatedProducts)
@@ -785,6 +788,8 @@ def test_parquet_stream_reduces_its_blocks_on_the_gpu(gpu, tmp_path, monkeypatch
     kept = eng._src._buffers[1]
     eng.moments(X[20:30], np.ones(10), C, T)
     assert eng._src._buffers[1] is kept
+    with pytest.raises(ValueError, match=r"w must have shape \(10,\)"):
+        eng.moments(X[20:30], np.ones(9), C, T)
     eng.close()
     with pytest.raises(ValueError, match="device must be"):
         open_parquet(p, column="emb", device="gpu")
@@ -853,3 +858,27 @@ def test_command_runs_on_the_gpu_in_memory_and_out_of_core(gpu, tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == 2 and "--backend cuda: no usable CUDA GPU" in err
     assert not (tmp_path / "none.parquet").exists()
+
+
+def test_distance_epilogue_grid_puts_rows_on_x(gpu, rng, monkeypatch):
+    """The epilogue after a library product is launched with the chunk's rows on grid.x
+    (grid.y allows only 65,535 blocks, a limit the simulator does not enforce): checked
+    on the launch configuration itself."""
+    require_library_products()
+    from fastanneal.cuda import _kernels as K_
+    grids = []
+    real = K_.distance_epilogue_kernel
+
+    class Spy:
+        def __getitem__(self, cfg):
+            grids.append(cfg)
+            return real[cfg]
+    monkeypatch.setattr(K_, "distance_epilogue_kernel", Spy())
+    X, C, w = data(rng, 23, 5, 19, np.float64)
+    gpu.cuda_moments(X, C, 1.0, weights=w, products="cublas")
+    # chunks of 13 and 10 rows; 19 centers: (ceil(m / 16), ceil(19 / 16)) blocks of 16 x 16
+    assert grids == [((1, 2), (16, 16)), ((1, 2), (16, 16))]
+    monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 40, raising=False)
+    grids.clear()
+    gpu.cuda_moments(np.tile(X, (2, 1))[:40], C[:3], 1.0, products="cublas")
+    assert grids == [((3, 1), (16, 16))]

@@ -89,9 +89,6 @@ class SimulatedProducts(CupyProducts):
     def view(self, dev):
         return dev._ary            # the ndarray behind a FakeCUDAArray (slices share it)
 
-    def distances(self, Xv, Cv, Gv):
-        np.matmul(Xv, Cv.T, out=Gv)
-
 
 def _smoke(prod):
     """Both operations of ``prod`` once on tiny Numba device arrays, checked against NumPy:

@@ -194,32 +194,22 @@ class CudaSource:
         if X.ndim != 2 or X.dtype not in (np.float32, np.float64):
             raise ValueError(f"X must be a 2-D float32/float64 array; got {X.dtype} with "
                              f"shape {X.shape}")
-        X = np.ascontiguousarray(X)
-        w = np.ascontiguousarray(w, dtype=np.float64)
-        if w.shape != (X.shape[0],):
-            raise ValueError(f"w must have shape ({X.shape[0]},); got {w.shape}")
         if metric not in (0, 1):
             raise ValueError(f"metric must be 0 (euclidean) or 1 (cosine); got {metric!r}")
         self.metric = int(metric)
-        self.n_rows, self.n_features = X.shape
+        self.n_features = X.shape[1]
         self.dtype = X.dtype
-        self.total_weight = float(w.sum())
-        self._w_host = w
-        self._X_host = X     # the caller's validated array (no copy): host-side passes
         self._buffers = None
         self._stage = None
-        self._X = self._Xv = self._w = self._xsq = None
+        self._X = self._Xv = None
+        self._set_rows(X, w)
         if resident is None:
-            resident = X.nbytes + 16 * X.shape[0] <= (
+            resident = self._X_host.nbytes + 16 * self.n_rows <= (
                 float(getattr(_config, "CUDA_RESIDENT_FRACTION", 0.5)) * _free_bytes())
         self.resident = bool(resident)
-        if self.n_rows:
-            self._w = cuda.to_device(w)
-            xsq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
-            self._xsq = cuda.to_device(xsq)
-            if self.resident:
-                self._X = cuda.to_device(X)
-                self._Xv = self._prod.view(self._X) if self._prod is not None else None
+        if self.n_rows and self.resident:
+            self._X = cuda.to_device(self._X_host)
+            self._Xv = self._prod.view(self._X) if self._prod is not None else None
 
     # ------------------------------------------------------------------ helpers
     def _chunk_rows(self, K, BM):
@@ -515,18 +505,20 @@ class CudaSource:
         self._buffers = self._stage = None
 
     def _set_rows(self, X, w):
-        """Make the host block ``(X, w)`` this streamed source's rows (weights and squared
-        norms uploaded; the staging and chunk buffers are kept). For :class:`CudaBlocks`."""
+        """The host rows ``(X, w)`` of this source (C-contiguous, this source's dtype; the
+        caller's array when it already is: host-side passes and streaming read it), their
+        weights and squared norms uploaded; the staging and chunk buffers are kept, so
+        :class:`CudaBlocks` calls it once per block."""
         X = np.ascontiguousarray(X, dtype=self.dtype)
         if X.ndim != 2 or X.shape[1] != self.n_features:
-            raise ValueError(f"a block must have shape (n, {self.n_features}); got {X.shape}")
+            raise ValueError(f"X must have shape (n, {self.n_features}); got {X.shape}")
         w = np.ascontiguousarray(w, dtype=np.float64)
         if w.shape != (X.shape[0],):
-            raise ValueError(f"the block's weights must have shape ({X.shape[0]},); got "
-                             f"{w.shape}")
+            raise ValueError(f"w must have shape ({X.shape[0]},); got {w.shape}")
         self._X_host, self._w_host = X, w
         self.n_rows = X.shape[0]
         self.total_weight = float(w.sum())
+        self._w = self._xsq = None
         if self.n_rows:
             self._w = self._cuda.to_device(w)
             self._xsq = self._cuda.to_device(np.einsum("ij,ij->i", X, X, dtype=np.float64))
