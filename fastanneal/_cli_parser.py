@@ -64,7 +64,7 @@ def _add_cluster_options(p, demo=False):
                          "goes to OUTPUT's name + .clusters.csv"))
     req.add_argument("--k", "-k", type=_k_value, default=None, metavar="K",
                    help="number of clusters, or 'auto': chosen from the phase transitions "
-                        "(widest plateau up to --k-max)"
+                        "(the finest natural level up to --k-max)"
                         + (" (default 30, the number of intents)" if demo else " (required)"))
     p.add_argument("--k-max", type=int, default=None, metavar="N",
                    help="with --k auto: the most clusters considered (default 50)")

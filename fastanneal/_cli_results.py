@@ -354,7 +354,7 @@ def summary_items(args, n, D, K, fit, timings, ari, est):
     kdesc = str(K)
     sug = getattr(est, "k_suggestion_", None)
     if sug is not None:
-        kdesc = (f"{K} (auto: widest plateau among 2..{sug.k_max}; next: "
+        kdesc = (f"{K} (auto: finest natural level among 2..{sug.k_max}; next: "
                  + ", ".join(str(k) for k in sug.ranking[1:4])
                  + ("" if sug.supported else "; no clear plateau: weak evidence") + ")")
     items = [("rows", f"{n:,}"), ("dimensions", str(D)), ("clusters (K)", kdesc),

@@ -309,7 +309,10 @@ def fit_stream(log, args, console):
                              metric_code(args.metric), log.dtype, device=device)
     suggestion = None
     if args.k == "auto":
-        stream = local_stream()
+        try:
+            stream = local_stream()
+        except ValueError as e:
+            raise CLIError(f"cannot read {log.path}: {_as_flags(e)}") from None
         # choosing K out of core: the phase-transition path on a uniform sample of the
         # row groups (suggest_k's max_rows), then the mini-batch fit with that K
         from .choose_k import STREAM_ROWS, suggest_k
@@ -336,7 +339,10 @@ def fit_stream(log, args, console):
         data = dask_inputs(log, args, console)
     else:
         # --backend cuda: the row groups are decoded here and each batch reduced on the GPU
-        data = local_stream("cuda" if args.backend == "cuda" else None)
+        try:
+            data = local_stream("cuda" if args.backend == "cuda" else None)
+        except ValueError as e:
+            raise CLIError(f"cannot read {log.path}: {_as_flags(e)}") from None
     est = MiniBatchAnnealedKMeans(**kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -322,14 +322,21 @@ def weight_vector(table, name, path, row0=0, whole=True):
     if first is not None:
         raise InputError(f"{path}: weight column {name!r} has a missing value at row "
                          f"{row0 + first + 1}")
-    w = np.asarray(pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+    # safe=False: integers beyond 2^53 become the nearest double instead of an Arrow error
+    w = np.asarray(pc.cast(col, pa.float64(), safe=False).to_numpy(zero_copy_only=False),
+                   dtype=np.float64)
     bad = ~np.isfinite(w) | (w < 0)
     if bad.any():
         i = int(np.argmax(bad))
         raise InputError(f"{path}: weight column {name!r} has an invalid weight "
                          f"{float(w[i])!r} at row {row0 + i + 1} (weights must be finite "
                          "and >= 0)")
-    if whole and not w.sum() > 0:
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if not np.isfinite(total):
+        raise InputError(f"{path}: weight column {name!r} sums to more than float64 can hold; "
+                         "rescale the weights (divide them by a constant)")
+    if whole and not total > 0:
         raise InputError(f"{path}: weight column {name!r} sums to zero")
     return np.ascontiguousarray(w)
 
@@ -338,6 +345,13 @@ def check_ids(table, name, path, row0=0, unique=True):
     """Ids must be present and unique (``unique=False``: present only; ``row0`` as in
     :func:`weight_vector`)."""
     col = require_column(table, name, path, "id column")
+    t = col.type
+    if pa.types.is_dictionary(t):            # pandas categoricals: their values are the ids
+        col = pc.cast(col, t.value_type)
+        t = col.type
+    if pa.types.is_nested(t):
+        raise InputError(f"{path}: id column {name!r} has type {t}; ids must be single values "
+                         "(numbers or strings)")
     first = _first_null(col)
     if first is not None:
         raise InputError(f"{path}: id column {name!r} has a missing value at row "
@@ -534,6 +548,11 @@ class OutputSet:
         return tmp
 
     def commit(self):
+        # a target that turned into a folder during the run fails the whole set before any
+        # file is replaced (not after the first outputs were)
+        for tmp, final in self._pending:
+            if final.is_dir() and not final.is_symlink():
+                raise OSError(f"cannot write the outputs: {final} is a folder")
         for tmp, final in self._pending:
             _fsync_replace(tmp, final)
         self._pending = []
@@ -556,8 +575,8 @@ def _vector_strings(col):
     """A list column as JSON-like strings ``[0.1, 0.2]`` (for CSV / TSV output)."""
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     t = col.type
-    vt = t.value_type
-    if (pa.types.is_fixed_size_list(t) and (pa.types.is_floating(vt) or pa.types.is_integer(vt))
+    if (pa.types.is_fixed_size_list(t)
+            and (pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type))
             and col.null_count == 0):
         M = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), t.list_size)
         fmt = "%.9g" if M.dtype == np.float32 else ("%.17g" if M.dtype.kind == "f" else "%d")

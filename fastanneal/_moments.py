@@ -6,7 +6,7 @@ turns the total into new centers and objectives.
 """
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import numba
@@ -15,7 +15,8 @@ import numpy as np
 from . import _config
 from . import _kernels as K_
 from ._validation import (as_float_matrix, as_weights, check_range, check_rows,
-                          check_temperature, metric_code, normalize_rows, resp_code)
+                          check_temperature, far_from_origin, metric_code, normalize_rows,
+                          resp_code, shifted_rows)
 
 _RESP_NAMES = {0: "softmax", 1: "entmax15", 2: "hard"}
 _METRIC_NAMES = {0: "euclidean", 1: "cosine"}
@@ -162,6 +163,11 @@ class Moments:
             return NotImplemented
         if self.S.shape != other.S.shape:
             raise ValueError(f"cannot merge moments of shapes {self.S.shape} and {other.S.shape}")
+        # the record of no rows (``zeros``) is the identity, whatever it was labelled with
+        if other._empty():
+            return self._with_hard_sums(other.hard_sums is not None)
+        if self._empty():
+            return other._with_hard_sums(self.hard_sums is not None)
         if (self.temperature != other.temperature
                 or self.responsibilities != other.responsibilities
                 or self.metric != other.metric):
@@ -187,6 +193,15 @@ class Moments:
             metric=self.metric)
 
     __add__ = merge
+
+    def _empty(self):
+        return self.rows == 0 and self.weight == 0.0 and not self.N.any()
+
+    def _with_hard_sums(self, keep):
+        """A copy (arrays too), without ``hard_sums`` unless ``keep``."""
+        hs = self.hard_sums.copy() if keep and self.hard_sums is not None else None
+        return replace(self, N=self.N.copy(), S=self.S.copy(),
+                       hard_counts=self.hard_counts.copy(), hard_sums=hs)
 
     def __radd__(self, other):
         if isinstance(other, (int, float)) and other == 0:   # sum([...]) starts at 0
@@ -289,7 +304,29 @@ def _prepare(X, centers, metric):
         X = normalize_rows(X, "X", sqnorms=sq)       # unit rows: in range by construction
         C = normalize_rows(C, "centers")
     check_range(C, "centers")
-    return X, C, mc
+    shift = None
+    if mc == 0 and X.shape[0]:
+        # rows far from the origin relative to their spread: measured from their mean (a
+        # copy), so that the GEMM-form distances keep their precision (docs/theory.md,
+        # "Rows far from the origin"); distances, responsibilities and labels are the same
+        mean = X.mean(axis=0, dtype=np.float64)
+        if far_from_origin(mean, float(sq.mean()), X.dtype):
+            shift = mean
+            X = shifted_rows(X, mean)
+            C = np.ascontiguousarray(C.astype(np.float64) - mean, dtype=X.dtype)
+    return X, C, mc, shift
+
+
+def _unshift(m, shift):
+    """Moments computed on rows measured from ``shift``, back in the rows' own frame: every
+    weighted sum of rows gains its weight times ``shift`` (the rest is translation
+    invariant)."""
+    if shift is None:
+        return m
+    m.S = m.S + m.N[:, None] * shift
+    if m.hard_sums is not None:
+        m.hard_sums = m.hard_sums + m.hard_counts[:, None] * shift
+    return m
 
 
 def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilities="softmax",
@@ -330,14 +367,14 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
     ``(K - 1) eps`` -- no more than the dtype's own rounding across a ``K``-term sum. Entmax-1.5
     zeros are exact. The free energy keeps its certificate ``0 <= J - F <= T W log K`` exactly.
     """
-    X, C, mc = _prepare(X_block, centers, metric)
+    X, C, mc, shift = _prepare(X_block, centers, metric)
     if C.shape[0] < 1:
         raise ValueError("at least one center is required")
     rc = resp_code(responsibilities)
     T = check_temperature(T, allow_zero=(rc == 2))
     w = as_weights(weights, X.shape[0], "weights")
     log_prior = _check_log_prior(log_prior, C.shape[0])
-    return compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums)
+    return _unshift(compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums), shift)
 
 
 def _check_log_prior(log_prior, K):
@@ -371,7 +408,7 @@ def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prio
     -------
     (n, K) array
     """
-    X, C, mc = _prepare(X, centers, metric)
+    X, C, mc, _ = _prepare(X, centers, metric)
     rc = resp_code(kind)
     T = check_temperature(T, allow_zero=(rc == 2))
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
@@ -399,7 +436,7 @@ def pairwise_distances(X, centers, metric="euclidean"):
     -------
     (n, K) array of the input dtype
     """
-    X, C, mc = _prepare(X, centers, metric)
+    X, C, mc, _ = _prepare(X, centers, metric)
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
     out = np.empty((X.shape[0], C.shape[0]), dtype=X.dtype)
     with blas_single_thread():
@@ -413,7 +450,7 @@ def label_rows(X, centers, T, log_prior=None, metric="euclidean"):
     probability of the nearest center under ``softmax_k(log_prior_k - d_k / T)`` (what
     ``responsibilities(X, centers, T, log_prior=log_prior)[i, labels[i]]`` gives, to a
     relative ``1e-12``, without the n x K matrix or a second pass)."""
-    X, C, mc = _prepare(X, centers, metric)
+    X, C, mc, _ = _prepare(X, centers, metric)
     T = float(T)
     if not (math.isfinite(T) and T > 0):
         raise ValueError(f"T must be finite and > 0; got {T!r}")
@@ -460,7 +497,7 @@ def assign(X, centers, metric="euclidean", _prepared=False, return_second=False)
         C = np.ascontiguousarray(centers, dtype=X.dtype)
         mc = metric if isinstance(metric, int) else metric_code(metric)
     else:
-        X, C, mc = _prepare(X, centers, metric)
+        X, C, mc, _ = _prepare(X, centers, metric)
     n = X.shape[0]
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
     labels = np.empty(n, dtype=np.int64)

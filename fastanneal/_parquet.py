@@ -5,6 +5,7 @@ a background thread while the current one is reduced) and :class:`ParquetStream`
 source that :class:`fastanneal.MiniBatchAnnealedKMeans` anneals over out of core
 (:func:`fastanneal.open_parquet`). The per-chunk work (validation, moments, labels) is the
 same code as on the Dask workers (:mod:`fastanneal.dask._chunks`)."""
+import math
 import os
 import queue
 import threading
@@ -39,6 +40,18 @@ def _embedding_info(field, where):
     if not (pa.types.is_floating(vt) or pa.types.is_integer(vt)):
         raise ValueError(f"column {field.name!r} of {where} holds {vt} values; expected numbers")
     return kind, D, vt
+
+
+def _weights64(col, name, where):
+    """A weight column as float64 (integers, decimals and numeric strings converted; nulls
+    as NaN for the caller to name)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    try:
+        col = pc.cast(col, pa.float64(), safe=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        raise ValueError(f"weight column {name!r} is not numeric ({where})") from None
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
 def _value_dtype(vt):
@@ -253,7 +266,9 @@ class ParquetStream(_passes_base()):
         kind, D, vt = _embedding_info(data.schema.field(column), data.path)
         if weight is not None:
             wt = data.schema.field(weight).type
-            if not (pa.types.is_floating(wt) or pa.types.is_integer(wt)):
+            if not (pa.types.is_floating(wt) or pa.types.is_integer(wt)
+                    or pa.types.is_decimal(wt) or pa.types.is_string(wt)
+                    or pa.types.is_large_string(wt)):
                 raise ValueError(f"weight column {weight!r} of {data.path} has type {wt}; "
                                  "expected numbers")
         self.column, self.weight, self.id = column, weight, id
@@ -282,6 +297,17 @@ class ParquetStream(_passes_base()):
         self._cache = {}                     # piece -> Chunk (the current and the next)
         self._pending = {}                   # piece -> Future
         self._pool = None
+        #: rows are measured from this point when set (:meth:`set_origin`)
+        self.origin = None
+
+    def set_origin(self, origin):
+        """Measure every row group read from now on from ``origin`` (None: from 0): the frame
+        of a fit whose rows lie far from the origin (``docs/theory.md``)."""
+        self.origin = None if origin is None else np.asarray(origin, dtype=np.float64)
+        for fut in self._pending.values():
+            fut.cancel()
+        self._pending.clear()
+        self._cache = {}
 
     # ------------------------------------------------ reading
     def _columns(self):
@@ -299,12 +325,12 @@ class ParquetStream(_passes_base()):
                             row0, self.column)
         w = None
         if self.weight is not None:
-            w = table.column(self.weight).to_numpy().astype(np.float64)
+            w = _weights64(table.column(self.weight), self.weight, where)
             if np.isnan(w).any():
                 j = int(np.argmax(np.isnan(w)))
                 raise ValueError(f"weight column {self.weight!r} has a missing value at row "
                                  f"{row0 + j} ({where})")
-        ch = prepare_chunk(x, w, i, row0, self.metric, self.dtype)
+        ch = prepare_chunk(x, w, i, row0, self.metric, self.dtype, origin=self.origin)
         if self.id is not None:
             ch.ids = table.column(self.id).to_numpy()
         return ch
@@ -377,7 +403,19 @@ class ParquetStream(_passes_base()):
             else:
                 tot = 0.0
                 for i, t in self.data.tables([self.weight], depth=self._depth):
-                    tot += float(np.asarray(t.column(0).to_numpy(), dtype=np.float64).sum())
+                    w = _weights64(t.column(0), self.weight, self.data.where(i))
+                    bad = ~np.isfinite(w) | (w < 0)
+                    if bad.any():
+                        j = int(np.argmax(bad))
+                        what = ("a missing value" if np.isnan(w[j]) else "infinity"
+                                if np.isinf(w[j]) else f"a negative value ({w[j]:g})")
+                        raise ValueError(f"weight column {self.weight!r} has {what} at row "
+                                         f"{int(self.data.offsets[i]) + j} "
+                                         f"({self.data.where(i)})")
+                    tot += float(w.sum())
+                if not math.isfinite(tot):
+                    raise ValueError(f"weight column {self.weight!r} sums to more than float64 "
+                                     "can hold; rescale the weights (divide them by a constant)")
                 self._W = tot
         return self._W
 

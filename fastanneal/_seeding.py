@@ -131,6 +131,9 @@ def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000, kpp_rows=
         if init == "mean":
             return np.repeat(mean_c[None, :], K, axis=0)
         raise ValueError(f"init must be 'k-means++', 'random', 'mean' or an array; got {init!r}")
+    if callable(init) or not np.issubdtype(np.asarray(init).dtype, np.number):
+        raise ValueError(f"init must be 'k-means++', 'random', 'mean' or a (K, D) array of "
+                         f"numbers; got {init!r}")
     C = np.asarray(init, dtype=np.float64)
     if C.shape != (K, source.n_features):
         raise ValueError(f"init array must have shape ({K}, {source.n_features}); got {C.shape}")

@@ -45,6 +45,9 @@ def as_float_matrix(X, name="X", dtype=None, allow_empty=True, finite=True):
     X = np.asarray(X)
     if X.dtype == object:
         raise ValueError(f"{name} has dtype object; expected a numeric 2-D array")
+    if X.dtype.kind not in "biuf":
+        raise ValueError(f"{name} has dtype {X.dtype}; expected real numbers (float, int or "
+                         "bool)")
     if X.ndim != 2:
         raise ValueError(f"{name} must be 2-D (n_samples, n_features); got shape {X.shape}")
     if dtype is None:
@@ -213,4 +216,62 @@ def normalize_rows(X, name="X", sqnorms=None):
     if (X.dtype in (np.float32, np.float64) and X.flags.c_contiguous
             and np.all(np.abs(norms - 1.0) <= UNIT_TOLERANCE * np.finfo(X.dtype).eps)):
         return X        # unit already (to a few ulps): no copy of the whole input
-    return np.ascontiguousarray(X / norms[:, None].astype(X.dtype, copy=False), dtype=X.dtype)
+    # divided in float64, then rounded: a float32 row near the top of its range has a norm
+    # that float32 cannot hold (the quotient it can)
+    out = np.empty(X.shape, dtype=X.dtype)
+    for b in range(0, X.shape[0], 16384):
+        np.divide(X[b:b + 16384], norms[b:b + 16384, None], out=out[b:b + 16384],
+                  casting="unsafe")
+    return out
+
+
+# ---------------------------------------------------------------------------- the origin
+#: Euclidean rows are measured from their mean (a centered copy) when the GEMM form of the
+#: squared distances, ``||x||^2 + ||c||^2 - 2 x.c``, would round away more than this
+#: fraction of the rows' spread: ``eps(dtype) * ||mean||^2 > ORIGIN_TOL * spread`` (spread:
+#: the mean squared distance to the mean). float32 rows are centered once their mean lies
+#: farther from the origin than their spread (``||mean||^2 > spread``), float64 rows from
+#: about ``2^29`` times it. ``docs/theory.md``, "Rows far from the origin".
+ORIGIN_TOL = 2.0 ** -23
+
+
+def far_from_origin(mean, mean_sq, dtype):
+    """Whether rows with mean ``mean`` (float64) and mean squared norm ``mean_sq`` are far
+    enough from the origin, for ``dtype``, to be measured from their mean instead."""
+    m2 = float(mean @ mean)
+    if not m2 > 0.0:
+        return False
+    spread = float(mean_sq) - m2        # rounds to <= 0 exactly when the offset dominates
+    return float(np.finfo(dtype).eps) * m2 > ORIGIN_TOL * max(spread, 0.0)
+
+
+def shifted_rows(X, origin, block_rows=16384):
+    """``X - origin`` in ``X``'s dtype (each difference formed in float64, then rounded):
+    a new C-contiguous array, in row blocks (no float64 copy of ``X``)."""
+    out = np.empty_like(X, order="C")
+    for b in range(0, X.shape[0], block_rows):
+        np.subtract(X[b:b + block_rows], origin, out=out[b:b + block_rows], casting="unsafe")
+    return out
+
+
+def centered_rows(X, w, block_rows=16384):
+    """``(rows, origin)``: Euclidean rows (C-contiguous float32/float64, weights ``w``) far
+    from the origin relative to their spread (:func:`far_from_origin`) as a centered copy
+    and their weighted mean (float64); else ``(X, None)`` -- no copy. Distances, and so
+    every fit, are the same in either frame; only the rounding of the GEMM-form distances
+    differs (``docs/theory.md``, "Rows far from the origin")."""
+    n, D = X.shape
+    W = float(np.sum(w))
+    if n == 0 or not W > 0:
+        return X, None
+    acc = np.zeros(D)
+    sq = 0.0
+    for b in range(0, n, block_rows):
+        Xb = X[b:b + block_rows].astype(np.float64)
+        wb = w[b:b + block_rows]
+        acc += wb @ Xb
+        sq += float(wb @ np.einsum("ij,ij->i", Xb, Xb))
+    mean = acc / W
+    if not far_from_origin(mean, sq / W, X.dtype):
+        return X, None
+    return shifted_rows(X, mean, block_rows), mean

@@ -621,7 +621,7 @@ def run_cluster(args, console):
         D = X.shape[1] if X is not None else log.dim
         if args.metric == "cosine" and X is not None:
             for b in range(0, n, 65536):            # in row blocks: no N x D temporary
-                zero = ~(np.abs(X[b:b + 65536]).sum(axis=1) > 0)
+                zero = ~(np.abs(X[b:b + 65536]).max(axis=1) > 0)     # no overflow
                 if zero.any():
                     raise CLIError(f"{src}: row {b + int(np.argmax(zero)) + 1} has an all-zero "
                                    "embedding; the cosine metric needs non-zero vectors")
@@ -806,6 +806,27 @@ def run_suggest(args, console):
     return 0
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every ``finally`` and every output's
+    discard runs (no temporary file left behind), as for Ctrl-C."""
+
+
+def _terminate_as_interrupt():
+    """Route SIGTERM to :class:`_Terminated` while the command runs (main thread only);
+    returns the previous handler (None when not installed)."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise _Terminated()
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):  # pragma: no cover - not allowed here
+        return None
+
+
 def main(argv=None):
     """Entry point of the ``fastanneal`` command; returns the exit code."""
     parser = build_parser()
@@ -820,10 +841,15 @@ def main(argv=None):
         args.no_report = False
     console = _Console(args.quiet, args.progress)
     args._created = []
+    previous = _terminate_as_interrupt()
     try:
         if args.command == "suggest-k":
             return run_suggest(args, console)
         return run_cluster(args, console)
+    except _Terminated:
+        _remove_created(args._created)
+        print("fastanneal: terminated", file=sys.stderr)
+        return 143
     except InputError as e:
         _remove_created(args._created)
         print(f"fastanneal: error: {_one_line(e)}", file=sys.stderr)
@@ -847,6 +873,10 @@ def main(argv=None):
         print(f"fastanneal: error: unexpected {type(e).__name__}: {_one_line(e)} (rerun with "
               "--debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if previous is not None:
+            import signal
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _one_line(e):

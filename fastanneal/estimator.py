@@ -24,7 +24,8 @@ from ._seeding import (check_n_clusters, critical_temperature, data_stats, initi
 from ._sources import InMemorySource
 from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
-from ._validation import check_range, metric_code, normalize_rows, resp_code
+from ._validation import (centered_rows, check_range, metric_code, normalize_rows, resp_code,
+                          shifted_rows)
 from .schedules import CriticalSchedule, make_schedule
 
 __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kmeans_plusplus"]
@@ -177,19 +178,41 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         key = params_key(source.fingerprint(), dict(self._fit_params(), run=run))
         return Checkpoint(path, key, K, source.n_features)
 
+    def _centered(self, X, w):
+        """``(rows, origin)``: Euclidean rows far from the origin relative to their spread
+        are fitted as a centered copy, measured from their weighted mean ``origin``
+        (``docs/theory.md``, "Rows far from the origin"); ``origin`` is None otherwise."""
+        if metric_code(self.metric) != 0:
+            return X, None
+        return centered_rows(X, w)
+
     # ------------------------------------------------------------------ inference
     def _check_X(self, X):
         check_is_fitted(self, "cluster_centers_")
         return self._validate_X(X, reset=False)
+
+    def _in_frame(self, X):
+        """``(X, centers)`` measured from the fit's origin (rows far from the origin were
+        fitted centered: ``docs/theory.md``, "Rows far from the origin"): the same distances,
+        computed without the rounding of large norms."""
+        C = self.cluster_centers_
+        origin = getattr(self, "_origin", None)
+        if origin is None:
+            return X, C
+        return shifted_rows(X, origin), C.astype(np.float64) - origin
 
     def predict(self, X):
         """Nearest center (the deployed hard rule). Dask arrays give a lazy Dask array."""
         if hasattr(X, "__dask_graph__"):
             from .dask import predict_labels
             check_is_fitted(self, "cluster_centers_")
-            return predict_labels(X, self.cluster_centers_, self.metric)
-        X = self._check_X(X)
-        return _assign(X, self.cluster_centers_, metric_code(self.metric), _prepared=True)[0]
+            origin = getattr(self, "_origin", None)
+            C = self.cluster_centers_
+            if origin is not None:
+                C = C.astype(np.float64) - origin
+            return predict_labels(X, C, self.metric, origin=origin)
+        X, C = self._in_frame(self._check_X(X))
+        return _assign(X, C, metric_code(self.metric), _prepared=True)[0]
 
     def fit_predict(self, X, y=None, sample_weight=None):
         """Fit on ``X`` (with ``sample_weight``) and return ``labels_``."""
@@ -210,9 +233,8 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         the masses as prior when ``mass_constrained``) at the final annealing temperature or
         at that temperature.
         """
-        X = self._check_X(X)
+        X, C = self._in_frame(self._check_X(X))
         from ._moments import responsibilities as _resp
-        C = self.cluster_centers_
         if temperature is None and hasattr(self, "probability_temperature_"):
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
             return _resp(X, C, self.probability_temperature_, metric=self.metric,
@@ -232,17 +254,30 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
         return _resp(X, C, T, metric=self.metric, kind=self.responsibilities, log_prior=logp)
 
-    def _set_probability_temperature(self, source, rng):
-        """``probability_temperature_`` from a sample of the fitted rows (after the fit)."""
+    def _set_probability_temperature(self, source, rng, centers):
+        """``probability_temperature_`` from a sample of the fitted rows (after the fit;
+        ``centers`` in the source's frame)."""
         Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
         self.probability_temperature_ = probability_temperature(
-            Xs, ws, self.cluster_centers_, self.metric, fallback=self.temperature_)
+            Xs, ws, centers, self.metric, fallback=self.temperature_)
+
+    def _set_centers(self, C, origin, dtype):
+        """``cluster_centers_`` (the data's frame, ``dtype``) from the fit's centers ``C``
+        (measured from ``origin``); returns them in the fit's frame as the inference methods
+        see them (float64), for the final labels and statistics: ``labels_ ==
+        predict(X)``."""
+        self._origin = origin
+        if origin is None:
+            self.cluster_centers_ = C.astype(dtype)
+            return self.cluster_centers_
+        self.cluster_centers_ = (np.asarray(C, np.float64) + origin).astype(dtype)
+        return self.cluster_centers_.astype(np.float64) - origin
 
     def transform(self, X):
         """Distances to the centers (Euclidean, as scikit-learn; cosine: ``sqrt(2 - 2 cos)``)."""
-        X = self._check_X(X)
+        X, C = self._in_frame(self._check_X(X))
         from ._moments import pairwise_distances
-        return np.sqrt(pairwise_distances(X, self.cluster_centers_,
+        return np.sqrt(pairwise_distances(X, C,
                                           metric="euclidean" if self.metric != "cosine"
                                           else "cosine"))
 
@@ -250,7 +285,8 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         """Opposite of the hard objective ``J`` on X."""
         X = self._check_X(X)
         w = self._validate_weights(sample_weight, X.shape[0])
-        _, dmin, _ = _assign(X, self.cluster_centers_, metric_code(self.metric), _prepared=True)
+        X, C = self._in_frame(X)
+        _, dmin, _ = _assign(X, C, metric_code(self.metric), _prepared=True)
         return -float(w @ dmin)
 
     def __getstate__(self):
@@ -265,17 +301,27 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     def partial_fit(self, X, y=None, sample_weight=None):
         """One stochastic-EM annealing update on the batch ``X`` (one temperature step per
         call; the temperature holds at its end value after ``n_steps`` calls). The first call
-        seeds (k-means++) and sets the start temperature and scale from its batch."""
+        on an unfitted estimator seeds (k-means++) and sets the start temperature and scale
+        from its batch; on a fitted one (after ``fit``) it continues from the fitted centers
+        at the final temperature, the fit counting as the rows it saw (as scikit-learn's
+        ``MiniBatchKMeans.partial_fit`` continues from ``fit``)."""
         first = not hasattr(self, "_partial_state")
-        X = self._validate_X(X, reset=first)
+        fitted = first and hasattr(self, "cluster_centers_")
+        X = self._validate_X(X, reset=first and not fitted)
         w = self._validate_weights(sample_weight, X.shape[0])
-        if first:
+        if fitted:
+            self._partial_state = _PartialFit.from_fitted(self, X)
+        elif first:
             self._partial_state = _PartialFit(self, X, w)
         self._partial_state.update(X, w)
         self._partial_state.apply_to(self)
-        # predict_proba's temperature from this batch (the latest rows the centers saw)
+        # predict_proba's temperature from this batch (the latest rows the centers saw);
+        # labels_ and inertia_ describe this batch, as scikit-learn's partial_fit
+        Xf, Cf = self._in_frame(X)
         self.probability_temperature_ = probability_temperature(
-            X, w, self.cluster_centers_, self.metric, fallback=self.temperature_)
+            Xf, w, Cf, self.metric, fallback=self.temperature_)
+        self.labels_, dmin, _ = _assign(Xf, Cf, metric_code(self.metric), _prepared=True)
+        self.inertia_ = float(w @ dmin)
         return self
 
 
@@ -290,12 +336,15 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
     Parameters
     ----------
     n_clusters : int or "auto", default=8
-        ``"auto"``: K chosen in ``k_min..k_max`` from the phase transitions (the widest
-        plateau of the number of effective clusters in log T; see
+        ``"auto"``: K chosen in ``k_min..k_max`` from the phase transitions (the finest
+        natural level: a plateau of the number of effective clusters in log T; see
         :func:`fastanneal.suggest_k`), then the fit continues from that state;
         ``n_clusters_`` and ``k_suggestion_`` say what was chosen and why.
-    k_max, k_min : int, default=50, 2
-        The range of K for ``n_clusters="auto"``.
+    k_max : int or None, default=None
+        The most clusters ``n_clusters="auto"`` considers (required there; the path's cost
+        grows with it).
+    k_min : int, default=2
+        The fewest clusters ``n_clusters="auto"`` considers.
     metric : {"euclidean", "cosine"}, default="euclidean"
     responsibilities : {"softmax", "entmax15"}, default="softmax"
         ``entmax15`` gives sparse responsibilities that are exactly hard once
@@ -528,10 +577,14 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             return make_dask_source(self, X, sample_weight)[0], False
         X = self._validate_X(X, reset=True)
         w = self._validate_weights(sample_weight, X.shape[0])
+        X, origin = self._centered(X, w)
         if backend == "cuda":
             from .cuda import CudaSource
-            return CudaSource(X, w, metric_code(self.metric)), True
-        return InMemorySource(X, w, metric_code(self.metric)), True
+            source = CudaSource(X, w, metric_code(self.metric))
+        else:
+            source = InMemorySource(X, w, metric_code(self.metric))
+        source.origin = origin
+        return source, True
 
     def fit(self, X, y=None, sample_weight=None):
         """Anneal from hot to hard; returns self.
@@ -553,6 +606,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
 
     def _fit_minibatch(self, X, sample_weight):
         self._check_params(None)
+        if self.solver != "lloyd" or int(self.n_init) != 1:
+            raise ValueError(f"batch_size (mini-batch annealing) runs one stochastic-EM fit: "
+                             f"solver='lloyd' and n_init=1 only; got solver={self.solver!r}, "
+                             f"n_init={self.n_init!r}")
         mc = self.mass_constrained
         mb = MiniBatchAnnealedKMeans(
             self.n_clusters, metric=self.metric, responsibilities=self.responsibilities,
@@ -563,15 +620,18 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             mass_constrained=False if mc == "auto" else bool(mc), batch_size=self.batch_size,
             learning_decay=self.learning_decay, learning_offset=self.learning_offset,
             polish_passes=1 if self.polish else 0, scheduler=self.scheduler,
-            random_state=self._rng(), tol=self.tol, verbose=self.verbose,
+            random_state=self.random_state, tol=self.tol, verbose=self.verbose,
             checkpoint=self.checkpoint, reallocate=self.reallocate)
         mb.fit(X, sample_weight=sample_weight)
         for name in ("cluster_centers_", "cluster_weights_", "inertia_", "free_energy_",
                      "soft_distortion_", "hardening_gap_", "temperature_",
                      "temperature_start_", "critical_temperature_", "n_steps_", "n_iter_",
                      "n_relocations_", "trace_", "n_features_in_", "_mass_constrained",
-                     "labels_", "probability_temperature_"):
+                     "labels_", "probability_temperature_", "_origin", "_scale",
+                     "_rows_seen"):
             setattr(self, name, getattr(mb, name))
+        if hasattr(mb, "checkpoint_info_"):
+            self.checkpoint_info_ = mb.checkpoint_info_
         self.hardened_step_ = None          # the stochastic rule runs every temperature
         self.settled_step_ = None
         return self
@@ -583,6 +643,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         t0 = time.perf_counter() if _t0 is None else _t0
         check_source(source)
         rc = self._check_params(source.n_rows)
+        # rows measured from an origin (the in-memory route centers rows far from it)
+        origin = getattr(source, "origin", None)
         auto = isinstance(self.n_clusters, str)
         K = int(self.k_max) if auto else int(self.n_clusters)
         rng = self._rng()
@@ -605,7 +667,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                     best = res
             result, trace, T0 = best
             self.n_clusters_ = K
-        C = result.centers
+        C = self._set_centers(result.centers, origin, source.dtype)
+        self._scale, self._rows_seen = float(stats.scale), int(source.n_rows)
         reset = getattr(source, "reset_bounds", None)
         if reset is not None:
             reset()         # the final statistics by the full path: the same numbers whether
@@ -619,7 +682,6 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.labels_ = labels
         self.inertia_ = float(mh.hard_distortion)
         counts = mh.hard_counts
-        self.cluster_centers_ = C.astype(source.dtype)
         self.cluster_weights_ = counts / counts.sum()
         self.temperature_ = float(result.temperature)
         self.temperature_start_ = float(T0)
@@ -633,7 +695,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.hardened_step_ = result.hardened_step
         self.settled_step_ = result.settled_step
         self.trace_ = trace
-        self._set_probability_temperature(source, rng)
+        self._set_probability_temperature(source, rng, C)
         return self
 
     def _fit_auto(self, source, rc, rng, stats, t0):
@@ -699,7 +761,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             if from_mean:
                 C = np.repeat(stats.mean_c[None, :], K, axis=0)
             else:
-                C = initial_centers(self.init, source, K, rng, stats.mean_c,
+                init = _init_in_frame(self.init, getattr(source, "origin", None))
+                C = initial_centers(init, source, K, rng, stats.mean_c,
                                     200_000 if in_memory else 0)
             T0 = start_temperature(ts, source, C, rng, K, T_c, stats.scale,
                                    self.auto_start_fraction, critical=from_mean, stacklevel=5)
@@ -764,7 +827,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                           AnnealingWarning, stacklevel=4)
         dmin, _ = min_center_distance(result.centers)
         if K > 1 and not dmin > 0:
-            raise RuntimeError("coincident centers survived the fit; please report this")
+            raise ValueError(
+                f"n_clusters={K}: two fitted centers coincide -- the data holds fewer than {K} "
+                "points that can be told apart at its floating-point precision (rows that "
+                "differ only in their last bits, e.g. positive multiples of one vector under "
+                "the cosine metric); choose a smaller n_clusters")
         result.hard_objective_final = float(trace["hard_distortion"][-1])
 
 
@@ -776,6 +843,17 @@ def _schedule_temperature(schedule, t, T_start, T_end, n_steps):
     if schedule == "linear":
         return float(T_start + (T_end - T_start) * j)
     return float(T_start * (T_end / T_start) ** j)
+
+
+def _init_in_frame(init, origin):
+    """An ``init`` array (the data's coordinates) measured from the fit's ``origin``; strings
+    and arrays of the wrong shape pass unchanged (the seeding names the problem)."""
+    if origin is None or isinstance(init, str):
+        return init
+    A = np.asarray(init)
+    if A.ndim != 2 or A.shape[1] != origin.shape[0] or not np.issubdtype(A.dtype, np.number):
+        return init
+    return A.astype(np.float64) - origin
 
 
 def _check_distinct(full, Xs, ws, K, metric):
@@ -810,9 +888,9 @@ def _seeding_weights(ws):
     return (np.asarray(ws) > 0).astype(np.float64)
 
 
-def _seed_from_sample(est, Xs, ws, K, metric, rng):
+def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None):
     """Seeds, ``T_start``, ``T_end``, ``T_c`` and the scale of a mini-batch fit from an
-    in-memory sample (validated rows; unit rows for cosine)."""
+    in-memory sample (validated rows; unit rows for cosine; measured from ``origin``)."""
     src = InMemorySource(Xs, ws, metric)
     if not src.total_weight > 0:
         raise ValueError("the seeding sample carries no weight")
@@ -822,7 +900,8 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng):
                          "cluster is undefined")
     T_c = critical_temperature(src, stats.mean, rng)
     realloc = getattr(est, "reallocate", False) and K > 1 and isinstance(est.init, str)
-    C = initial_centers(est.init, src, K, rng, stats.mean_c, sample_rows=Xs.shape[0],
+    C = initial_centers(_init_in_frame(est.init, origin), src, K, rng, stats.mean_c,
+                        sample_rows=Xs.shape[0],
                         kpp_rows=KPP_ROWS_PER_CLUSTER * K if realloc else None)
     C = E._project(C, metric)
     if realloc:
@@ -860,27 +939,61 @@ class _PartialFit:
         if not (isinstance(sched, str) and sched in ("geometric", "linear", "constant")):
             raise ValueError("partial_fit supports the schedules 'geometric', 'linear', "
                              f"'constant'; got {sched!r}")
-        rc = est._check_common()
-        kd, t0 = check_learning(est.learning_decay, est.learning_offset)
+        est._check_common()
+        check_learning(est.learning_decay, est.learning_offset)
         self.metric = metric_code(est.metric)
         self.rng = est._rng()
+        # the first batch's mean is the origin of every batch (rows far from it: centered)
+        Xc, self.origin = est._centered(X, w)
         self.C, self.T_start, self.T_end, self.T_c, self.scale = _seed_from_sample(
-            est, X, w, int(K), self.metric, self.rng)
+            est, Xc, w, int(K), self.metric, self.rng, self.origin)
         mc = est.mass_constrained
-        self.mass_constrained = False if mc == "auto" else bool(mc)
+        self._setup(est, sched, False if mc == "auto" else bool(mc), X.dtype)
+
+    def _setup(self, est, schedule, mass_constrained, dtype):
+        rc = est._check_common()
+        kd, t0 = check_learning(est.learning_decay, est.learning_offset)
+        self.mass_constrained = mass_constrained
         self.running = RunningMoments(self.metric, self.mass_constrained, rc, kd, t0,
                                       self.scale)
-        self.schedule, self.n_steps, self.resp = sched, int(est.n_steps), rc
-        self.dtype = X.dtype
+        self.schedule, self.n_steps, self.resp = schedule, int(est.n_steps), rc
+        self.dtype = dtype
         self.trace = Trace()
         self.t0 = time.perf_counter()
         self.relocations = 0
         self.temperature = math.nan
 
+    @classmethod
+    def from_fitted(cls, est, X):
+        """The state that continues a fitted estimator: its centers (in its frame), its
+        final temperature held constant, the running moments its cluster weights, counted
+        as the rows the fit saw in batches of ``X``'s rows (the first update's step size is
+        that of the update after them, not 1)."""
+        self = cls.__new__(cls)
+        self.metric = metric_code(est.metric)
+        self.rng = est._rng()
+        self.origin = getattr(est, "_origin", None)
+        C = np.asarray(est.cluster_centers_, dtype=np.float64)
+        self.C = C if self.origin is None else C - self.origin
+        T = float(est.temperature_)
+        self.T_start = self.T_end = T
+        self.T_c = float(getattr(est, "critical_temperature_", math.nan))
+        self.scale = float(getattr(est, "_scale", 0.0)) or float(
+            np.mean(np.sum((self.C - self.C.mean(axis=0)) ** 2, axis=1))) or 1.0
+        self._setup(est, "constant", bool(getattr(est, "_mass_constrained", False)), X.dtype)
+        p = np.asarray(est.cluster_weights_, dtype=np.float64)
+        rows = int(getattr(est, "_rows_seen", 0) or X.shape[0])
+        self.running.load_state_dict({
+            "t": max(1, int(round(rows / max(X.shape[0], 1)))), "rows_seen": 0,
+            "weight_seen": 0.0, "N": p.copy(), "S": p[:, None] * self.C})
+        return self
+
     def update(self, X, w):
         from ._moments import compute_moments
         if X.shape[1] != self.C.shape[1]:
             raise ValueError(f"X has {X.shape[1]} features; the fit has {self.C.shape[1]}")
+        if self.origin is not None:
+            X = shifted_rows(X, self.origin)
         K = self.C.shape[0]
         T = _schedule_temperature(self.schedule, self.running.t, self.T_start, self.T_end,
                                   self.n_steps)
@@ -893,7 +1006,9 @@ class _PartialFit:
                   self.running.last_shift, rel, 0, K, self.t0, logp=logp)
 
     def apply_to(self, est):
-        est.cluster_centers_ = self.C.astype(self.dtype)
+        est._set_centers(self.C, self.origin, self.dtype)
+        est._scale = self.scale
+        est._rows_seen = int(self.running.rows_seen)
         N = self.running.N if self.running.N is not None else np.ones(self.C.shape[0])
         est.cluster_weights_ = N / N.sum()
         est.temperature_ = float(self.temperature)
@@ -1025,6 +1140,20 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         if bs is not None and (not isinstance(bs, numbers.Integral) or isinstance(bs, bool)
                                or bs < 1):
             raise ValueError(f"batch_size must be None or a positive integer; got {bs!r}")
+        for name in ("batches_per_step", "init_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)
+                                  or v < 1):
+                raise ValueError(f"{name} must be None or a positive integer; got {v!r}")
+        ne = self.n_epochs
+        if not (isinstance(ne, numbers.Real) and not isinstance(ne, bool)
+                and math.isfinite(ne) and ne > 0):
+            raise ValueError(f"n_epochs must be a finite number > 0; got {ne!r}")
+        if not (isinstance(self.tol, numbers.Real) and self.tol >= 0):
+            raise ValueError(f"tol must be a non-negative number; got {self.tol!r}")
+        pf = self.prefetch
+        if not isinstance(pf, numbers.Integral) or isinstance(pf, bool) or pf < 0:
+            raise ValueError(f"prefetch must be an integer >= 0; got {pf!r}")
         return rc
 
     def fit(self, X, y=None, sample_weight=None, *, ids=None, labels_path=None,
@@ -1064,7 +1193,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                                  "NumPy array the labels are in labels_")
             Xv = self._validate_X(X, reset=True)
             w = self._validate_weights(sample_weight, Xv.shape[0])
+            Xv, origin = self._centered(Xv, w)
             full = InMemorySource(Xv, w, metric)
+            full.origin = origin
             stream = ArrayStream(Xv, w, metric, int(self.batch_size or 4096))
             n_threads = 1
         else:
@@ -1100,9 +1231,15 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             Xs, ws = full.sample(min(init_size, full.n_rows), rng)
             if Xs.shape[0] < K:
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
+            if hasattr(full, "set_origin"):
+                # streamed rows far from the origin: the seeding sample's mean becomes the
+                # origin every chunk is measured from (no extra pass over the data)
+                Xs, origin = self._centered(Xs, ws)
+                full.set_origin(origin)
             _check_distinct(full, Xs, ws, K, metric)
             ws = _seeding_weights(ws)
-            C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng)
+            C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng,
+                                                         getattr(full, "origin", None))
             # the seeding sample is data too: its moments at the seeds and T_start start
             # the running moments (they are not discarded by the first batch)
             m0 = InMemorySource(Xs, ws, metric).moments(
@@ -1114,10 +1251,15 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             st = E.AnnealState(centers=C, temperature=T0, T_start=T0, T_end=T_end,
                                scale=scale)
             extra = {"T0": T0, "T_c": T_c, "perm_seed": perm_seed}
+            origin = getattr(full, "origin", None)
+            if hasattr(full, "set_origin") and origin is not None:
+                extra["origin"] = [float(v) for v in origin]
         else:
             trace._rows = list(st.trace_rows)
             rng.bit_generator.state = st.rng_state
             extra = st.extra
+            if hasattr(full, "set_origin") and extra.get("origin") is not None:
+                full.set_origin(np.asarray(extra["origin"], dtype=np.float64))
         if ckpt is not None:
             self.checkpoint_info_ = {"path": str(ckpt.path), "finished": st.phase == "done",
                                      "resumed_from": st.step if resumed else None,
@@ -1157,7 +1299,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 bar.close()
         if ckpt is not None:
             ckpt.save(st)
-        C = result.centers
+        C = self._set_centers(result.centers, getattr(full, "origin", None), full.dtype)
+        self._scale, self._rows_seen = float(st.scale), int(full.n_rows)
         T_final = result.temperature
         logp = running.log_prior(K) if self.mass_constrained else None
         # ---------------------------------------------------------- final pass
@@ -1169,7 +1312,6 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             mf, self.labels_path_ = stream.final_pass(C, T_final, rc, logp, labels_path,
                                                       overwrite, with_ids)
             self.labels_ = None
-        self.cluster_centers_ = C.astype(full.dtype)
         counts = mf.hard_counts
         self.cluster_weights_ = counts / counts.sum()
         self.inertia_ = float(mf.hard_distortion)
@@ -1188,7 +1330,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         self.batch_chunks_ = int(batch_chunks)
         self.trace_ = trace
         self._mass_constrained = bool(self.mass_constrained)
-        self._set_probability_temperature(full, rng)
+        self._set_probability_temperature(full, rng, C)
         if result.relocations:
             warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
                           AnnealingWarning, stacklevel=3)

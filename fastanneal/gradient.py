@@ -211,11 +211,13 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
         raise ValueError("the weights sum to 0; the objective needs a positive total weight")
     if mc == 1:
         for name, A in (("X", X), ("centers", C)):
-            dev = np.abs(np.sqrt(np.einsum("ij,ij->i", A, A, dtype=np.float64)) - 1.0)
+            norms = np.sqrt(np.einsum("ij,ij->i", A, A, dtype=np.float64))
+            dev = np.abs(norms - 1.0)
             if dev.max() > COSINE_NORM_TOL:
+                i = int(dev.argmax())
                 raise ValueError(
-                    f"metric='cosine' needs unit-norm rows; {name} row {int(dev.argmax())} "
-                    f"has norm {1.0 + dev.max():.6g} (off by {dev.max():.3g}). Normalize the "
+                    f"metric='cosine' needs unit-norm rows; {name} row {i} "
+                    f"has norm {norms[i]:.6g} (off by {dev[i]:.3g}). Normalize the "
                     "rows first: the gradient is that of d = 2 - 2 x.c for the given vectors")
     return _value_and_grad(X, C, T, lam, pc, float(margin or 0.0), float(eps or 0.0), w, W,
                            mc, rc)

@@ -142,7 +142,7 @@ def test_cli_k_auto(capsys, tmp_path):
     assert adjusted_rand_score(lab, got) == 1.0
     if report:
         html = (tmp_path / "rep.html").read_text()
-        assert 'id="choose-k"' in html and "auto: widest plateau" in html
+        assert 'id="choose-k"' in html and "auto: finest natural level" in html
     for extra, word in [(["--k", "auto", "--k-max", "1"], "--k-max"),
                         (["--k", "3", "--k-max", "5"], "--k auto"),
                         (["--k", "auto", "--checkpoint", tmp_path / "ck"], "checkpoint"),

@@ -528,3 +528,103 @@ def test_chunks_are_persisted_in_one_submission_on_their_planned_workers(client,
         np.testing.assert_allclose(got.S, want.S, rtol=1e-10, atol=1e-10)
     finally:
         src.close()
+
+
+# ---------------------------------------------------------------- rows far from the origin
+def test_rows_far_from_the_origin_give_the_in_memory_partition(client, tmp_path):
+    """float32 rows near 3e3 with spread ~0.3: every route measures them from their mean
+    (docs/theory.md, "Rows far from the origin"); without it the Dask routes found ARI ~0.3."""
+    from sklearn.metrics import adjusted_rand_score
+    g = np.random.default_rng(4)
+    means = g.normal(size=(4, 5)) * 2.0
+    y = np.repeat(np.arange(4), 500)
+    X = (means[y] + 0.3 * g.standard_normal((2000, 5)) + 3000.0).astype(np.float32)
+    mem = fa.AnnealedKMeans(4, random_state=0).fit(X)
+    assert adjusted_rand_score(y, mem.labels_) == 1.0
+    full = fa.AnnealedKMeans(4, backend="dask", scheduler=client, random_state=0).fit(
+        da.from_array(X, chunks=(300, 5)))
+    assert adjusted_rand_score(y, full.labels_) == 1.0
+    assert full.inertia_ == pytest.approx(mem.inertia_, rel=1e-4)
+    mb = MiniBatchAnnealedKMeans(4, batch_size=600, scheduler=client, random_state=0).fit(
+        da.from_array(X, chunks=(300, 5)), labels_path=str(tmp_path / "lab"))
+    lab = pq.read_table(tmp_path / "lab").sort_by("row").column("label").to_numpy()
+    assert adjusted_rand_score(y, lab) == 1.0
+    _write_parquet(tmp_path / "x.parquet", X, "fixed", row_group_size=250)
+    st = fa.open_parquet(str(tmp_path / "x.parquet"))
+    pm = MiniBatchAnnealedKMeans(4, batch_size=500, random_state=0).fit(st)
+    assert adjusted_rand_score(y, pm.predict(X)) == 1.0
+    assert pm.cluster_centers_.dtype == np.float32
+    # the lazy predict of a Dask array measures rows from the fit's origin too
+    np.testing.assert_array_equal(
+        np.asarray(mem.predict(da.from_array(X, chunks=(300, 5))).compute()), mem.labels_)
+
+
+def test_dataframe_inputs_and_weight_errors(client):
+    import pandas as pd
+    dd = pytest.importorskip("dask.dataframe")
+    g = np.random.default_rng(5)
+    pdf = pd.DataFrame({"x0": g.normal(size=300), "x1": g.normal(size=300),
+                        "query": [f"q{i}" for i in range(300)],
+                        "impressions": g.integers(1, 5, 300)})
+    df = dd.from_pandas(pdf, npartitions=3)
+    # a named embedding column that is absent is an error, not the numeric columns
+    with pytest.raises(ValueError, match="'embeddings' not found"):
+        fa.dask.embeddings_from_dataframe(df, column="embeddings")
+    # without an embedding column: the numeric columns (a text column is not one)
+    arr = fa.dask.embeddings_from_dataframe(df, weight="impressions")
+    assert arr.X.shape == (300, 2)
+    # a Dask Series as weights
+    m = fa.AnnealedKMeans(2, backend="dask", scheduler=client, random_state=0).fit(
+        df[["x0", "x1"]], sample_weight=df["impressions"])
+    np.testing.assert_array_equal(m.predict(df[["x0", "x1"]]).compute(),
+                                  m.predict(pdf[["x0", "x1"]].to_numpy()))
+    # arrays that Dask turned into strings are named as such
+    obj = dd.from_pandas(pd.DataFrame({"emb": [np.ones(3) * i for i in range(30)]}),
+                         npartitions=2)
+    if obj["emb"].dtype != object:          # dask's convert-string (the default here)
+        with pytest.raises(ValueError, match="list of numbers"):
+            fa.dask.embeddings_from_dataframe(obj, column="emb")
+    else:                                   # kept as objects: they are the embeddings
+        assert fa.dask.embeddings_from_dataframe(obj, column="emb").X.shape == (30, 3)
+    Xd = da.from_array(g.normal(size=(300, 2)), chunks=100)
+    w = np.ones(300)
+    w[250] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        MiniBatchAnnealedKMeans(2, scheduler=client, random_state=0).fit(
+            Xd, sample_weight=da.from_array(w, chunks=100))
+    with pytest.raises(ValueError, match="negative"):
+        MiniBatchAnnealedKMeans(2, scheduler=client, random_state=0).fit(
+            Xd, sample_weight=da.from_array(-np.ones(300), chunks=100))
+
+
+def test_predict_labels_checks_its_input():
+    from fastanneal.dask import predict_labels
+    C = np.array([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]])       # not unit: normalised for cosine
+    X = np.random.default_rng(0).normal(size=(50, 3))
+    Xd = da.from_array(X, chunks=20)
+    cos = (X / np.linalg.norm(X, axis=1, keepdims=True)) @ (C / np.linalg.norm(
+        C, axis=1, keepdims=True)).T
+    np.testing.assert_array_equal(predict_labels(Xd, C, "cosine").compute(), cos.argmax(1))
+    with pytest.raises(ValueError, match="features"):
+        predict_labels(Xd[:, :2], C)
+    with pytest.raises(ValueError, match="2-D"):
+        predict_labels(Xd[:, 0], C)
+    Z = X.copy()
+    Z[45] = 0.0
+    with pytest.raises(ValueError, match="row 45"):
+        predict_labels(da.from_array(Z, chunks=20), C, "cosine").compute()
+
+
+def test_write_labels_overwrites_a_file_and_zeros_is_the_identity(tmp_path):
+    X = np.random.default_rng(1).normal(size=(40, 3))
+    target = tmp_path / "labels"
+    target.write_text("an old file")
+    out = write_labels(da.from_array(X, chunks=15), X[:2], str(target), overwrite=True)
+    assert out["rows"] == 40 and target.is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["labels"]
+    for kw in ({"metric": "cosine"}, {"responsibilities": "entmax15"},
+               {"responsibilities": "hard"}):
+        m = fa.moments(X, X[:2], 0.5, **kw)
+        z = fa.Moments.zeros(2, 3, 0.5) + m
+        np.testing.assert_array_equal(z.N, m.N)
+        assert z.rows == 40 and z.metric == m.metric

@@ -23,7 +23,7 @@ import fastanneal
 from fastanneal import cli
 from fastanneal._io import InputError, clean_stale_temps, read_table, temp_prefix
 
-from test_cli import FakeEmbedder, assert_one_line_error, make_table, run, write_any
+from test_cli import FakeEmbedder, assert_one_line_error, make_table, read_any, run, write_any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -672,3 +672,124 @@ def test_random_bad_files_exit_2_and_leave_the_input(tmp_path_factory):
         except InputError:
             pass
     check()
+
+
+# =========================================================================== 8. odd column types
+def _with(table, name, col):
+    return table.append_column(name, col) if name not in table.column_names else \
+        table.set_column(table.column_names.index(name), name, col)
+
+
+@pytest.mark.parametrize("ext", [".csv", ".tsv"])
+def test_struct_and_map_columns_are_written_to_text_outputs(capsys, inp, tmp_path, ext):
+    table, d = inp
+    n = table.num_rows
+    t = _with(table, "meta", pa.array([{"a": i, "b": str(i)} for i in range(n)]))
+    t = _with(t, "tags", pa.array([[("k", i)] for i in range(n)],
+                                  type=pa.map_(pa.string(), pa.int64())))
+    src = write_any(t, d / "q.parquet")
+    out = tmp_path / f"r{ext}"
+    rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb", "--k", 4,
+                     "-q")
+    assert rc == 0, err
+    back = read_any(out)
+    assert back.num_rows == n
+    import json
+    metas = [json.loads(v) for v in back.column("meta").to_pylist()]
+    assert metas[7] == {"a": 7, "b": "7"}
+    assert "k" in str(back.column("tags")[7])
+
+
+@pytest.mark.parametrize("memory_limit", [None, "1K"])
+def test_categorical_ids_work_and_nested_ids_are_refused(capsys, inp, tmp_path, memory_limit):
+    table, d = inp
+    n = table.num_rows
+    extra = [] if memory_limit is None else ["--memory-limit", memory_limit]
+    cat = pa.array([f"id{i}" for i in range(n)]).dictionary_encode()
+    src = write_any(_with(table, "cid", cat), d / "cat.parquet")
+    out = tmp_path / "r.parquet"
+    rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb", "--k", 4,
+                     "--id-column", "cid", "-q", *extra)
+    assert rc == 0, err
+    assert pq.read_table(out).num_rows == n
+    for name, col in (("lid", pa.array([[i] for i in range(n)])),
+                      ("sid", pa.array([{"a": i} for i in range(n)]))):
+        src = write_any(_with(table, name, col), d / f"{name}.parquet")
+        rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / f"{name}.parquet",
+                         "--embedding-column", "emb", "--k", 4, "--id-column", name, "-q",
+                         *extra)
+        assert_one_line_error(rc, err, "id column", "single values")
+
+
+@pytest.mark.parametrize("memory_limit", [None, "1K"])
+def test_weights_read_alike_in_memory_and_out_of_core(capsys, inp, tmp_path, memory_limit):
+    """Numeric strings and decimals are weights on both routes; integers beyond 2^53 are
+    weights too; a total beyond float64 is refused with its reason."""
+    import decimal
+    table, d = inp
+    n = table.num_rows
+    extra = [] if memory_limit is None else ["--memory-limit", memory_limit]
+    counts = [1 + i % 7 for i in range(n)]
+    labels = {}
+    for name, col in (("int", pa.array(counts, pa.int64())),
+                      ("str", pa.array([str(c) for c in counts])),
+                      ("dec", pa.array([decimal.Decimal(c) for c in counts],
+                                       pa.decimal128(10, 2))),
+                      ("u64", pa.array([c * 2 ** 60 for c in counts], pa.uint64()))):
+        src = write_any(_with(table, "w", col), d / f"{name}.parquet")
+        out = tmp_path / f"{name}.parquet"
+        rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb",
+                         "--k", 4, "--weight-column", "w", "-q", *extra)
+        assert rc == 0, (name, err)
+        labels[name] = pq.read_table(out).column("cluster").to_numpy()
+    # scaled weights (u64: every count times 2^60) give the same partition
+    for name in ("str", "dec", "u64"):
+        assert adjusted_rand(labels["int"], labels[name]) == 1.0, name
+    src = write_any(_with(table, "w", pa.array([1e308] * n)), d / "huge.parquet")
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "h.parquet",
+                     "--embedding-column", "emb", "--k", 4, "--weight-column", "w", "-q",
+                     *extra)
+    assert_one_line_error(rc, err, "weight column", "rescale")
+
+
+def adjusted_rand(a, b):
+    from sklearn.metrics import adjusted_rand_score
+    return adjusted_rand_score(a, b)
+
+
+def test_cosine_rows_near_the_top_of_float32_are_not_zero(capsys, inp, tmp_path):
+    table, d = inp
+    X = np.asarray(table.column("emb").to_pylist(), dtype=np.float32)
+    X[3] = np.float32(3e38)                    # finite; its norm is beyond float32
+    t = _with(table, "emb", pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()),
+                                                               X.shape[1]))
+    src = write_any(t, d / "big.parquet")
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "r.parquet", "--embedding-column",
+                     "emb", "--k", 4, "-q")
+    assert rc == 0 and "Warning" not in err, err
+    U = fastanneal._validation.normalize_rows(X)
+    assert np.isfinite(U).all() and np.allclose(np.linalg.norm(U[3]), 1.0, atol=1e-6)
+
+
+def test_sigterm_leaves_no_temporary_output(tmp_path, inp):
+    """SIGTERM while the outputs are written: the command cleans up like Ctrl-C (exit 143),
+    no partial hidden file, no output."""
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    out = tmp_path / "o" / "r.parquet"
+    out.parent.mkdir()
+    code = f"""
+import os, signal, sys
+from fastanneal import cli
+real = cli.write_table
+def dying(table, path, fmt=None):
+    real(table, path, fmt)
+    os.kill(os.getpid(), signal.SIGTERM)
+cli.write_table = dying
+sys.exit(cli.main({[ 'cluster', str(src), '-o', str(out), '--embedding-column', 'emb',
+                    '--k', '2', '-q']!r}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 143, p.stderr
+    assert "terminated" in p.stderr
+    assert os.listdir(out.parent) == []

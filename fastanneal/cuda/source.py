@@ -18,7 +18,7 @@ import numpy as np
 from .. import _config
 from .._kernels import (N_SCALARS, RESP_HARD, S_ENTROPY, S_FREE, S_HARD, S_MARGIN, S_NNZ,
                         S_ROWS, S_SOFT_DIST, S_WEIGHT)
-from .._moments import _METRIC_NAMES, _RESP_NAMES, Moments, _prepare, log_eps_for
+from .._moments import _METRIC_NAMES, _RESP_NAMES, Moments, _prepare, _unshift, log_eps_for
 from .._sources import _about, power_iteration_eigs
 from .._validation import as_weights, check_temperature, resp_code
 
@@ -565,7 +565,7 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
         When no usable CUDA GPU (or the numba-cuda simulator) is present.
     """
     _require_cuda()
-    X, C, mc = _prepare(X, centers, metric)
+    X, C, mc, shift = _prepare(X, centers, metric)
     if C.shape[0] < 1:
         raise ValueError("at least one center is required")
     rc = resp_code(responsibilities)
@@ -577,7 +577,8 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
             raise ValueError(f"log_prior must have shape ({C.shape[0]},); got {log_prior.shape}")
         if np.isnan(log_prior).any() or (log_prior == np.inf).any():
             raise ValueError("log_prior contains NaN or +inf")
-    return CudaSource(X, w, mc, products).moments(C, T, rc, log_prior, hard_sums)
+    return _unshift(CudaSource(X, w, mc, products).moments(C, T, rc, log_prior, hard_sums),
+                    shift)
 
 
 __all__ = ["CudaBlocks", "CudaSource", "cuda_moments", "is_available"]

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import _kernels as K_
 from .._moments import assign, compute_moments
-from .._validation import check_range, normalize_rows
+from .._validation import check_range, normalize_rows, shifted_rows
 
 
 @dataclass
@@ -39,9 +39,10 @@ def set_threads(nthreads):
     return n
 
 
-def prepare_chunk(x, w, index, row0, metric, dtype, name="X"):
+def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None):
     """Validate one chunk (finite, non-negative weights, non-zero rows for cosine) and
-    return a :class:`Chunk`. Errors name the chunk and its global row range."""
+    return a :class:`Chunk` (its rows measured from ``origin`` when given: rows far from the
+    origin, ``docs/theory.md``). Errors name the chunk and its global row range."""
     x = np.asarray(x)
     if x.dtype == object or not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
         raise ValueError(f"{name} has dtype {x.dtype}; expected real numbers")
@@ -79,13 +80,22 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X"):
                              "cosine metric needs non-zero vectors")
         x = normalize_rows(x, name)
     check_range(x, name, where)
+    if origin is not None:
+        x = shifted_rows(x, origin)
     return Chunk(x, w, int(index), int(row0))
+
+
+def shift_chunk(chunk, origin):
+    """The chunk with its rows measured from ``origin``."""
+    return Chunk(shifted_rows(chunk.X, origin), chunk.w, chunk.index, chunk.row0)
 
 
 # ------------------------------------------------------------------------- per-chunk work
 def chunk_stats(chunk):
-    """``(rows, weight)`` of a chunk."""
-    return chunk.rows, float(chunk.w.sum())
+    """``(rows, weight, sum w x, sum w |x|^2)`` of a chunk (float64 sums)."""
+    Xd = chunk.X.astype(np.float64, copy=False)
+    return (chunk.rows, float(chunk.w.sum()), chunk.w @ Xd,
+            float(chunk.w @ np.einsum("ij,ij->i", Xd, Xd)))
 
 
 def chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads):
@@ -154,10 +164,10 @@ def chunk_cov_matvec(chunk, labels, mu, V, nthreads):
     return K_.cluster_cov_matvec_kernel(chunk.X, chunk.w, labels, mu, V, nth)
 
 
-def on_prepared(x, w, ids, index, row0, metric, dtype, work, **kwargs):
+def on_prepared(x, w, ids, index, row0, metric, dtype, work, origin=None, **kwargs):
     """Read, validate and prepare one chunk on the worker, then ``work(chunk, **kwargs)``
     (the streaming passes of :class:`~fastanneal.dask.DaskBatchStream`)."""
-    return work(prepare_chunk(x, w, index, row0, metric, dtype), **kwargs)
+    return work(prepare_chunk(x, w, index, row0, metric, dtype, origin=origin), **kwargs)
 
 
 def chunk_cov_matvec_at(chunk, C, label_metric, mu, V, nthreads):
@@ -188,14 +198,15 @@ def union_capped(*parts, cap):
 
 # ------------------------------------------------------------------------- streaming passes
 def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, hard_sums,
-                 nthreads, out_dir=None, with_labels=False, name="X", keep_S=False):
+                 nthreads, out_dir=None, with_labels=False, name="X", keep_S=False,
+                 origin=None):
     """Read, validate and reduce one chunk in a streaming pass (nothing stays in memory).
 
     Returns the chunk's Moments (``S`` dropped unless ``hard_sums`` or ``keep_S``: the final
     pass only needs the scalars and hard counts). With ``out_dir``, writes ``part-{index:06d}.parquet`` with the
     columns ``row`` (global row number), ``id`` (when ids are given) and ``label``.
     """
-    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name)
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin)
     m = chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads)
     if not (hard_sums or keep_S):
         m.S = m.S[:, :0].copy()
@@ -208,9 +219,9 @@ def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, h
     return m
 
 
-def sample_chunk(x, w, ids, index, row0, metric, dtype, idx, name="X"):
+def sample_chunk(x, w, ids, index, row0, metric, dtype, idx, name="X", origin=None):
     """Rows ``idx`` (local, validated) of one chunk read on the worker."""
-    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name)
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin)
     return chunk_take(chunk, idx)
 
 

@@ -238,10 +238,14 @@ def _frame_values(pdf, column, dtype):
     return np.asarray(pdf[column].to_numpy(), dtype=dtype)
 
 
-def embeddings_from_dataframe(df, column="embedding", weight=None, id=None, *, dtype=None):
+def embeddings_from_dataframe(df, column=None, weight=None, id=None, *, dtype=None):
     """Dask arrays of rows (+ weights and ids) from a Dask DataFrame with an embedding column
-    (Arrow list / fixed-size list, or an object column of sequences). Without ``column`` in
-    the frame, all its numeric columns (but ``weight`` and ``id``) are the features.
+    (Arrow list / fixed-size list, or an object column of sequences).
+
+    ``column=None`` (default): the column ``"embedding"`` when the frame has one, else all
+    its numeric columns (but ``weight`` and ``id``) are the features -- name the weight and
+    id columns, or they become features too. A ``column`` that is named but not in the
+    frame is an error.
 
     Partition lengths are computed once (``len`` of each partition) so that the row chunks
     are known.
@@ -253,8 +257,12 @@ def embeddings_from_dataframe(df, column="embedding", weight=None, id=None, *, d
     for what, col in (("weight", weight), ("id", id)):
         if col is not None and col not in names:
             raise ValueError(f"{what} column {col!r} not found; available columns: {names}")
+    if column is not None and column not in names:
+        raise ValueError(f"embedding column {column!r} not found; available columns: {names}")
+    if column is None and "embedding" in names:
+        column = "embedding"
     lengths = tuple(int(n) for n in df.map_partitions(len).compute())
-    if column is not None and column in names:
+    if column is not None:
         head = df[column].partitions[0].compute() if df.npartitions else None
         first = next((v for v in (head if head is not None else [])), None)
         if first is None:
@@ -266,6 +274,12 @@ def embeddings_from_dataframe(df, column="embedding", weight=None, id=None, *, d
                     break
         if first is None:
             raise ValueError(f"column {column!r} has no rows")
+        if isinstance(first, (str, bytes)) or not hasattr(first, "__len__") or not (
+                np.asarray(first).ndim == 1 and np.asarray(first).dtype.kind in "iuf"):
+            raise ValueError(f"embedding column {column!r} holds {type(first).__name__} values "
+                             f"(first: {str(first)[:60]!r}); expected a list of numbers per "
+                             "row (a Dask DataFrame may have turned an object column of arrays "
+                             "into strings: store the embeddings as an Arrow list column)")
         D = len(first)
         if dtype is None:
             small = np.asarray(first).dtype in (np.float32, np.float16)
@@ -277,12 +291,15 @@ def embeddings_from_dataframe(df, column="embedding", weight=None, id=None, *, d
                   for i, (p, n) in enumerate(zip(parts, lengths))]
         X = da.concatenate(blocks, axis=0)
     else:
+        from pandas.api.types import is_bool_dtype, is_numeric_dtype
         feats = [c for c in names if c not in (weight, id)
-                 and np.issubdtype(np.dtype(df[c].dtype), np.number)]
+                 and is_numeric_dtype(df[c].dtype) and not is_bool_dtype(df[c].dtype)]
         if not feats:
-            raise ValueError(f"embedding column {column!r} not found and no numeric columns; "
-                             f"available columns: {names}")
-        X = df[feats].to_dask_array(lengths=lengths)
+            raise ValueError(f"no 'embedding' column and no numeric columns; available "
+                             f"columns: {names}")
+        plain = all(isinstance(df[c].dtype, np.dtype) for c in feats)
+        X = (df[feats] if plain else df[feats].astype(dtype or np.float64)).to_dask_array(
+            lengths=lengths)
         if dtype is not None:
             X = X.astype(dtype)
         X = X.rechunk({1: -1})
@@ -293,7 +310,8 @@ def embeddings_from_dataframe(df, column="embedding", weight=None, id=None, *, d
             p, weight, np.float64), shape=(n,), dtype=np.float64)
             for p, n in zip(parts, lengths)])
     if id is not None:
-        idt = np.dtype(df[id].dtype) if np.dtype(df[id].dtype).kind in "iufb" else np.dtype(object)
+        idd = df[id].dtype
+        idt = idd if isinstance(idd, np.dtype) and idd.kind in "iufb" else np.dtype(object)
         ids = da.concatenate([da.from_delayed(dask.delayed(_frame_values, pure=True)(
             p, id, idt), shape=(n,), dtype=idt) for p, n in zip(parts, lengths)])
     return EmbeddingArrays(X, W, ids)
@@ -310,6 +328,8 @@ def _as_aligned(v, chunks, name):
     if v is None:
         return None
     n = sum(chunks)
+    if is_dask_collection(v) and not hasattr(v, "chunks") and hasattr(v, "to_dask_array"):
+        v = v.to_dask_array(lengths=True)            # a Dask Series
     if is_dask_collection(v):
         if v.ndim != 1:
             raise ValueError(f"{name} must be 1-D; got {v.ndim} dimensions")
@@ -328,7 +348,7 @@ def _as_aligned(v, chunks, name):
     return da.from_array(a, chunks=(chunks,))
 
 
-def as_dask_inputs(X, sample_weight=None, ids=None, *, chunk_rows=None, column="embedding"):
+def as_dask_inputs(X, sample_weight=None, ids=None, *, chunk_rows=None, column=None):
     """Coerce the inputs of the Dask backend to :class:`EmbeddingArrays` with known row chunks
     and a single column chunk.
 
@@ -344,7 +364,7 @@ def as_dask_inputs(X, sample_weight=None, ids=None, *, chunk_rows=None, column="
         X, w_in, id_in = X
     elif isinstance(X, (str, os.PathLike)) or (isinstance(X, (list, tuple)) and X
                                                and isinstance(X[0], (str, os.PathLike))):
-        X, w_in, id_in = read_parquet_embeddings(X, column=column)
+        X, w_in, id_in = read_parquet_embeddings(X, column=column or "embedding")
     elif _is_dask_dataframe(X):
         X, w_in, id_in = embeddings_from_dataframe(X, column=column)
     if sample_weight is None:

@@ -38,6 +38,13 @@ class _ChunkPlan(_Submitter):
         self.weights = data.weights
         self.nthreads = handle.task_threads()
         self.n_threads_total = handle.n_worker_threads()
+        #: rows are measured from this point when set (:meth:`set_origin`)
+        self.origin = None
+
+    def set_origin(self, origin):
+        """Measure every chunk read from now on from ``origin`` (None: from 0): the frame of
+        a fit whose rows lie far from the origin (``docs/theory.md``)."""
+        self.origin = None if origin is None else np.asarray(origin, dtype=np.float64)
 
     @property
     def n_chunks(self):
@@ -46,13 +53,21 @@ class _ChunkPlan(_Submitter):
     def prepared(self, i):
         import dask
         t = dask.delayed(ch.prepare_chunk, pure=True)(
-            self.xd[i], self.wd[i], i, int(self.offsets[i]), self.metric, self.dtype)
+            self.xd[i], self.wd[i], i, int(self.offsets[i]), self.metric, self.dtype,
+            origin=self.origin)
         return self.client.compute(t)
 
     def total_weight(self):
         if self.weights is None:
             return float(self.n_rows)
-        return float(self.client.compute(self.weights.sum()).result())
+        import dask.array as da
+        w = self.weights
+        tot, n_nan, n_inf, n_neg = self.client.gather(self.client.compute(
+            [w.sum(), da.isnan(w).sum(), da.isinf(w).sum(), (w < 0).sum()]))
+        for count, what in ((n_nan, "NaN"), (n_inf, "infinity"), (n_neg, "negative values")):
+            if count:
+                raise ValueError(f"sample_weight contains {what} ({int(count)} rows)")
+        return float(tot)
 
     def map_chunks(self, fn, indices, window, per_chunk=None, combine=None, with_ids=False,
                    **kwargs):
@@ -64,6 +79,8 @@ class _ChunkPlan(_Submitter):
         import dask
         from distributed import wait
         indices = list(indices)
+        if self.origin is not None:
+            kwargs = dict(kwargs, origin=self.origin)
         pending = deque(enumerate(indices))
         inflight = {}
         done = {}
@@ -236,7 +253,10 @@ class _AtomicFolder:
             os.rename(self.path, old)
         os.rename(self.tmp, self.path)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old, ignore_errors=True)
+            else:                       # a file (or link) replaced by the labels folder
+                os.remove(old)
         return self.path
 
     def abort(self):
@@ -297,26 +317,44 @@ def write_labels(X, centers, path, *, ids=None, metric="euclidean", scheduler=No
             "counts": np.zeros(C.shape[0]) if m is None else m.hard_counts}
 
 
-def _predict_block(x, C, metric):
+def _predict_block(x, C, metric, origin=None, block_info=None):
+    """Labels of one block (validated like a fitted chunk: the errors name its global rows;
+    measured from ``origin`` when given)."""
     from .._moments import assign
-    mc = metric_code(metric)
-    X = as_float_matrix(x, "X")
-    if mc == 1:
-        X = normalize_rows(X)
-    check_range(X, "X")
-    if X.shape[0] == 0:
+    row0, index = 0, 0
+    if block_info is not None and 0 in block_info:
+        row0 = int(block_info[0]["array-location"][0][0])
+        index = int(block_info[0]["chunk-location"][0])
+    x = np.asarray(x)
+    dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
+    chunk = ch.prepare_chunk(x, None, index, row0, metric, dtype, origin=origin)
+    if chunk.rows == 0:
         return np.zeros(0, dtype=np.int64)
-    return assign(X, C, mc, _prepared=True)[0]
+    return assign(chunk.X, C, metric, _prepared=True)[0]
 
 
-def predict_labels(X, centers, metric="euclidean"):
-    """Nearest-center labels of ``X``: NumPy in, NumPy out; Dask array in, lazy Dask array
-    out (one task per row chunk)."""
-    C = np.asarray(centers)
+def predict_labels(X, centers, metric="euclidean", origin=None):
+    """Nearest-center labels of ``X``: NumPy in, NumPy out; Dask array / DataFrame in, lazy
+    Dask array out (one task per row chunk). Rows are validated like a fit's (NaN, shape,
+    zero rows for cosine; errors name the global row); cosine centers are unit-normalised.
+    ``origin``: rows and ``centers`` are measured from it (a fit of rows far from the
+    origin)."""
+    mc = metric_code(metric)
+    C = as_float_matrix(centers, "centers", dtype=np.float64, allow_empty=False)
+    if mc == 1:
+        C = _project(C, 1)
+    if origin is not None:
+        origin = np.asarray(origin, dtype=np.float64)
     if is_dask_collection(X):
+        X = as_dask_inputs(X).X
+        if X.ndim != 2:
+            raise ValueError(f"X must be 2-D (n_samples, n_features); got {X.ndim} dimensions")
+        if X.shape[1] != C.shape[1]:
+            raise ValueError(f"X has {X.shape[1]} features but the centers have {C.shape[1]}")
         if len(X.chunks[1]) != 1:
             X = X.rechunk({1: -1})
-        return X.map_blocks(_predict_block, C, metric, drop_axis=1, dtype=np.int64)
-    return _predict_block(X, C, metric)
-
-
+        return X.map_blocks(_predict_block, C, mc, origin, drop_axis=1, dtype=np.int64)
+    X = as_float_matrix(X, "X", finite=False)
+    if X.shape[1] != C.shape[1]:
+        raise ValueError(f"X has {X.shape[1]} features but the centers have {C.shape[1]}")
+    return _predict_block(X, C, mc, origin)

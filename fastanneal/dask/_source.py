@@ -6,7 +6,7 @@ import weakref
 import numpy as np
 
 from .._sources import COVARIANCE_MAX_D, _about, power_iteration_eigs
-from .._validation import metric_code
+from .._validation import far_from_origin, metric_code
 from . import _chunks as ch
 from ._cluster import resolve_client
 from ._inputs import as_dask_inputs
@@ -114,6 +114,28 @@ class DaskSource(_Submitter):
         if self.n_rows and not self.total_weight > 0:
             self._release()
             raise ValueError("sample_weight sums to zero: no row carries weight")
+        #: the point the rows are measured from (Euclidean rows far from the origin relative
+        #: to their spread: the persisted chunks are shifted to their weighted mean, as the
+        #: in-memory route centers its rows; ``docs/theory.md``, "Rows far from the origin")
+        self.origin = None
+        if self.metric == 0 and self.n_rows and stats:
+            mean = sum(s[2] for s in stats) / self.total_weight
+            msq = sum(s[3] for s in stats) / self.total_weight
+            if far_from_origin(mean, msq, self.dtype):
+                self._shift_chunks(mean)
+
+    def _shift_chunks(self, origin):
+        from distributed import wait
+        old = self._chunks
+        of = self.put(np.ascontiguousarray(origin, dtype=np.float64))
+        self._chunks = self.client.map(ch.shift_chunk, old, origin=of, pure=False)
+        try:
+            with self.client.as_current():
+                wait(self._chunks)
+        finally:
+            for f in old:
+                f.release()
+        self.origin = np.asarray(origin, dtype=np.float64)
     def _placement(self):
         """A worker for each chunk, in proportion to the workers' threads (greedy, largest
         chunks first): a pass lasts as long as the busiest worker. Used as a loose
