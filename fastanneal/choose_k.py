@@ -440,8 +440,10 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
     try:
         if max_rows is not None and (source.n_rows > max_rows or source is X):
             Xs, ws = source.sample(min(int(max_rows), source.n_rows), rng)
-            sample = InMemorySource(np.ascontiguousarray(Xs), np.asarray(ws, np.float64),
-                                    source.metric)
+            Xs, ws = np.ascontiguousarray(Xs), np.asarray(ws, np.float64)
+            if getattr(source, "origin", None) is None:
+                Xs, _ = est._centered(Xs, ws)      # rows far from the origin: centered
+            sample = InMemorySource(Xs, ws, source.metric)
             out = path_on_source(sample, k_max, k_min, rng, cooling, max_steps)
             out.n_rows = int(Xs.shape[0])
             return out

@@ -822,9 +822,11 @@ def _terminate_as_interrupt():
     def handler(signum, frame):
         raise _Terminated()
     try:
-        return signal.signal(signal.SIGTERM, handler)
+        previous = signal.signal(signal.SIGTERM, handler)
     except (ValueError, OSError):  # pragma: no cover - not allowed here
         return None
+    # a handler not installed from Python reads as None: restore the default then
+    return signal.SIG_DFL if previous is None else previous
 
 
 def main(argv=None):

@@ -24,8 +24,8 @@ from ._seeding import (check_n_clusters, critical_temperature, data_stats, initi
 from ._sources import InMemorySource
 from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
-from ._validation import (centered_rows, check_range, metric_code, normalize_rows, resp_code,
-                          shifted_rows)
+from ._validation import (centered_rows, check_range, far_from_origin, metric_code,
+                          normalize_rows, resp_code, shifted_rows)
 from .schedules import CriticalSchedule, make_schedule
 
 __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kmeans_plusplus"]
@@ -649,6 +649,18 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         K = int(self.k_max) if auto else int(self.n_clusters)
         rng = self._rng()
         stats = data_stats(source)
+        if origin is None and _far(source, stats):
+            if hasattr(source, "set_origin"):
+                # a stream (open_parquet, ...): measured from the mean from now on
+                source.set_origin(stats.mean)
+                origin = np.asarray(stats.mean, dtype=np.float64)
+                stats = data_stats(source)
+            else:
+                warnings.warn(
+                    "the rows lie far from the origin compared with their spread: their "
+                    "squared distances lose precision to rounding (docs/theory.md, \"Rows far "
+                    "from the origin\"); subtract the rows' mean first (fit() does this for "
+                    "arrays)", AnnealingWarning, stacklevel=2)
         check_n_clusters(source, K, rng, name="k_max" if auto else "n_clusters")
         if not stats.scale > 0 and K > 1:
             raise ValueError("all rows are identical: more than one cluster is undefined")
@@ -843,6 +855,16 @@ def _schedule_temperature(schedule, t, T_start, T_end, n_steps):
     if schedule == "linear":
         return float(T_start + (T_end - T_start) * j)
     return float(T_start * (T_end / T_start) ** j)
+
+
+def _far(source, stats):
+    """Whether a source's Euclidean rows (mean, scale from :func:`data_stats`) lie far from
+    the origin (``docs/theory.md``, "Rows far from the origin"); a scale lost to rounding
+    counts as far."""
+    if getattr(source, "metric", 0) != 0:
+        return False
+    mean = np.asarray(stats.mean, dtype=np.float64)
+    return far_from_origin(mean, float(stats.scale) + float(mean @ mean), source.dtype)
 
 
 def _init_in_frame(init, origin):
@@ -1226,6 +1248,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         resumed = st is not None
         trace = Trace()
         # ---------------------------------------------------------- seeding
+        if hasattr(full, "set_origin"):
+            full.set_origin(None)           # the data's own frame until the fit decides
         if st is None:
             init_size = int(self.init_size or max(100 * K, 20_000))
             Xs, ws = full.sample(min(init_size, full.n_rows), rng)
@@ -1233,7 +1257,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
             if hasattr(full, "set_origin"):
                 # streamed rows far from the origin: the seeding sample's mean becomes the
-                # origin every chunk is measured from (no extra pass over the data)
+                # origin every chunk is measured from (no extra pass over the data); the
+                # sample was read in the data's own frame (a stream reused from an earlier
+                # fit forgets its origin first)
                 Xs, origin = self._centered(Xs, ws)
                 full.set_origin(origin)
             _check_distinct(full, Xs, ws, K, metric)

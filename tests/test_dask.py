@@ -557,6 +557,33 @@ def test_rows_far_from_the_origin_give_the_in_memory_partition(client, tmp_path)
     # the lazy predict of a Dask array measures rows from the fit's origin too
     np.testing.assert_array_equal(
         np.asarray(mem.predict(da.from_array(X, chunks=(300, 5))).compute()), mem.labels_)
+    # one stream, several fits (the second once read its sample in the first's frame)
+    pm2 = MiniBatchAnnealedKMeans(4, batch_size=500, random_state=1).fit(st)
+    assert adjusted_rand_score(y, pm2.predict(X)) == 1.0
+    assert fa.suggest_k(st, k_max=8, random_state=0).best == 4
+    st2 = fa.open_parquet(str(tmp_path / "x.parquet"))
+    assert fa.suggest_k(st2, k_max=8, random_state=0).best == 4
+    fs = fa.AnnealedKMeans(4, random_state=0).fit_source(st2)
+    assert adjusted_rand_score(y, fs.predict(X)) == 1.0
+    # the public label writers with the fit's centers, in the data's coordinates
+    d = ((X.astype(np.float64)[:, None] - mem.cluster_centers_.astype(np.float64)) ** 2).sum(-1)
+    np.testing.assert_array_equal(
+        fa.dask.predict_labels(da.from_array(X, chunks=(300, 5)), mem.cluster_centers_)
+        .compute(), d.argmin(1))
+    out = write_labels(da.from_array(X, chunks=(300, 5)), mem.cluster_centers_,
+                       str(tmp_path / "wl"), scheduler=client)
+    assert out["inertia"] == pytest.approx(d.min(1).sum(), rel=1e-5)
+    # a checkpoint of raw-frame centers is not resumed by shifted chunks
+    src = fa.AnnealedKMeans(4, backend="dask", scheduler=client)._make_source(
+        da.from_array(X, chunks=(300, 5)), None)[0]
+    near = fa.AnnealedKMeans(4, backend="dask", scheduler=client)._make_source(
+        da.from_array(X - np.float32(3000.0), chunks=(300, 5)), None)[0]
+    try:
+        assert src.origin is not None and src.fingerprint().endswith(":centered")
+        assert near.origin is None and not near.fingerprint().endswith(":centered")
+    finally:
+        src.close()
+        near.close()
 
 
 def test_dataframe_inputs_and_weight_errors(client):

@@ -185,3 +185,19 @@ def test_complex_input_is_refused_by_the_functions():
                  lambda: fastanneal.moments(C, X[:2], 1.0)):
         with pytest.raises(ValueError, match="complex"):
             call()
+
+
+def test_a_source_far_from_the_origin_that_cannot_shift_is_warned_about():
+    from fastanneal._sources import InMemorySource
+    X, _, _ = three_blobs(9, offset=1e4)
+    src = InMemorySource(X, np.ones(len(X)), 0)           # built by hand: no origin
+    with pytest.warns(fastanneal.AnnealingWarning, match="far from the origin"):
+        try:
+            fastanneal.AnnealedKMeans(3, random_state=0).fit_source(src)
+        except ValueError:
+            pass                # the rounding may also leave "all rows identical"
+    X0, _, _ = three_blobs(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastanneal.AnnealedKMeans(3, random_state=0).fit_source(
+            InMemorySource(X0, np.ones(len(X0)), 0))

@@ -12,7 +12,8 @@ import numpy as np
 from .._engine import _project
 from .._io import temp_folder
 from .._moments import Moments
-from .._validation import as_float_matrix, check_range, metric_code, normalize_rows
+from .._validation import (as_float_matrix, check_range, far_from_origin, metric_code,
+                           normalize_rows)
 from . import _chunks as ch
 from ._cluster import resolve_client
 from ._inputs import as_dask_inputs, is_dask_collection
@@ -307,6 +308,10 @@ def write_labels(X, centers, path, *, ids=None, metric="euclidean", scheduler=No
     handle = resolve_client(scheduler)
     try:
         plan = _ChunkPlan(data, mc, handle)
+        origin = _centers_origin(C, mc, plan.dtype)
+        if origin is not None:                  # far from the origin: labels by rounding
+            plan.set_origin(origin)             # otherwise (docs/theory.md)
+            C = C - origin
         window = window or max(2, 2 * plan.n_threads_total)
         m, out = _final_pass(plan, C, 1.0, 2, None, window, path, overwrite,
                              with_ids=data.ids is not None)
@@ -333,18 +338,36 @@ def _predict_block(x, C, metric, origin=None, block_info=None):
     return assign(chunk.X, C, metric, _prepared=True)[0]
 
 
+def _centers_origin(C, mc, dtype):
+    """A point to measure rows from when Euclidean ``centers`` lie far from the origin
+    compared with their spread (the rows they label then do too: ``docs/theory.md``, "Rows
+    far from the origin"); None otherwise."""
+    if mc != 0 or C.shape[0] == 0:
+        return None
+    mean = C.mean(axis=0)
+    msq = float(np.mean(np.einsum("ij,ij->i", C, C)))
+    return mean if far_from_origin(mean, msq, dtype) else None
+
+
 def predict_labels(X, centers, metric="euclidean", origin=None):
     """Nearest-center labels of ``X``: NumPy in, NumPy out; Dask array / DataFrame in, lazy
     Dask array out (one task per row chunk). Rows are validated like a fit's (NaN, shape,
     zero rows for cosine; errors name the global row); cosine centers are unit-normalised.
-    ``origin``: rows and ``centers`` are measured from it (a fit of rows far from the
-    origin)."""
+    ``origin``: the rows are measured from it and ``centers`` are given measured from it
+    too (the frame of a fit of rows far from the origin). Without it, Euclidean centers
+    far from the origin compared with their spread are measured (with the rows) from
+    their mean, so that rounding does not decide the labels."""
     mc = metric_code(metric)
     C = as_float_matrix(centers, "centers", dtype=np.float64, allow_empty=False)
     if mc == 1:
         C = _project(C, 1)
     if origin is not None:
         origin = np.asarray(origin, dtype=np.float64)
+    else:
+        dt = getattr(X, "dtype", np.float64)
+        origin = _centers_origin(C, mc, dt if dt in (np.float32, np.float64) else np.float64)
+        if origin is not None:
+            C = C - origin
     if is_dask_collection(X):
         X = as_dask_inputs(X).X
         if X.ndim != 2:

@@ -180,7 +180,10 @@ class DaskSource(_Submitter):
 
     def fingerprint(self):
         """Key of the data for checkpoints: Dask's token of the input collections."""
-        return f"dask:{self._token}:{self.metric}"
+        # the frame is part of the key: a checkpoint of raw-frame centers is not resumed
+        # by shifted chunks (or the reverse)
+        return f"dask:{self._token}:{self.metric}" + (":centered" if self.origin is not None
+                                                       else "")
 
     def mean(self):
         parts = self.client.map(ch.chunk_weighted_sum, self._chunks, pure=False)
