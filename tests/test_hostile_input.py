@@ -521,7 +521,9 @@ def test_labels_folder_writer_cleans_stale_temporaries(tmp_path):
     assert os.listdir(target) == ["part-000000.parquet"]
 
 
-def test_sigkill_during_the_final_write_is_cleaned_by_the_rerun(tmp_path, inp):
+def _signalled_during_the_write(tmp_path, inp, sig):
+    """``fastanneal cluster`` in a subprocess that sends itself ``sig`` right after the
+    first output file is written; returns ``(process, src, out)``."""
     table, d = inp
     src = write_any(table, d / "q.parquet")
     out = tmp_path / "o" / "r.parquet"
@@ -532,12 +534,17 @@ from fastanneal import cli
 real = cli.write_table
 def dying(table, path, fmt=None):
     real(table, path, fmt)
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), {int(sig)})
 cli.write_table = dying
 sys.exit(cli.main({[ 'cluster', str(src), '-o', str(out), '--embedding-column', 'emb',
                     '--k', '2', '-q']!r}))
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return p, src, out
+
+
+def test_sigkill_during_the_final_write_is_cleaned_by_the_rerun(tmp_path, inp):
+    p, src, out = _signalled_during_the_write(tmp_path, inp, signal.SIGKILL)
     assert p.returncode == -signal.SIGKILL, p.stderr
     hidden = [f for f in os.listdir(out.parent) if f.startswith(".")]
     assert hidden and not out.exists()           # the kill left a partial temporary
@@ -774,22 +781,7 @@ def test_cosine_rows_near_the_top_of_float32_are_not_zero(capsys, inp, tmp_path)
 def test_sigterm_leaves_no_temporary_output(tmp_path, inp):
     """SIGTERM while the outputs are written: the command cleans up like Ctrl-C (exit 143),
     no partial hidden file, no output."""
-    table, d = inp
-    src = write_any(table, d / "q.parquet")
-    out = tmp_path / "o" / "r.parquet"
-    out.parent.mkdir()
-    code = f"""
-import os, signal, sys
-from fastanneal import cli
-real = cli.write_table
-def dying(table, path, fmt=None):
-    real(table, path, fmt)
-    os.kill(os.getpid(), signal.SIGTERM)
-cli.write_table = dying
-sys.exit(cli.main({[ 'cluster', str(src), '-o', str(out), '--embedding-column', 'emb',
-                    '--k', '2', '-q']!r}))
-"""
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    p, _, out = _signalled_during_the_write(tmp_path, inp, signal.SIGTERM)
     assert p.returncode == 143, p.stderr
     assert "terminated" in p.stderr
     assert os.listdir(out.parent) == []
