@@ -201,3 +201,48 @@ def test_a_source_far_from_the_origin_that_cannot_shift_is_warned_about():
         warnings.simplefilter("error")
         fastanneal.AnnealedKMeans(3, random_state=0).fit_source(
             InMemorySource(X0, np.ones(len(X0)), 0))
+
+
+def test_coincident_centers_are_a_clear_error_naming_the_cause():
+    """The last guard of a fit: centers that still coincide say why (data with fewer
+    distinguishable points than K), as a ValueError the command reports as a usage error."""
+    from types import SimpleNamespace
+    km = fastanneal.AnnealedKMeans(3)
+    C = np.array([[0.0, 1.0], [0.0, 1.0], [2.0, 0.0]])
+    res = SimpleNamespace(converged=True, relocations=0, centers=C)
+    with pytest.raises(ValueError, match="fewer than 3 points that can be told apart"):
+        km._check_run(res, None, 3)
+    ok = SimpleNamespace(converged=True, relocations=0, centers=C[1:])
+    km._check_run(ok, {"hard_distortion": [2.0, 1.5]}, 2)
+    assert ok.hard_objective_final == 1.5
+
+
+def test_an_output_that_became_a_folder_fails_the_set_before_any_file_is_replaced(tmp_path):
+    from fastanneal._io import OutputSet
+    a, b = tmp_path / "a.csv", tmp_path / "b.html"
+    a.write_text("old a")
+    b.mkdir()                                  # the second target turned into a folder
+    with pytest.raises(OSError, match="folder"):
+        with OutputSet() as outs:
+            for final in (a, b):
+                with open(outs.temp_for(final), "w") as f:
+                    f.write("new")
+            outs.commit()
+    assert a.read_text() == "old a"            # the first output was not replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "b.html"]   # no temps
+
+
+def test_the_command_restores_the_sigterm_handler(tmp_path):
+    import signal
+    from fastanneal import cli
+
+    def mine(signum, frame):
+        pass
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        rc = cli.main(["cluster", str(tmp_path / "missing.parquet"), "-o",
+                       str(tmp_path / "o.csv"), "--k", "2", "-q"])
+        assert rc == 2
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
