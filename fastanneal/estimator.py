@@ -191,25 +191,27 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         check_is_fitted(self, "cluster_centers_")
         return self._validate_X(X, reset=False)
 
-    def _in_frame(self, X):
-        """``(X, centers)`` measured from the fit's origin (rows far from the origin were
-        fitted centered: ``docs/theory.md``, "Rows far from the origin"): the same distances,
-        computed without the rounding of large norms."""
-        C = self.cluster_centers_
+    def _frame_centers(self):
+        """``(centers, origin)``: ``cluster_centers_`` measured from the fit's origin (rows
+        far from the origin were fitted centered: ``docs/theory.md``, "Rows far from the
+        origin"; float64) and that origin -- or ``(cluster_centers_, None)``."""
         origin = getattr(self, "_origin", None)
         if origin is None:
-            return X, C
-        return shifted_rows(X, origin), C.astype(np.float64) - origin
+            return self.cluster_centers_, None
+        return self.cluster_centers_.astype(np.float64) - origin, origin
+
+    def _in_frame(self, X):
+        """``(X, centers)`` measured from the fit's origin: the same distances, computed
+        without the rounding of large norms."""
+        C, origin = self._frame_centers()
+        return (X if origin is None else shifted_rows(X, origin)), C
 
     def predict(self, X):
         """Nearest center (the deployed hard rule). Dask arrays give a lazy Dask array."""
         if hasattr(X, "__dask_graph__"):
             from .dask import predict_labels
             check_is_fitted(self, "cluster_centers_")
-            origin = getattr(self, "_origin", None)
-            C = self.cluster_centers_
-            if origin is not None:
-                C = C.astype(np.float64) - origin
+            C, origin = self._frame_centers()
             return predict_labels(X, C, self.metric, origin=origin)
         X, C = self._in_frame(self._check_X(X))
         return _assign(X, C, metric_code(self.metric), _prepared=True)[0]
@@ -267,11 +269,9 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         see them (float64), for the final labels and statistics: ``labels_ ==
         predict(X)``."""
         self._origin = origin
-        if origin is None:
-            self.cluster_centers_ = C.astype(dtype)
-            return self.cluster_centers_
-        self.cluster_centers_ = (np.asarray(C, np.float64) + origin).astype(dtype)
-        return self.cluster_centers_.astype(np.float64) - origin
+        self.cluster_centers_ = (C if origin is None
+                                 else np.asarray(C, np.float64) + origin).astype(dtype)
+        return self._frame_centers()[0]
 
     def transform(self, X):
         """Distances to the centers (Euclidean, as scikit-learn; cosine: ``sqrt(2 - 2 cos)``)."""
@@ -994,9 +994,8 @@ class _PartialFit:
         self = cls.__new__(cls)
         self.metric = metric_code(est.metric)
         self.rng = est._rng()
-        self.origin = getattr(est, "_origin", None)
-        C = np.asarray(est.cluster_centers_, dtype=np.float64)
-        self.C = C if self.origin is None else C - self.origin
+        C, self.origin = est._frame_centers()
+        self.C = np.asarray(C, dtype=np.float64)
         T = float(est.temperature_)
         self.T_start = self.T_end = T
         self.T_c = float(getattr(est, "critical_temperature_", math.nan))
