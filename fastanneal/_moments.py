@@ -15,8 +15,8 @@ import numpy as np
 from . import _config
 from . import _kernels as K_
 from ._validation import (as_float_matrix, as_weights, check_range, check_rows,
-                          check_temperature, far_from_origin, metric_code, normalize_rows,
-                          resp_code, rows_mean, shifted_rows)
+                          centered_rows, check_temperature, metric_code, normalize_rows,
+                          resp_code)
 
 _RESP_NAMES = {0: "softmax", 1: "entmax15", 2: "hard"}
 _METRIC_NAMES = {0: "euclidean", 1: "cosine"}
@@ -309,11 +309,9 @@ def _prepare(X, centers, metric):
         # rows far from the origin relative to their spread: measured from their mean (a
         # copy), so that the GEMM-form distances keep their precision (docs/theory.md,
         # "Rows far from the origin"); distances, responsibilities and labels are the same
-        mean = rows_mean(X)
-        if far_from_origin(mean, float(sq.mean()), X.dtype):
-            shift = mean
-            X = shifted_rows(X, mean)
-            C = np.ascontiguousarray(C.astype(np.float64) - mean, dtype=X.dtype)
+        X, shift = centered_rows(X, sqnorms=sq)
+        if shift is not None:
+            C = np.ascontiguousarray(C.astype(np.float64) - shift, dtype=X.dtype)
     return X, C, mc, shift
 
 

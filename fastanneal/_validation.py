@@ -268,19 +268,21 @@ def rows_mean(X, w=None, block_rows=4096):
     return acc / W
 
 
-def centered_rows(X, w, block_rows=16384):
+def centered_rows(X, w=None, block_rows=16384, sqnorms=None):
     """``(rows, origin)``: Euclidean rows (C-contiguous float32/float64, weights ``w``) far
     from the origin relative to their spread (:func:`far_from_origin`) as a centered copy
     and their weighted mean (float64); else ``(X, None)`` -- no copy. Distances, and so
     every fit, are the same in either frame; only the rounding of the GEMM-form distances
     differs (``docs/theory.md``, "Rows far from the origin"). Costs one pass of squared
-    norms and one of GEMVs (about a fifth of one GEMM with 256 centers)."""
+    norms (none when ``sqnorms``, the float64 squared row norms, are given) and one of GEMVs
+    (about a fifth of one GEMM with 256 centers). ``w=None``: unweighted."""
     n, D = X.shape
-    W = float(np.sum(w))
+    W = float(n) if w is None else float(np.sum(w))
     if n == 0 or not W > 0:
         return X, None
     mean = rows_mean(X, w)
-    msq = float(np.asarray(w, dtype=np.float64) @ row_sqnorms(X)) / W
+    sq = row_sqnorms(X) if sqnorms is None else sqnorms
+    msq = float(np.sum(sq) if w is None else np.asarray(w, dtype=np.float64) @ sq) / W
     if not far_from_origin(mean, msq, X.dtype):
         return X, None
     return shifted_rows(X, mean, block_rows), mean
