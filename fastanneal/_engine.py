@@ -512,7 +512,9 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
         if st.schedule_state.get("one_step"):
             schedule = _OneStep()
         elif not st.schedule_state:
-            schedule.start(st.T_start, st.T_end)
+            start = getattr(schedule, "start", None)    # (an object with next_temperature
+            if start is not None:                       # only: nothing to start)
+                start(st.T_start, st.T_end)
         else:
             load_schedule_state(schedule, st.schedule_state)
         rule.load_state_dict(st.rule_state)
@@ -616,7 +618,8 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
                                    T_end=st.T_end, entropy=ent, grad_norm=res.grad_norm,
                                    n_distinct=K - n_coinc, n_clusters=K,
                                    extra={"scale": ctx.scale})
-            T = schedule.next_temperature(sstate)
+            T = checked_temperature(schedule, schedule.next_temperature(sstate),
+                                    st.step - st.phase_step0)
             st.schedule_state = schedule_state_dict(schedule)
             if T is not None and hardened(ctx, st, rule, res, n_coinc):
                 st.last["hardened_step"] = int(st.step)
@@ -640,6 +643,29 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
             hook(st)
         if delay > 0:
             time.sleep(delay)
+
+
+def checked_temperature(schedule, T, step):
+    """The temperature a schedule returned after ``step`` (of its phase): None, or a finite
+    number > 0 whose reciprocal is finite; a schedule still going after ``MAX_STEPS``
+    temperatures is stopped with an error (it would never end)."""
+    from .schedules import MAX_STEPS
+    if T is None:
+        return None
+    name = f"{type(schedule).__name__}.next_temperature"
+    if isinstance(T, (bool, np.bool_)) or not isinstance(T, (int, float, np.integer,
+                                                              np.floating)):
+        raise TypeError(f"{name} returned {T!r} ({type(T).__name__}): a temperature must be "
+                        "a number > 0, or None to end the annealing")
+    T = float(T)
+    if not (math.isfinite(T) and T > 0 and math.isfinite(1.0 / T)):
+        raise ValueError(f"{name} returned T={T!r} after step {step}: a temperature must be "
+                         "a finite number > 0 (and not so small that 1/T overflows), or None "
+                         "to end the annealing")
+    if step + 1 >= MAX_STEPS:
+        raise RuntimeError(f"{name} did not end the annealing after {MAX_STEPS} temperatures "
+                           "(it must return None to stop)")
+    return T
 
 
 def hardened(ctx, st, rule, res, n_coinc):

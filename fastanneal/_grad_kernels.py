@@ -241,7 +241,7 @@ def _grad_backward_ranges(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, 
                 for k in range(K):
                     r = G[i, k]
                     wr = wi * r
-                    rho = wr / N[k] if wr > 0.0 else 0.0
+                    rho = wr / N[k] if wr > 0.0 and N[k] > 0.0 else 0.0
                     q = xsq[i] + musq[k] - 2.0 * P[i, K + k]
                     if q < 0.0:
                         q = 0.0

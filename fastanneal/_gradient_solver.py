@@ -35,8 +35,9 @@ Adam's moment estimates are reset at every temperature by default (``reset_adam=
 the gradient scale jumps with ``1 / T``, and a second moment carried over from a hotter
 temperature would make the first steps at the colder one too long.
 
-The gradient comes from two additive passes of the moment source (forward: the ordinary
-moments; backward: ``source.grad_moments``), so the solver runs on every backend (in memory,
+The gradient comes from two additive passes of the moment source (forward:
+``source.grad_forward``, the soft counts and sums with every responsibility kept; backward:
+``source.grad_moments``), so the solver runs on every backend (in memory,
 Dask, CUDA). Not supported: the mass-constrained prior (``value_and_grad`` has no ``log p``;
 the solver ignores ``cfg.mass_constrained``).
 With ``metric="cosine"`` (source.metric == 1) the gradient is projected onto the tangent
@@ -109,7 +110,11 @@ class AdamRule:
         lr = float(learning_rate)
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"learning_rate must be > 0; got {learning_rate!r}")
-        b1, b2 = (float(b) for b in betas)
+        try:
+            b1, b2 = (float(b) for b in betas)
+        except (TypeError, ValueError):
+            raise ValueError(f"betas must be two numbers in [0, 1) (Adam's decay rates); got "
+                             f"{betas!r}") from None
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"betas must be in [0, 1); got {betas!r}")
         self.n_inner = int(steps_per_temperature)
@@ -127,20 +132,25 @@ class AdamRule:
         self.margin = 0.0
         self.eps = 0.0
         if self.pc == G_.PHI_HINGE:
-            if margin is None or not float(margin) > 0:
-                raise ValueError("phi='hinge' needs a margin > 0 (in units of scale)")
+            if margin is None or not 0 < float(margin) < math.inf:
+                raise ValueError("phi='hinge' needs a finite margin > 0 (in units of scale); "
+                                 f"got {margin!r}")
             self.margin = float(margin) * scale
         elif margin is not None:
             raise ValueError(f"margin applies only to phi='hinge'; got phi={phi!r}")
         if self.pc == G_.PHI_LOG:
             self.eps = LOG_EPS_DEFAULT if eps is None else float(eps) * scale
-            if not self.eps > 0:
-                raise ValueError(f"eps must be > 0; got {eps!r}")
+            if not 0 < self.eps < math.inf:
+                raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
         elif eps is not None:
             raise ValueError(f"eps applies only to phi='log'; got phi={phi!r}")
         self.lam = float(separation_weight)
-        self.betas = (b1, b2)
+        if not math.isfinite(self.lam):
+            raise ValueError(f"separation_weight must be finite; got {separation_weight!r}")
         self.adam_eps = float(adam_eps)
+        if not 0 < self.adam_eps < math.inf:
+            raise ValueError(f"adam_eps must be a finite number > 0; got {adam_eps!r}")
+        self.betas = (b1, b2)
         self.reset_adam = bool(reset_adam)
         self.lr_abs = lr * math.sqrt(scale / max(D, 1))
         self.adam = AdamState((cfg.n_clusters, D))

@@ -37,6 +37,12 @@ class MomentSource(Protocol):
         """One backward pass of the gradient (:class:`~fastanneal.gradient.GradMoments`),
         given the forward pass's globals (:class:`~fastanneal.gradient.GradGlobals`)."""
 
+    # Optional: ``grad_forward(centers, T, resp)``, the gradient's forward pass
+    # (:class:`~fastanneal.gradient.GradForward`: soft counts and sums with every
+    # responsibility kept). Every built-in source has it; a source without it gets the
+    # forward sums from ``moments``, whose dropped entries make the gradient that of the
+    # truncated responsibilities (:func:`fastanneal.gradient.value_and_grad_from_source`).
+
     def mean(self) -> np.ndarray:
         """Weighted mean of the rows (float64, (D,))."""
 

@@ -224,6 +224,10 @@ class InMemorySource:
         if self._bounds is not None:
             self._bounds.reset()
 
+    def grad_forward(self, centers, T, resp):
+        from .gradient import forward_moments
+        return forward_moments(self.X, self.w, centers, T, self.metric, resp)
+
     def grad_moments(self, centers, T, resp, globals_):
         from .gradient import backward_moments
         return backward_moments(self.X, self.w, centers, T, self.metric, resp, globals_)

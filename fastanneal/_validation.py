@@ -190,6 +190,9 @@ def check_temperature(T, allow_zero=False):
     T = float(T)
     if not np.isfinite(T) or T < 0 or (T == 0 and not allow_zero):
         raise ValueError(f"temperature T must be finite and > 0; got {T}")
+    if 0 < T < np.finfo(np.float64).tiny:
+        raise ValueError(f"temperature T={T!r} is below the smallest normal float64 "
+                         f"({np.finfo(np.float64).tiny:.3g}): -d/T overflows")
     return T
 
 

@@ -33,7 +33,7 @@ step), so that one outlying measurement cannot jump from one clamp to the other.
 """
 import math
 
-from .schedules import Schedule
+from .schedules import Schedule, callable_key, check_steps
 
 
 class AdaptiveSchedule(Schedule):
@@ -73,8 +73,7 @@ class AdaptiveSchedule(Schedule):
     def __init__(self, n_steps=30, eta=1.0, beta=0.5, T_min_ratio=0.005, T_max_ratio=50.0,
                  H_end=0.0, sigma_floor=0.1, grad_smoothing=0.3, max_log_step=1.0,
                  reference=None):
-        if int(n_steps) < 1:
-            raise ValueError(f"n_steps must be >= 1; got {n_steps}")
+        n_steps = check_steps(n_steps, "n_steps")
         for name, v in (("eta", eta), ("beta", beta), ("H_end", H_end)):
             if not (math.isfinite(float(v)) and float(v) >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0; got {v!r}")
@@ -85,8 +84,8 @@ class AdaptiveSchedule(Schedule):
             raise ValueError(f"sigma_floor must be > 0; got {sigma_floor!r}")
         if not 0 < float(grad_smoothing) <= 1:
             raise ValueError(f"grad_smoothing must be in (0, 1]; got {grad_smoothing!r}")
-        if not float(max_log_step) > 0:
-            raise ValueError(f"max_log_step must be > 0; got {max_log_step!r}")
+        if not 0 < float(max_log_step) < math.inf:
+            raise ValueError(f"max_log_step must be a finite number > 0; got {max_log_step!r}")
         if reference is not None and not callable(reference):
             raise TypeError("reference must be callable(t, n_steps, log_K) -> float or None")
         self.n_steps = int(n_steps)
@@ -115,13 +114,25 @@ class AdaptiveSchedule(Schedule):
     def __repr__(self):
         keys = ("n_steps", "eta", "beta", "T_min_ratio", "T_max_ratio", "H_end",
                 "sigma_floor", "grad_smoothing", "max_log_step")
-        return f"AdaptiveSchedule({', '.join(f'{k}={getattr(self, k)!r}' for k in keys)})"
+        args = [f"{k}={getattr(self, k)!r}" for k in keys]
+        if self.reference is not None:          # (the checkpoint key: another reference
+            args.append(f"reference={callable_key(self.reference)}")   # is another fit)
+        return f"AdaptiveSchedule({', '.join(args)})"
 
     # ------------------------------------------------------------------ parts of the rule
     def reference_entropy(self, t, log_K):
         """``H*(t)``: linear from ``log K`` at ``t = 0`` to ``H_end`` at ``t = n_steps - 1``."""
         if self.reference is not None:
-            return float(self.reference(t, self.n_steps, log_K))
+            h = self.reference(t, self.n_steps, log_K)
+            try:
+                h = float(h)
+            except (TypeError, ValueError):
+                h = math.nan
+            if not math.isfinite(h):
+                raise ValueError(f"AdaptiveSchedule's reference({t}, {self.n_steps}, "
+                                 f"{log_K:.4g}) returned {h!r}: it must return a finite "
+                                 "entropy (nats)")
+            return h
         s = min(max(t / max(self.n_steps - 1, 1), 0.0), 1.0)
         return log_K + (min(self.H_end, log_K) - log_K) * s
 

@@ -15,8 +15,8 @@ from . import _config
 from . import _grad_kernels as G_
 from . import _kernels as K_
 from ._moments import blas_single_thread
-from ._validation import (as_float_matrix, as_weights, check_range, check_temperature,
-                          metric_code)
+from ._validation import (as_float_matrix, as_weights, centered_rows, check_range,
+                          check_temperature, metric_code)
 
 _PHIS = {"identity": G_.PHI_IDENTITY, "log": G_.PHI_LOG, "hinge": G_.PHI_HINGE}
 _RESPS = {"softmax": 0, "entmax15": 1}
@@ -206,6 +206,11 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
     elif eps is not None:
         raise ValueError(f"eps applies only to phi='log'; got phi={phi!r}")
     w = as_weights(weights, X.shape[0], "weights")
+    # L and its gradients do not change when every weight is scaled: bring the largest to
+    # [0.5, 1) by a power of two (exact), so that neither W nor 1/W over- or underflows
+    top = float(w.max())
+    if top > 0:
+        w = np.ldexp(w, -np.frexp(top)[1])
     W = float(w.sum())
     if not W > 0:
         raise ValueError("the weights sum to 0; the objective needs a positive total weight")
@@ -219,6 +224,12 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
                     f"metric='cosine' needs unit-norm rows; {name} row {i} "
                     f"has norm {norms[i]:.6g} (off by {dev[i]:.3g}). Normalize the "
                     "rows first: the gradient is that of d = 2 - 2 x.c for the given vectors")
+    if mc == 0:
+        # rows far from the origin are measured from their mean (docs/theory.md section
+        # 7): L and both gradients are the same when X and C move together
+        Xc, origin = centered_rows(X, w)
+        if origin is not None:
+            X, C = Xc, C - origin
     return _value_and_grad(X, C, T, lam, pc, float(margin or 0.0), float(eps or 0.0), w, W,
                            mc, rc)
 
@@ -235,6 +246,21 @@ class GradMoments(NamedTuple):
 
     def merge(self, other):
         return GradMoments(self.comp + other.comp, self.A + other.A, self.a + other.a)
+
+
+class GradForward(NamedTuple):
+    """Additive sums of the forward pass of :func:`value_and_grad` over a block of rows:
+    soft counts ``N`` (K,), sums ``S = sum_i w_i r_ik x_i`` (K, D) and ``H = sum_i w_i H_i``,
+    with every responsibility kept. (The ordinary moments leave out entries below the drop
+    threshold; the backward pass recomputes the full responsibilities, and divides by these
+    ``N``: both passes must see the same ones.) Blocks, chunks and devices add them with
+    :meth:`merge`."""
+    N: np.ndarray
+    S: np.ndarray
+    H: float
+
+    def merge(self, other):
+        return GradForward(self.N + other.N, self.S + other.S, self.H + other.H)
 
 
 class GradGlobals(NamedTuple):
@@ -262,6 +288,18 @@ def separation_terms(N, S, pc, margin, eps):
     else:
         sep, Gmu = 0.0, np.zeros((K, D))
     return mu, empty, float(sep), Gmu
+
+
+def forward_moments(X, w, C, T, metric, resp):
+    """The forward pass over the rows ``X`` (weights ``w``) as :class:`GradForward`."""
+    C = np.asarray(C, dtype=np.float64)
+    csq = np.einsum("ij,ij->i", C, C)
+    with blas_single_thread():
+        N, S, H = G_.grad_forward_kernel(X, w, np.ascontiguousarray(C.T), csq, T, metric,
+                                         resp, int(_config.CPU_BLOCK_ROWS),
+                                         K_.entmax_sort_max(resp),
+                                         int(numba.get_num_threads()))
+    return GradForward(N, S, float(H))
 
 
 def backward_moments(X, w, C, T, metric, resp, g, gX=None):
@@ -293,30 +331,36 @@ def center_gradients(C, T, metric, gm):
 
 def value_and_grad_from_source(source, C, T, resp, lam, pc, margin=0.0, eps=0.0):
     """:func:`value_and_grad` for the rows of a moment source (in memory, Dask, CUDA): the
-    forward sums are the ordinary moments ``N``, ``S`` and entropy, the backward sums come
-    from ``source.grad_moments``; both are additive, so no backend needs the rows in one
-    place. ``grad_X`` is None."""
+    forward sums come from ``source.grad_forward`` (:class:`GradForward`), the backward
+    sums from ``source.grad_moments``; both are additive, so no backend needs the rows in
+    one place. ``grad_X`` is None.
+
+    A source without ``grad_forward`` (written before it existed) gives the forward sums
+    through its ordinary moments, whose entries below the drop threshold (``2^-53`` of a
+    row's largest for float64 rows, ``2^-24`` for float32) are left out: then the loss and gradient are those of the truncated
+    responsibilities, off by about that much per entry (and a cluster that only such
+    entries reach counts as empty)."""
     C = np.asarray(C, dtype=np.float64)
-    m = source.moments(C, T, resp, None, hard_sums=False)
-    W = float(m.weight)
-    mu, empty, sep, Gmu = separation_terms(m.N, m.S, pc, margin, eps)
-    gm = source.grad_moments(C, T, resp, GradGlobals(mu, Gmu, m.N, W, float(lam)))
+    forward = getattr(source, "grad_forward", None)
+    if forward is not None:
+        f = forward(C, T, resp)
+        N, S, H = f.N, f.S, f.H
+        W = float(source.total_weight)
+    else:
+        m = source.moments(C, T, resp, None, hard_sums=False)
+        N, S, H, W = m.N, m.S, m.entropy, float(m.weight)
+    mu, empty, sep, Gmu = separation_terms(N, S, pc, margin, eps)
+    gm = source.grad_moments(C, T, resp, GradGlobals(mu, Gmu, N, W, float(lam)))
     gC, gS = center_gradients(C, T, source.metric, gm)
     comp = gm.comp / W
     return Loss(value=float(comp - lam * sep), grad_centers=gC, grad_X=None,
-                entropy=float(m.entropy / W), compactness=float(comp), separation=float(sep),
+                entropy=float(H / W), compactness=float(comp), separation=float(sep),
                 separation_grad_norm=float(np.linalg.norm(gS)), empty=empty)
 
 
 def _value_and_grad(X, C, T, lam, pc, margin, eps, w, W, mc, rc):
     """Fast path: validated ``X`` (C-contiguous float32/64), float64 ``C`` and ``w``."""
-    csq = np.einsum("ij,ij->i", C, C)
-    block = int(_config.CPU_BLOCK_ROWS)
-    sort_max = K_.entmax_sort_max(rc)
-    nth = int(numba.get_num_threads())
-    with blas_single_thread():
-        N, S, Hsum = G_.grad_forward_kernel(X, w, np.ascontiguousarray(C.T), csq, T, mc, rc,
-                                            block, sort_max, nth)
+    N, S, Hsum = forward_moments(X, w, C, T, mc, rc)
     mu, empty, sep, Gmu = separation_terms(N, S, pc, margin, eps)
     gX = np.empty_like(X)
     gm = backward_moments(X, w, C, T, mc, rc, GradGlobals(mu, Gmu, N, W, lam), gX)

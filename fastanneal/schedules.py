@@ -6,8 +6,39 @@ returns the next temperature, or ``None`` to stop annealing. ``start(T_start, T_
 called once before the first step. Schedules that need feedback (the adaptive schedule)
 read entropy and gradient norms from the state; the others ignore them.
 """
+import hashlib
 import math
+import numbers
 from dataclasses import dataclass, field
+
+#: Temperatures one annealing phase may take at most: a schedule that never returns None
+#: is stopped with an error instead of looping for ever.
+MAX_STEPS = 100_000
+
+
+def check_steps(value, name):
+    """A whole number of steps >= 1 (``2.0`` is fine, ``2.5``, ``True`` and ``"3"`` are
+    not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not float(value).is_integer():
+        raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
+    if not 1 <= value <= MAX_STEPS:
+        raise ValueError(f"{name} must be in [1, {MAX_STEPS}]; got {value!r}")
+    return int(value)
+
+
+def callable_key(f):
+    """A text that names a callable the same way in every process (its module, qualified
+    name and a hash of its code, constants, defaults and closure values): schedules that
+    hold one (``AdaptiveSchedule(reference=...)``) key checkpoints with it."""
+    name = f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return name
+    cells = tuple(c.cell_contents for c in (getattr(f, "__closure__", None) or ()))
+    blob = code.co_code + repr((code.co_consts, code.co_names, getattr(f, "__defaults__", None),
+                                cells)).encode()
+    return f"{name}#{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
 
@@ -40,7 +71,8 @@ class Schedule:
         raise NotImplementedError
 
     def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("T_"))
+        args = ", ".join(f"{k}={callable_key(v) if callable(v) else repr(v)}"
+                         for k, v in vars(self).items() if not k.startswith("T_"))
         return f"{type(self).__name__}({args})"
 
 
@@ -48,7 +80,7 @@ class ConstantSchedule(Schedule):
     """Hold one temperature for ``n_steps`` steps (soft k-means at a fixed T)."""
 
     def __init__(self, n_steps=1):
-        self.n_steps = int(n_steps)
+        self.n_steps = check_steps(n_steps, "n_steps")
 
     def start(self, T_start, T_end):
         super().start(T_start, T_start)
@@ -61,9 +93,7 @@ class _InterpolatedSchedule(Schedule):
     """``n_steps`` temperatures from ``T_start`` to ``T_end`` (subclasses: the formula)."""
 
     def __init__(self, n_steps=30):
-        if int(n_steps) < 1:
-            raise ValueError(f"n_steps must be >= 1; got {n_steps}")
-        self.n_steps = int(n_steps)
+        self.n_steps = check_steps(n_steps, "n_steps")
 
     def next_temperature(self, state):
         j = state.step + 1
@@ -96,10 +126,11 @@ class CriticalSchedule(Schedule):
     """
 
     def __init__(self, cooling=0.85, max_steps=200):
-        if not 0 < cooling < 1:
-            raise ValueError(f"cooling must be in (0, 1); got {cooling}")
+        if isinstance(cooling, bool) or not isinstance(cooling, numbers.Real) \
+                or not 0 < cooling < 1:
+            raise ValueError(f"cooling must be in (0, 1); got {cooling!r}")
         self.cooling = float(cooling)
-        self.max_steps = int(max_steps)
+        self.max_steps = check_steps(max_steps, "max_steps")
         self.n_steps = self.max_steps
 
     def next_temperature(self, state):
@@ -122,6 +153,9 @@ def make_schedule(schedule, n_steps):
     """Resolve a schedule name or object."""
     if isinstance(schedule, Schedule):
         return schedule
+    if isinstance(schedule, type):
+        raise TypeError(f"schedule must be a Schedule object, not a class: pass "
+                        f"{schedule.__name__}() instead of {schedule.__name__}")
     if isinstance(schedule, str):
         if schedule == "adaptive":
             from .adaptive import AdaptiveSchedule  # arrives with the gradient route
@@ -131,6 +165,6 @@ def make_schedule(schedule, n_steps):
                              f"Schedule object; got {schedule!r}")
         cls = SCHEDULES[schedule]
         return cls() if cls is CriticalSchedule else cls(n_steps=n_steps)
-    if hasattr(schedule, "next_temperature"):
+    if callable(getattr(schedule, "next_temperature", None)):
         return schedule
     raise TypeError(f"schedule must be a name or a Schedule object; got {type(schedule).__name__}")

@@ -231,3 +231,90 @@ def test_estimator_with_adaptive_schedule():
         km = AnnealedKMeans(3, schedule="adaptive", n_steps=10, random_state=0).fit(X)
     assert km.n_steps_ == 10
     assert adjusted_rand_score(y, km.labels_) > 0.95
+
+
+# ----------------------------------------------------------------------------- schedules
+def test_schedule_parameters_are_checked():
+    from fastanneal.schedules import ConstantSchedule, CriticalSchedule, GeometricSchedule
+    for make in (lambda: ConstantSchedule(0), lambda: ConstantSchedule(-5),
+                 lambda: GeometricSchedule(2.9), lambda: GeometricSchedule(True),
+                 lambda: CriticalSchedule(max_steps=0), lambda: CriticalSchedule(max_steps=-1),
+                 lambda: CriticalSchedule(cooling=1.0), lambda: AdaptiveSchedule(n_steps=2.5),
+                 lambda: AdaptiveSchedule(max_log_step=math.inf)):
+        with pytest.raises(ValueError):
+            make()
+    assert GeometricSchedule(4.0).n_steps == 4          # a whole float is a whole number
+    with pytest.raises(TypeError, match=r"GeometricSchedule\(\) instead"):
+        make_schedule(__import__("fastanneal").GeometricSchedule, 10)
+
+
+class _Returns:
+    """A schedule (duck-typed: ``next_temperature`` only) that returns ``value`` once."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def next_temperature(self, state):
+        return self.value if state.step == 0 else None
+
+
+@pytest.mark.parametrize("value, exc", [(math.nan, ValueError), (0.0, ValueError),
+                                        (-1.0, ValueError), (5e-324, ValueError),
+                                        (math.inf, ValueError), ("1", TypeError),
+                                        (True, TypeError)])
+@pytest.mark.parametrize("solver", ["lloyd", "gradient"])
+def test_engine_checks_the_temperature_a_schedule_returns(value, exc, solver):
+    """NaN or 0 failed deep in a kernel (ZeroDivisionError), -1 annealed at T = -1."""
+    X, _ = blobs(np.random.default_rng(4), n=200)
+    with pytest.raises(exc, match="_Returns.next_temperature returned"):
+        AnnealedKMeans(4, schedule=_Returns(value), solver=solver, stop_when_hard=False,
+                       random_state=0).fit(X)
+
+
+def test_duck_typed_schedule_without_start_runs():
+    X, y = blobs(np.random.default_rng(4), n=200)
+    km = AnnealedKMeans(4, schedule=_Returns(0.5), stop_when_hard=False,
+                        random_state=0).fit(X)
+    assert km.trace_.as_dict()["temperature"][1] == 0.5
+    assert adjusted_rand_score(y, km.labels_) > 0.9
+
+
+def test_a_schedule_that_never_ends_is_stopped(monkeypatch):
+    from fastanneal import schedules
+
+    class Forever(schedules.Schedule):
+        def next_temperature(self, state):
+            return state.T * 0.7
+
+    monkeypatch.setattr(schedules, "MAX_STEPS", 25)
+    X, _ = blobs(np.random.default_rng(4), n=100)
+    with pytest.raises(RuntimeError, match="did not end the annealing after 25"):
+        AnnealedKMeans(4, schedule=Forever(), stop_when_hard=False, random_state=0).fit(X)
+
+
+def test_adaptive_reference_is_part_of_the_checkpoint_key(tmp_path):
+    """Another reference is another fit: its checkpoint must not be resumed (the key
+    came from a repr that left the reference out)."""
+    X, _ = blobs(np.random.default_rng(3), n=300)
+
+    def fit(ref):
+        s = AdaptiveSchedule(n_steps=6, reference=ref)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AnnealedKMeans(4, schedule=s, random_state=0, stop_when_hard=False,
+                                  checkpoint=tmp_path).fit(X)
+
+    def hot(t, n, log_k):
+        return log_k
+
+    def cold(t, n, log_k):
+        return 0.0
+
+    a = fit(hot)
+    again = fit(hot)
+    assert again.checkpoint_info_["resumed_from"] is not None      # the same: resumed
+    b = fit(cold)
+    assert b.checkpoint_info_["resumed_from"] is None               # another: refitted
+    assert b.trace_.as_dict()["temperature"][1] != a.trace_.as_dict()["temperature"][1]
+    assert "reference=" in repr(AdaptiveSchedule(reference=cold))
+    assert repr(AdaptiveSchedule(reference=cold)) == repr(AdaptiveSchedule(reference=cold))

@@ -388,3 +388,36 @@ def test_invalid_arrays(rng):
     w[3] = np.nan
     with pytest.raises(ValueError, match="weights contains NaN"):
         value_and_grad(X, C, 1.0, weights=w)
+
+
+def test_rows_far_from_the_origin(rng):
+    """L and both gradients do not change when X and C move together; rows far from the
+    origin relative to their spread are measured from their mean (docs/theory.md section
+    7), so the GEMM-form distances keep their precision (uncentered: 4 % error at 1e7)."""
+    X = rng.normal(size=(300, 3))
+    C = rng.normal(size=(4, 3))
+    ref = value_and_grad(X, C, 0.5, lam=0.3)
+    for off in (1e5, 1e7):
+        got = value_and_grad(X + off, C + off, 0.5, lam=0.3)
+        assert got.value == pytest.approx(ref.value, rel=1e-8)
+        np.testing.assert_allclose(got.grad_centers, ref.grad_centers, rtol=1e-6,
+                                   atol=1e-7 * np.abs(ref.grad_centers).max())
+        np.testing.assert_allclose(got.grad_X, ref.grad_X, rtol=1e-6,
+                                   atol=1e-7 * np.abs(ref.grad_X).max())
+
+
+@pytest.mark.parametrize("factor", [1e-310, 1e300])
+def test_scale_of_the_weights_does_not_matter(rng, factor):
+    """The loss is invariant to a common factor of the weights; subnormal or huge weights
+    must not overflow 1/W or W (inf/NaN gradients before)."""
+    X = rng.normal(size=(200, 3))
+    C = rng.normal(size=(3, 3))
+    w = rng.uniform(1.0, 2.0, 200)
+    ref = value_and_grad(X, C, 1.0, lam=0.5, weights=w)
+    got = value_and_grad(X, C, 1.0, lam=0.5, weights=w * factor)
+    tol = 1e-6 if factor < 1e-300 else 1e-12       # subnormal weights keep fewer digits
+    assert got.value == pytest.approx(ref.value, rel=tol)
+    assert got.entropy == pytest.approx(ref.entropy, rel=tol)
+    np.testing.assert_allclose(got.grad_centers, ref.grad_centers, rtol=tol, atol=0)
+    np.testing.assert_allclose(got.grad_X, ref.grad_X, rtol=tol,
+                               atol=tol * np.abs(ref.grad_X).max())

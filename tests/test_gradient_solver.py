@@ -13,6 +13,7 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.metrics import adjusted_rand_score
 
+from fastanneal import AnnealedKMeans
 from fastanneal._engine import EngineConfig, EngineResult, anneal
 from fastanneal._gradient_solver import AdamState, adam_step, anneal_gradient
 from fastanneal._sources import InMemorySource
@@ -282,3 +283,45 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         anneal_gradient(src, X[:4], ConstantSchedule(1), 1.0, 1.0, cfg_(4, resp=2),
                         np.random.default_rng(0), scale)
+
+
+def test_solver_params_are_checked_before_the_fit():
+    """Non-finite weights of the loss would make every Adam step NaN (the polish hid it)."""
+    rng = np.random.default_rng(12)
+    X, y, w, src, scale = setup(rng, n=60)
+    args = (ConstantSchedule(1), 1.0, 1.0, cfg_(4), np.random.default_rng(0), scale)
+    for kw, msg in ((dict(separation_weight=math.nan), "separation_weight"),
+                    (dict(separation_weight=math.inf), "separation_weight"),
+                    (dict(phi="hinge", margin=math.inf), "finite margin"),
+                    (dict(phi="log", eps=math.inf), "eps"),
+                    (dict(adam_eps=0.0), "adam_eps"),
+                    (dict(betas=(0.9, 0.99, 0.9)), "two numbers"),
+                    (dict(betas=0.9), "two numbers")):
+        with pytest.raises(ValueError, match=msg):
+            anneal_gradient(src, X[:4], *args, **kw)
+    with pytest.raises(ValueError, match="separation_weight"):
+        AnnealedKMeans(4, solver="gradient", separation_weight=math.nan).fit(X)
+
+
+def test_a_center_reached_only_below_the_drop_threshold():
+    """One center so far from the data that the moments drop every entry of it (N = 0)
+    while the softmax still gives it mass: the gradient's two passes must agree on the
+    responsibilities (the forward pass from the moments divided the backward's mass by
+    N = 0: ZeroDivisionError). The fit goes through and the far center is relocated."""
+    rng = np.random.default_rng(13)
+    X = rng.normal(size=(200, 2))
+    init = np.array([[0.0, 0.0], [30.0, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        km = AnnealedKMeans(2, init=init, solver="gradient", temperature_start=2.0,
+                            random_state=0).fit(X)
+    assert np.isfinite(km.cluster_centers_).all() and len(np.unique(km.labels_)) == 2
+    # the solver's gradient equals value_and_grad's exact one at that state
+    from fastanneal.gradient import value_and_grad_from_source
+    from fastanneal import _grad_kernels as G_
+    src = InMemorySource(X, np.ones(len(X)), 0)
+    assert src.moments(init, 2.0, 0, None).N[1] == 0.0
+    got = value_and_grad_from_source(src, init, 2.0, 0, 0.1, G_.PHI_IDENTITY)
+    want = value_and_grad(X, init, 2.0, lam=0.1)
+    assert not want.empty.any() and not got.empty.any()
+    assert_allclose(got.grad_centers, want.grad_centers, rtol=1e-9, atol=1e-300)

@@ -342,6 +342,37 @@ def test_value_and_grad_from_source(src, data, resp, phi, kw):
     assert_array_equal(got.empty, want.empty)
 
 
+def test_gradient_forward_keeps_what_the_moments_drop(src, data):
+    """A center that every row weighs between e^-600 and the drop threshold of its best
+    (2^-53 for float64 rows, 2^-24 for float32): the moments drop all its entries (N = 0),
+    the gradient's forward pass keeps them, as the backward pass does (a truncated forward
+    pass divided by N = 0: ZeroDivisionError in the solver, and gradients off by the
+    dropped mass)."""
+    T, lam = 8.0, 0.3
+    drop = 53 * math.log(2) if data.dtype == np.float64 else 24 * math.log(2)
+    X64 = data.X.astype(np.float64)
+    d0 = ((X64[:, None, :] - data.C0[None]) ** 2).sum(-1).min(axis=1)
+    u = np.ones(X64.shape[1]) / np.sqrt(X64.shape[1])
+    for R in np.geomspace(2.0, 200.0, 60):
+        far = X64.mean(axis=0) + R * u
+        gap = (((X64 - far) ** 2).sum(-1) - d0) / T
+        if gap.min() > drop + 2.0:
+            break
+    assert drop < gap.min() and gap.max() < 600.0      # the case the test is about
+    C = np.vstack([data.C0, far])
+    assert src.moments(C, T, 0, None, hard_sums=False).N[-1] == 0.0
+    f = src.grad_forward(C, T, 0)
+    assert 0.0 < f.N[-1] < 1e-6 * f.N.sum()
+    want = fa.value_and_grad(data.X, C, T, lam=lam, weights=data.w)
+    got = value_and_grad_from_source(src, C, T, 0, lam, G_.PHI_IDENTITY)
+    tol = 1e-8 if data.dtype == np.float64 else 1e-5
+    assert not want.empty.any() and not got.empty.any()
+    close(got.value, want.value, tol, abs(want.compactness) + lam * abs(want.separation),
+          "value")
+    close(got.grad_centers, want.grad_centers, tol, None, "grad_centers")
+    close(got.separation_grad_norm, want.separation_grad_norm, tol, None, "sep grad norm")
+
+
 # ============================================================================ gradient fits
 def test_gradient_solver_on_dask_matches_in_memory(client):
     da = pytest.importorskip("dask.array")

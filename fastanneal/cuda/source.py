@@ -478,8 +478,13 @@ class CudaSource:
     # ------------------------------------------------------------------ host-side passes
     # Passes that run once per fit, or whose CUDA kernel does not exist yet, use the host
     # array the source was built from (no copy): the covariance for T_c, the distinct-row
-    # count, the checkpoint key and the gradient's backward pass (the forward pass is the
-    # device moments pass; a device kernel for the backward pass is future work).
+    # count, the checkpoint key and the gradient's two passes (they keep every
+    # responsibility, which the device moments pass does not; device kernels for them are
+    # future work).
+    def grad_forward(self, centers, T, resp):
+        from ..gradient import forward_moments
+        return forward_moments(self._X_host, self._w_host, centers, T, self.metric, resp)
+
     def grad_moments(self, centers, T, resp, globals_):
         from ..gradient import backward_moments
         return backward_moments(self._X_host, self._w_host, centers, T, self.metric, resp,

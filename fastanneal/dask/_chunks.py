@@ -106,6 +106,13 @@ def chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads):
     return compute_moments(chunk.X, chunk.w, C, T, metric, resp, log_prior, hard_sums)
 
 
+def chunk_grad_forward(chunk, C, T, gmetric, resp, nthreads):
+    """The gradient's forward sums of a chunk (:class:`fastanneal.gradient.GradForward`)."""
+    from ..gradient import forward_moments
+    set_threads(nthreads)
+    return forward_moments(chunk.X, chunk.w, C, T, gmetric, resp)
+
+
 def chunk_grad_moments(chunk, C, T, gmetric, resp, g, nthreads):
     """The gradient's backward sums of a chunk (:class:`fastanneal.gradient.GradMoments`)."""
     from ..gradient import backward_moments
@@ -264,6 +271,11 @@ class StreamedPasses:
             return None
         return self._reduce(chunk_scatter, mean=np.asarray(mean, np.float64)) \
             / self.total_weight
+
+    def grad_forward(self, centers, T, resp):
+        return self._reduce(chunk_grad_forward, combine=lambda a, b: a.merge(b),
+                            C=np.asarray(centers, np.float64), T=float(T), gmetric=self.metric,
+                            resp=int(resp), nthreads=self.nthreads)
 
     def grad_moments(self, centers, T, resp, globals_):
         return self._reduce(chunk_grad_moments, combine=lambda a, b: a.merge(b),

@@ -170,6 +170,14 @@ class DaskSource(_Submitter):
             return Moments.zeros(C.shape[0], self.n_features, T, hard_sums=hard_sums)
         return total.result()
 
+    def grad_forward(self, centers, T, resp):
+        """The gradient's forward pass, mapped over the chunks and tree-merged."""
+        C = np.ascontiguousarray(centers, dtype=np.float64)
+        parts = self.client.map(ch.chunk_grad_forward, self._chunks, C=self.put(C), T=float(T),
+                                gmetric=self.metric, resp=int(resp), nthreads=self._nthreads,
+                                pure=False)
+        return self.tree(parts, ch.merge_moments).result()
+
     def grad_moments(self, centers, T, resp, globals_):
         """The gradient's backward pass, mapped over the chunks and tree-merged."""
         C = np.ascontiguousarray(centers, dtype=np.float64)
