@@ -153,6 +153,22 @@ def coincident_groups(D2, eps2):
     return np.unique(np.nonzero(close)[1])
 
 
+def separate_coincident(C, eps2, delta, rng, metric):
+    """Centers within ``sqrt(eps2)`` of an earlier one nudged apart by random vectors of norm
+    ``delta`` (a duplicate never separates by itself: its responsibilities are its twin's).
+    Returns ``(C, dup, dmin, D2)``: ``C`` a new array when something moved, the indices
+    moved, and the smallest distance and squared distances before the nudge."""
+    dmin, D2 = min_center_distance(C)
+    dup = coincident_groups(D2, eps2)
+    if len(dup):
+        u = rng.standard_normal((len(dup), C.shape[1]))
+        u *= delta / np.linalg.norm(u, axis=1, keepdims=True)
+        C = C.copy()
+        C[dup] += u
+        C = _project(C, metric)
+    return C, dup, dmin, D2
+
+
 def _split_largest(C, N, k_empty, rng, delta):
     """Move center ``k_empty`` next to the heaviest cluster (split with a +-delta nudge)."""
     donor = int(np.argmax(N))
@@ -579,16 +595,11 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
             n_coinc = K - st.centers.shape[0]
         else:
             st.relocations += res.relocated
-            dmin, D2 = min_center_distance(st.centers)
-            dup = coincident_groups(D2, ctx.eps2)
-            if len(dup):
-                # perturbed duplicates: they separate when T falls below their cluster's T_c
-                u = ctx.rng.standard_normal((len(dup), st.centers.shape[1]))
-                u *= ctx.delta / np.linalg.norm(u, axis=1, keepdims=True)
-                st.centers[dup] += u
-                st.centers = _project(st.centers, ctx.metric)
-                if hasattr(rule, "reset_rows"):
-                    rule.reset_rows(dup)
+            # perturbed duplicates: they separate when T falls below their cluster's T_c
+            st.centers, dup, dmin, _ = separate_coincident(st.centers, ctx.eps2, ctx.delta,
+                                                           ctx.rng, ctx.metric)
+            if len(dup) and hasattr(rule, "reset_rows"):
+                rule.reset_rows(dup)
             n_coinc = len(dup)
         ent = m.objectives()["entropy"]
         if cfg.diagnostics != "full" or critical is not None or res.record_moments is not None:

@@ -303,7 +303,7 @@ def _prepare(X, centers, metric):
     if mc == 1:
         X = normalize_rows(X, "X", sqnorms=sq)       # unit rows: in range by construction
         C = normalize_rows(C, "centers")
-    check_range(C, "centers")
+    check_range(C, "centers", too_small=X.shape[0] == 0)   # (rows in range: see check_range)
     shift = None
     if mc == 0 and X.shape[0]:
         # rows far from the origin relative to their spread: measured from their mean (a

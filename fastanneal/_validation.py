@@ -139,10 +139,12 @@ def max_row_norm(X, block_rows=16384):
     return out
 
 
-def check_range(X, name="X", where=""):
+def check_range(X, name="X", where="", too_small=True):
     """``ValueError`` when finite values of ``X`` are so large that squared distances overflow
     its float type (or the float64 sums over the rows), or so small (but not all zero) that
-    they underflow. Cheap: one max/min pass; row norms only near the limits."""
+    they underflow (``too_small=False``: the upper limit only -- centers measured against
+    rows that passed both: a tiny center's squared norm is added to the rows' own). Cheap:
+    one max/min pass; row norms only near the limits."""
     if X.size == 0 or X.dtype not in _SQ_MAX:
         return
     hi, lo = np.sqrt(_SQ_MAX[X.dtype]), np.sqrt(_SQ_MIN[X.dtype])     # on the norms
@@ -160,7 +162,7 @@ def check_range(X, name="X", where=""):
             f"{name}{at} holds values too large for {X.dtype} arithmetic: the largest row norm "
             f"is {norm:.3g} (at most {hi:.3g} is safe), so squared distances would overflow; "
             f"rescale the data (divide it by about {norm:.0e}){alt}")
-    if 0.0 < norm < lo:
+    if 0.0 < norm < lo and too_small:
         raise ValueError(
             f"{name}{at} holds values too small for {X.dtype} arithmetic: the largest row norm "
             f"is {norm:.3g} (at least {lo:.3g} is needed), so squared distances would underflow;"

@@ -10,7 +10,8 @@ import time
 import warnings
 
 import numpy as np
-from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
+from sklearn.base import (BaseEstimator, ClassNamePrefixFeaturesOutMixin, ClusterMixin,
+                          TransformerMixin)
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from . import _engine as E
@@ -67,6 +68,11 @@ def _n_distinct_rows(X, rng, cap):
     return _n_distinct_rows_exact(X, np.ones(X.shape[0]), rng)
 
 
+def _real(v):
+    """A real number that is not a bool (``True`` is not a temperature)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
 def _positive_int(est, name):
     v = getattr(est, name)
     if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
@@ -74,9 +80,16 @@ def _positive_int(est, name):
     return int(v)
 
 
-class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
+class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMixin,
+                          BaseEstimator):
     """What both estimators share: parameter checks, the random generator, input
     validation, the checkpoint, the fitted attributes and inference."""
+
+    @property
+    def _n_features_out(self):
+        """``transform``'s columns, one per cluster (``get_feature_names_out`` names them
+        ``annealedkmeans0``, ...; ``set_output`` works)."""
+        return self.cluster_centers_.shape[0]
 
     # ------------------------------------------------------------------ validation
     def _check_common(self, n_samples=None):
@@ -100,26 +113,50 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         if rc == 2:
             raise ValueError("responsibilities must be 'softmax' or 'entmax15' for fitting")
         _positive_int(self, "n_steps")
+        # (a temperature, or a factor of one, must leave T and 1/T finite: see
+        # check_temperature; 1e-300 keeps T_end = ratio * T_start a normal float64 for any
+        # T_start the data allows)
         r = self.temperature_end_ratio
-        if not (isinstance(r, numbers.Real) and 0 < r <= 1):
-            raise ValueError(f"temperature_end_ratio must be in (0, 1]; got {r!r}")
+        if not (_real(r) and 1e-300 <= r <= 1):
+            raise ValueError(f"temperature_end_ratio must be in (0, 1] (at least 1e-300); got "
+                             f"{r!r}")
         f = self.auto_start_fraction
-        if not (isinstance(f, numbers.Real) and 0 < f):
-            raise ValueError(f"auto_start_fraction must be > 0; got {f!r}")
+        if not (_real(f) and 0 < f < math.inf):
+            raise ValueError(f"auto_start_fraction must be > 0 (and finite); got {f!r}")
         ts = self.temperature_start
         if isinstance(ts, str):
             if ts not in ("auto", "critical"):
                 raise ValueError("temperature_start must be 'auto', 'critical' or a positive "
                                  f"number; got {ts!r}")
-        elif not (isinstance(ts, numbers.Real) and math.isfinite(ts) and ts > 0):
+        elif not (_real(ts) and math.isfinite(ts) and ts >= np.finfo(np.float64).tiny):
             raise ValueError(f"temperature_start must be 'auto', 'critical' or a positive "
-                             f"number; got {ts!r}")
+                             f"number (a normal float64); got {ts!r}")
+        for name in ("polish", "reallocate", "stop_when_hard", "progress"):
+            v = getattr(self, name, False)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False; got {v!r}")
+        ck = self.checkpoint
+        if ck is not None and not isinstance(ck, (str, os.PathLike)):
+            raise ValueError(f"checkpoint must be None or a path (a folder or a .npz file); "
+                             f"got {ck!r}")
         if not (isinstance(self.mass_constrained, bool) or self.mass_constrained == "auto"):
             raise ValueError(f"mass_constrained must be True, False or 'auto'; got "
                              f"{self.mass_constrained!r}")
         check_learning(self.learning_decay, self.learning_offset) \
             if hasattr(self, "learning_decay") else None
         return rc
+
+    #: the private state a fit leaves beside its ``..._`` attributes
+    _FIT_STATE = ("_partial_state", "_origin", "_scale", "_rows_seen", "_mass_constrained")
+
+    def _forget_fit(self):
+        """A new fit starts unfitted: nothing of an earlier fit survives it (``k_suggestion_``
+        after a refit with an integer K, ``checkpoint_info_`` after one without a
+        checkpoint), and a refit that fails leaves no old centers beside its new
+        ``n_features_in_`` (``predict`` then says the estimator is not fitted)."""
+        for k in [k for k in self.__dict__ if (k.endswith("_") and not k.startswith("__"))
+                  or k in self._FIT_STATE]:
+            del self.__dict__[k]
 
     def _rng(self):
         rs = self.random_state
@@ -150,8 +187,14 @@ class _BaseAnnealedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             raise ValueError("sample_weight contains NaN or infinity")
         if (w < 0).any():
             raise ValueError("sample_weight contains negative values")
-        if not w.sum() > 0:
+        with np.errstate(over="ignore"):
+            total = w.sum()
+        if not total > 0:
             raise ValueError("sample_weight sums to zero: no row carries weight")
+        if not math.isfinite(total):
+            raise ValueError(f"sample_weight sums to infinity (largest weight "
+                             f"{float(w.max()):.3g}): rescale the weights (only their "
+                             "ratios matter)")
         return np.ascontiguousarray(w)
 
     def _fit_params(self):
@@ -593,7 +636,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         :class:`fastanneal.dask.EmbeddingArrays` with the Dask backend. With ``batch_size``
         set, mini-batch annealing (:class:`MiniBatchAnnealedKMeans`).
         """
-        self.__dict__.pop("_partial_state", None)
+        self._forget_fit()
         with E.verbose_logging(self.verbose):
             if self.batch_size is not None:
                 return self._fit_minibatch(X, sample_weight)
@@ -628,8 +671,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                      "temperature_start_", "critical_temperature_", "n_steps_", "n_iter_",
                      "n_relocations_", "trace_", "n_features_in_", "_mass_constrained",
                      "labels_", "probability_temperature_", "_origin", "_scale",
-                     "_rows_seen"):
-            setattr(self, name, getattr(mb, name))
+                     "_rows_seen", "feature_names_in_"):
+            if hasattr(mb, name):
+                setattr(self, name, getattr(mb, name))
+        self.n_clusters_ = int(self.n_clusters)
+        self.n_reallocations_ = 0           # (the moves refine the seeds on the sample only)
         if hasattr(mb, "checkpoint_info_"):
             self.checkpoint_info_ = mb.checkpoint_info_
         self.hardened_step_ = None          # the stochastic rule runs every temperature
@@ -640,6 +686,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         """Fit on a moment source (:class:`~fastanneal._protocol.MomentSource`): any backend,
         including your own. ``in_memory``: the rows are cheap to read (k-means++ on all of
         them up to 200,000 rows; labels gathered)."""
+        if _t0 is None:                 # (called directly; fit() has forgotten already)
+            self._forget_fit()
         t0 = time.perf_counter() if _t0 is None else _t0
         check_source(source)
         rc = self._check_params(source.n_rows)
@@ -672,6 +720,12 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         else:
             best = None
             n_init = int(self.n_init)
+            if n_init > 1 and hasattr(self.init, "__array__"):
+                # (as scikit-learn's KMeans: every run would start from the same centers)
+                warnings.warn(f"Explicit initial center position passed: performing only one "
+                              f"init in {type(self).__name__} instead of n_init={n_init}",
+                              RuntimeWarning, stacklevel=2)
+                n_init = 1
             for run in range(n_init):
                 res = self._fit_once(source, in_memory, K, rc, rng, stats, t0,
                                      run if n_init > 1 else None)
@@ -691,9 +745,17 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         else:
             labels = source.labels(C) if source.n_rows <= 50_000_000 else None
         mh = source.moments(C, 1.0, 2, None, hard_sums=False)
+        counts = mh.hard_counts
+        empty = int(np.sum(~(counts > 0)))
+        if K > 1 and empty:
+            raise ValueError(
+                f"n_clusters={K}: {empty} fitted cluster(s) hold no row (of weight > 0) -- "
+                f"the data holds fewer than {K} points that can be told apart at its "
+                "floating-point precision (rows that differ only in their last bits, e.g. "
+                "positive multiples of one vector under the cosine metric); choose a "
+                "smaller n_clusters")
         self.labels_ = labels
         self.inertia_ = float(mh.hard_distortion)
-        counts = mh.hard_counts
         self.cluster_weights_ = counts / counts.sum()
         self.temperature_ = float(result.temperature)
         self.temperature_start_ = float(T0)
@@ -967,6 +1029,13 @@ class _PartialFit:
         self.rng = est._rng()
         # the first batch's mean is the origin of every batch (rows far from it: centered)
         Xc, self.origin = est._centered(X, w)
+        if K > 1:
+            nd = InMemorySource(Xc, w, self.metric).n_distinct_rows(
+                np.random.default_rng(0x5EED), K)
+            if nd < K:
+                raise ValueError(f"the first partial_fit batch holds {nd} distinct rows with "
+                                 f"non-zero weight; n_clusters={K} are needed to seed the "
+                                 "centers")
         self.C, self.T_start, self.T_end, self.T_c, self.scale = _seed_from_sample(
             est, Xc, w, int(K), self.metric, self.rng, self.origin)
         mc = est.mass_constrained
@@ -1022,9 +1091,17 @@ class _PartialFit:
         m = compute_moments(X, w, self.C, T, self.metric, self.resp, logp, hard_sums=False)
         self.C, rel = self.running.update(m, self.C, self.rng)
         self.relocations += rel
+        # duplicates (an init with repeated rows, a collapse at a high temperature) never
+        # separate by themselves: nudged apart as in the engine's loop, their running sums
+        # moved with them
+        delta = self.running.delta
+        self.C, dup, dmin, _ = E.separate_coincident(self.C, (0.05 * delta) ** 2, delta,
+                                                     self.rng, self.metric)
+        if len(dup):
+            self.running.S[dup] = self.C[dup] * self.running.N[dup, None]
         self.temperature = T
         E._record(self.trace, self.running.t - 1, self.running.t, T, m, self.C,
-                  self.running.last_shift, rel, 0, K, self.t0, logp=logp)
+                  self.running.last_shift, rel, len(dup), K, self.t0, dmin, logp=logp)
 
     def apply_to(self, est):
         est._set_centers(self.C, self.origin, self.dtype)
@@ -1187,7 +1264,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
 
     def _fit(self, X, sample_weight, ids, labels_path, overwrite):
         t_start = time.perf_counter()
-        self.__dict__.pop("_partial_state", None)
+        self._forget_fit()
         rc = self._check_params()
         K = int(self.n_clusters)
         metric = metric_code(self.metric)
@@ -1240,6 +1317,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         W_total = full.total_weight
         if not W_total > 0:
             raise ValueError("sample_weight sums to zero: no row carries weight")
+        if not math.isfinite(W_total):
+            raise ValueError("sample_weight sums to infinity: rescale the weights (only "
+                             "their ratios matter)")
         kd, lo = check_learning(self.learning_decay, self.learning_offset)
         n_steps = int(self.n_steps)
         ckpt = self._make_checkpoint(full, K)
@@ -1338,6 +1418,11 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                                                       overwrite, with_ids)
             self.labels_ = None
         counts = mf.hard_counts
+        empty = int(np.sum(~(counts > 0)))
+        if K > 1 and empty:
+            warnings.warn(f"{empty} of the {K} fitted clusters hold no row (of weight > 0); "
+                          "the data may hold fewer points that can be told apart, or a "
+                          "larger polish_passes may fill them", AnnealingWarning, stacklevel=3)
         self.cluster_weights_ = counts / counts.sum()
         self.inertia_ = float(mf.hard_distortion)
         self.free_energy_ = float(mf.free_energy)

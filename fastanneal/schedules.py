@@ -2,8 +2,11 @@
 
 A schedule is a small object with one method, ``next_temperature(state) -> float | None``:
 given the state of the annealing after a temperature step (a :class:`ScheduleState`), it
-returns the next temperature, or ``None`` to stop annealing. ``start(T_start, T_end)`` is
-called once before the first step. Schedules that need feedback (the adaptive schedule)
+returns the next temperature (a finite number > 0), or ``None`` to stop annealing; the
+engine raises an error naming the schedule for anything else, and for a schedule still
+going after ``MAX_STEPS`` temperatures. ``start(T_start, T_end)``, when the object has it,
+is called once before the first step. Pass an instance (``GeometricSchedule(20)``), not
+the class. Schedules that need feedback (the adaptive schedule)
 read entropy and gradient norms from the state; the others ignore them.
 """
 import hashlib

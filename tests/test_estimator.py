@@ -642,3 +642,95 @@ def test_minibatch_and_partial_fit_set_the_probability_temperature(rng):
             o = np.argsort(s[:, 1] - s[:, 0], kind="stable")
             med = (s[:, 1] - s[:, 0])[o][(len(X) - 1) // 2]
             assert km.probability_temperature_ == pytest.approx(0.25 * med, rel=1e-9)
+
+
+def test_rows_that_differ_in_their_last_bits_get_the_promised_error():
+    """Three rows distinct by one ulp under cosine (positive multiples of one vector) and a
+    fourth: K = 3 ended with an empty cluster after hundreds of relocations, where the
+    README promises an error naming the cause."""
+    X = np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [-1.0, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="fewer than 3 points that can be told apart"):
+            AnnealedKMeans(3, metric="cosine", random_state=0).fit(X)
+
+
+def test_feature_names_out_and_set_output():
+    import pandas as pd
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    X = np.random.default_rng(0).normal(size=(300, 3))
+    km = AnnealedKMeans(4, random_state=0).fit(X)
+    assert list(km.get_feature_names_out()) == [f"annealedkmeans{k}" for k in range(4)]
+    pipe = make_pipeline(StandardScaler(), AnnealedKMeans(4, random_state=0))
+    out = pipe.set_output(transform="pandas").fit(X).transform(X)
+    assert isinstance(out, pd.DataFrame) and out.shape == (300, 4)
+    assert list(out.columns) == [f"annealedkmeans{k}" for k in range(4)]
+
+
+def test_batch_size_fit_keeps_the_documented_attributes():
+    import pandas as pd
+    df = pd.DataFrame(np.random.default_rng(0).normal(size=(300, 3)), columns=list("abc"))
+    km = AnnealedKMeans(3, batch_size=100, random_state=0).fit(df)
+    assert list(km.feature_names_in_) == ["a", "b", "c"]
+    assert km.n_clusters_ == 3 and km.n_reallocations_ == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # no "fitted without feature names"
+        km.predict(df)
+
+
+def test_a_refit_forgets_the_previous_fit():
+    X = np.random.default_rng(1).normal(size=(200, 2))
+    km = AnnealedKMeans("auto", k_max=5, random_state=0).fit(X)
+    assert hasattr(km, "k_suggestion_")
+    km.set_params(n_clusters=2).fit(X)
+    assert not hasattr(km, "k_suggestion_")
+    km.set_params(n_clusters=8)
+    with pytest.raises(ValueError, match="n_samples=5"):
+        km.fit(X[:5, :1])                           # fails after validating the new X
+    with pytest.raises(NotFittedError):             # no old centers beside n_features_in_=1
+        km.predict(X[:5, :1])
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(auto_start_fraction=math.inf), "auto_start_fraction"),
+    (dict(temperature_start=True), "temperature_start"),
+    (dict(temperature_start=5e-324), "temperature_start"),
+    (dict(temperature_end_ratio=5e-324), "temperature_end_ratio"),
+    (dict(polish="no"), "polish must be True or False"),
+    (dict(stop_when_hard="no"), "stop_when_hard"),
+    (dict(reallocate=1), "reallocate"),
+    (dict(checkpoint=123), "checkpoint must be None or a path")])
+def test_bad_parameters_are_named(kw, msg):
+    X = np.random.default_rng(0).normal(size=(100, 3))
+    with pytest.raises(ValueError, match=msg):
+        AnnealedKMeans(3, random_state=0, **kw).fit(X)
+
+
+def test_weights_whose_sum_overflows_are_named():
+    X = np.random.default_rng(0).normal(size=(100, 3))
+    from fastanneal import MiniBatchAnnealedKMeans
+    for est in (AnnealedKMeans(3, random_state=0), MiniBatchAnnealedKMeans(3, random_state=0)):
+        with pytest.raises(ValueError, match="sums to infinity"):
+            est.fit(X, sample_weight=np.full(100, 1e308))
+
+
+def test_n_init_with_an_init_array_runs_once():
+    X = np.random.default_rng(0).normal(size=(500, 4))
+    with pytest.warns(RuntimeWarning, match="performing only one init"):
+        a = AnnealedKMeans(5, init=X[:5], n_init=4, random_state=0).fit(X)
+    b = AnnealedKMeans(5, init=X[:5], n_init=1, random_state=0).fit(X)
+    assert_array_equal(a.cluster_centers_, b.cluster_centers_)
+
+
+def test_float32_rows_just_above_the_lower_limit():
+    """Rows whose largest norm passes the range check: the cluster means are smaller, and
+    the fit failed at its very end re-checking them as if they were input."""
+    rng = np.random.default_rng(0)
+    X = np.vstack([rng.normal(c, 1.0, (100, 4)) for c in [(0, 0, 0, 0), (8, 0, 0, 0),
+                                                          (0, 8, 0, 0)]])
+    X = (X / np.linalg.norm(X, axis=1).max() * 5e-16).astype(np.float32)
+    km = AnnealedKMeans(3, random_state=0).fit(X)
+    p = km.predict_proba(X)
+    assert np.isfinite(p).all() and np.allclose(p.sum(axis=1), 1.0, atol=1e-5)
+    assert len(np.unique(km.labels_)) == 3

@@ -34,3 +34,31 @@ def test_partial_fit_rejects_feature_change(rng):
     km = AnnealedKMeans(3, random_state=0).partial_fit(X[:300])
     with pytest.raises(ValueError, match="features"):
         km.partial_fit(X[300:, :4])
+
+
+def test_first_batch_needs_n_clusters_distinct_rows():
+    """fit refuses K above the distinct rows; partial_fit seeded K centers from 2 points
+    and two of them stayed equal for ever."""
+    X = np.array([[0.0, 0.0]] * 10 + [[6.0, 6.0]] * 10)
+    with pytest.raises(ValueError, match="first partial_fit batch holds 2 distinct rows"):
+        AnnealedKMeans(3, random_state=0).partial_fit(X)
+    w = np.r_[np.ones(2), np.zeros(18)]           # distinct rows, but only 2 carry weight
+    Xd = np.random.default_rng(0).normal(size=(20, 2))
+    with pytest.raises(ValueError, match="holds 2 distinct rows"):
+        AnnealedKMeans(3, random_state=0).partial_fit(Xd, sample_weight=w)
+
+
+def test_coincident_centers_are_separated_between_batches():
+    """An init that repeats a row: fit pulls the twins apart, partial_fit kept them equal
+    (identical centers get identical responsibilities and never separate)."""
+    rng = np.random.default_rng(5)
+    means = np.array([[0.0, 0.0], [6.0, 6.0], [0.0, 6.0]])
+    y = rng.integers(0, 3, 3000)
+    X = means[y] + rng.normal(0, 0.5, (3000, 2))
+    init = np.array([[3.0, 3.0], [3.0, 3.0], [0.0, 0.0]])
+    km = AnnealedKMeans(3, init=init, random_state=0, n_steps=10)
+    for b in range(0, 3000, 100):
+        km.partial_fit(X[b:b + 100])
+    assert len(np.unique(km.predict(X))) == 3
+    assert adjusted_rand_score(y, km.predict(X)) > 0.95
+    assert km.trace_.as_dict()["coincident"][0] >= 1      # seen and separated
