@@ -59,7 +59,8 @@ def _add_cluster_options(p, demo=False):
     req.add_argument("-o", "--output", metavar="OUTPUT",
                    help=("folder for the demo outputs (default ./fastanneal-demo/) or a .csv / "
                          ".parquet / .jsonl file" if demo else
-                         "the input rows with cluster, probability and margin added; the format "
+                         "the input rows with cluster, probability, margin and runner_up "
+                         "added; the format "
                          "follows the extension (.csv, .tsv, .parquet, .jsonl). The cluster table "
                          "goes to OUTPUT's name + .clusters.csv"))
     req.add_argument("--k", "-k", type=_k_value, default=None, metavar="K",
@@ -97,9 +98,10 @@ def _add_cluster_options(p, demo=False):
                    help="where the fit runs (default: cpu; cuda: an NVIDIA GPU, pip install "
                         "'fastanneal[cuda]'; out of core, the GPU reduces the batches)")
     p.add_argument("--memory-limit", type=_size, metavar="SIZE",
-                   help="Parquet input with --embedding-column: when the embeddings need more "
-                        "than SIZE (e.g. 8G; default: half of this machine's memory), cluster "
-                        "out of core, row group by row group")
+                   help="Parquet input with --embedding-column: when clustering in memory "
+                        "would need more than SIZE (1.5 x the embedding bytes + 48 B a row; "
+                        "e.g. 8G; default: half of this machine's memory), cluster out of "
+                        "core, row group by row group")
     p.add_argument("--workers", type=int, metavar="N",
                    help="dask: start a local cluster with N worker processes")
     p.add_argument("--scheduler", metavar="ADDRESS",
@@ -130,7 +132,7 @@ def build_parser():
     pc = sub.add_parser(
         "cluster", help="cluster the queries of a file",
         description="Cluster the rows of INPUT. Writes OUTPUT (all input columns plus cluster, "
-                    "probability, margin) and OUTPUT's name + .clusters.csv (size, weight, "
+                    "probability, margin, runner_up) and OUTPUT's name + .clusters.csv (size, weight, "
                     "label, most central query, cohesion per cluster).",
         epilog="example: fastanneal cluster queries.csv -o clustered.parquet --k 100 "
                "--weight-column count --report report.html")

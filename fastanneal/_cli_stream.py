@@ -31,6 +31,8 @@ MEMORY_FRACTION = 0.5
 #: Bytes the in-memory route needs per byte of embeddings (the matrix, the fit's working
 #: memory, the per-row results) -- measured by ``benchmarks/bench_scale.py``.
 IN_MEMORY_FACTOR = 1.5
+#: ... plus this many bytes per row (labels, distances, weights, row numbers).
+IN_MEMORY_ROW_BYTES = 48
 
 
 def parse_size(text):
@@ -201,10 +203,15 @@ class ParquetLog:
         self.dtype = x0.dtype
         self.embedding_bytes = self.n_rows * self.dim * self.dtype.itemsize
 
+    @property
+    def in_memory_bytes(self):
+        """What the in-memory route needs: ``IN_MEMORY_FACTOR`` times the embedding bytes
+        plus ``IN_MEMORY_ROW_BYTES`` per row."""
+        return IN_MEMORY_FACTOR * self.embedding_bytes + IN_MEMORY_ROW_BYTES * self.n_rows
+
     def route(self, limit):
-        """``"memory"`` when the embeddings (times ``IN_MEMORY_FACTOR``) fit ``limit`` bytes."""
-        need = IN_MEMORY_FACTOR * self.embedding_bytes + 48 * self.n_rows
-        return "memory" if need <= limit else "stream"
+        """``"memory"`` when :attr:`in_memory_bytes` fit ``limit`` bytes."""
+        return "memory" if self.in_memory_bytes <= limit else "stream"
 
     def _tables(self, cols):
         """``data.tables`` with read errors as one-line input errors."""

@@ -159,7 +159,13 @@ def auto_start(source, C, rng, fraction):
     # a start temperature needs lambda_max to about 1e-3, not to 1e-9: Lanczos stops there
     # (sources written against the first protocol take no ``tol=``: 15 steps)
     lam = top(means, 15, rng, tol=AUTO_START_TOL) if _takes(top, "tol") else top(means, 15, rng)
-    cand = lam[(mh.hard_counts > 0) & (lam > 0)]
+    # a cell that is one point (one row, or rows equal to rounding) has lambda = 0 exactly;
+    # computed, it is rounding noise of the order of (eps |c_k|)^2 -- under cosine the
+    # projected mean is a few ulps off the row -- and a start temperature of that noise
+    # would mean no annealing at all: such cells do not count
+    pos2 = np.einsum("ij,ij->i", means, means)
+    noise = 16.0 * float(np.finfo(source.dtype).eps) ** 2 * pos2
+    cand = lam[(mh.hard_counts > 0) & (lam > noise)]
     if cand.size == 0:
         return None
     return float(fraction * 2.0 * cand.min())

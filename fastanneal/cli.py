@@ -540,7 +540,9 @@ def run_cluster(args, console):
                      else default_memory_limit())
             route = log.route(limit)
             if route == "stream":
-                console.note(f"the embeddings ({fmt_bytes(log.embedding_bytes)}) exceed "
+                console.note(f"clustering in memory would need about "
+                             f"{fmt_bytes(log.in_memory_bytes)} (1.5 x the embeddings' "
+                             f"{fmt_bytes(log.embedding_bytes)}, + 48 B a row), above "
                              f"--memory-limit {fmt_bytes(limit)}: clustering out of core "
                              "(mini-batch annealing over the row groups" +
                              (", read by the Dask workers, which also check, label and "

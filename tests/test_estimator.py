@@ -734,3 +734,19 @@ def test_float32_rows_just_above_the_lower_limit():
     p = km.predict_proba(X)
     assert np.isfinite(p).all() and np.allclose(p.sum(axis=1), 1.0, atol=1e-5)
     assert len(np.unique(km.labels_)) == 3
+
+
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+def test_auto_start_ignores_cells_of_one_point(metric):
+    """A seed whose cell is one row has lambda_max = 0; computed under cosine it was
+    rounding noise (~1e-16), and T_start = 0.5 x that noise meant no annealing at all."""
+    rng = np.random.default_rng(0)
+    B = np.concatenate([rng.normal(size=(300, 8)) * 0.1 + np.eye(8)[k] for k in range(3)]
+                       + [-np.ones((1, 8))]).astype(np.float32)
+    init = np.concatenate([B[[0, 300, 600]], B[-1:]]).astype(np.float64)  # 4th: the lone row
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = AnnealedKMeans(4, metric=metric, init=init, random_state=0).fit(B)
+        b = AnnealedKMeans(3, metric=metric, init=init[:3], random_state=0).fit(B[:-1])
+    Ta, Tb = a.trace_.as_dict()["temperature"][0], b.trace_.as_dict()["temperature"][0]
+    assert Ta == pytest.approx(Tb, rel=0.05) and Ta > 1e-3 * a.critical_temperature_
