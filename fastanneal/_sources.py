@@ -200,7 +200,9 @@ class InMemorySource:
 
     def __init__(self, X, w, metric):
         self.X = X
-        self.w = w
+        # read-only weights (straight from Arrow) are another type to Numba: every kernel
+        # would compile a second time on a first run for them (a copy of n floats)
+        self.w = w if getattr(w, "flags", None) is None or w.flags.writeable else w.copy()
         self.metric = metric
         self.n_rows, self.n_features = X.shape
         self.dtype = X.dtype

@@ -254,3 +254,22 @@ def test_import_leaves_the_openmp_wait_policy_alone():
                           "print(os.environ.get('OMP_WAIT_POLICY'))"], env=env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.strip() == "None"
+
+
+def test_read_only_weights_compile_nothing_new():
+    """Weights straight from Arrow are read-only arrays, another type to Numba: the guide's
+    first command after the demo compiled the pruned pass, k-means++ and the Lanczos matvec
+    a second time (7 s shown as annealing time). The source keeps a writable copy."""
+    from fastanneal import _kernels as K
+    rng = np.random.default_rng(0)
+    X = (rng.standard_normal((3000, 8)) + np.repeat(np.eye(8)[:3] * 6, 1000, axis=0))
+    w = rng.uniform(1.0, 3.0, 3000)
+    fa.AnnealedKMeans(3, random_state=0).fit(X, sample_weight=w)
+    before = {f: len(getattr(K, f).signatures) for f in dir(K)
+              if hasattr(getattr(K, f), "signatures")}
+    w_ro = w.copy()
+    w_ro.flags.writeable = False
+    fa.AnnealedKMeans(3, random_state=0).fit(X, sample_weight=w_ro)
+    after = {f: len(getattr(K, f).signatures) for f in before}
+    assert after == before
+    assert InMemorySource(X, w_ro, 0).w.flags.writeable
