@@ -499,7 +499,12 @@ def run_cluster(args, console):
     clusters_path = sidecar(output, "clusters", ".csv")
     report = args.report
     if demo and report is None and not args.no_report:
-        report = str(out_dir / "report.html")
+        # the demo's own folder holds report.html; beside an output file named by the user
+        # the report is named after it (never a report.html of theirs replaced)
+        into_folder = output == out_dir / "queries.csv" and not (
+            args.output and Path(args.output).suffix)
+        report = str(out_dir / "report.html" if into_folder else sidecar(output, "report",
+                                                                         ".html"))
     if report:
         if not str(report).lower().endswith((".html", ".htm")):
             raise CLIError(f"--report {report}: the report is an HTML file (.html)")

@@ -751,3 +751,14 @@ def test_adjusted_rand_index_matches_sklearn(rng):
         b = np.where(rng.random(200) < 0.7, a, rng.integers(0, 7, 200))
         assert adjusted_rand_index(a, b) == pytest.approx(metrics.adjusted_rand_score(a, b))
     assert adjusted_rand_index(["x", "x", "y"], [3, 3, 9]) == 1.0
+
+
+def test_demo_to_a_file_names_its_report_after_it(capsys, tmp_path):
+    """`demo -o FILE` wrote report.html beside FILE, replacing a file of the user's."""
+    mine = tmp_path / "report.html"
+    mine.write_text("mine")
+    rc, out, err = run(capsys, "demo", "-o", tmp_path / "d.csv", "-q")
+    assert rc == 0, err
+    assert mine.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "d.clusters.csv", "d.csv", "d.report.html", "report.html"]
