@@ -747,7 +747,9 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         mh = source.moments(C, 1.0, 2, None, hard_sums=False)
         counts = mh.hard_counts
         empty = int(np.sum(~(counts > 0)))
-        if K > 1 and empty:
+        if K > 1 and empty and self.polish:
+            # (after the polish, whose relocations fill every cluster that can be filled;
+            # without it a soft fit's cluster may hold mass but no nearest row)
             raise ValueError(
                 f"n_clusters={K}: {empty} fitted cluster(s) hold no row (of weight > 0) -- "
                 f"the data holds fewer than {K} points that can be told apart at its "
