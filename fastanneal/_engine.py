@@ -19,6 +19,7 @@ import inspect
 import logging
 import sys
 import math
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -664,8 +665,9 @@ def checked_temperature(schedule, T, step):
     if T is None:
         return None
     name = f"{type(schedule).__name__}.next_temperature"
-    if isinstance(T, (bool, np.bool_)) or not isinstance(T, (int, float, np.integer,
-                                                              np.floating)):
+    if isinstance(T, np.ndarray) and T.ndim == 0:
+        T = T[()]
+    if isinstance(T, (bool, np.bool_)) or not isinstance(T, numbers.Real):
         raise TypeError(f"{name} returned {T!r} ({type(T).__name__}): a temperature must be "
                         "a number > 0, or None to end the annealing")
     T = float(T)
@@ -673,8 +675,9 @@ def checked_temperature(schedule, T, step):
         raise ValueError(f"{name} returned T={T!r} after step {step}: a temperature must be "
                          "a finite number > 0 (and not so small that 1/T overflows), or None "
                          "to end the annealing")
-    if step + 1 >= MAX_STEPS:
-        raise RuntimeError(f"{name} did not end the annealing after {MAX_STEPS} temperatures "
+    cap = MAX_STEPS + int(getattr(schedule, "n_steps", 0) or 0)
+    if step + 1 >= cap:
+        raise RuntimeError(f"{name} did not end the annealing after {cap} temperatures "
                            "(it must return None to stop)")
     return T
 

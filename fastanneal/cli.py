@@ -331,12 +331,16 @@ def fit_result(est, args, console, caught):
 
 
 # =========================================================================== commands
+#: ``demo -o PATH`` with one of these suffixes is a file; any other PATH is a folder.
+DEMO_FILE_SUFFIXES = (".csv", ".tsv", ".parquet", ".pq", ".jsonl", ".ndjson")
+
+
 def _resolve_output(args, console):
     """``(output file, its folder, folder to create or None)``; nothing is created here."""
     if args.demo or args.command == "demo":
         out = args.output or DEMO_DIR
         p = Path(out)
-        if p.suffix.lower() in (".csv", ".tsv", ".parquet", ".pq", ".jsonl", ".ndjson"):
+        if p.suffix.lower() in DEMO_FILE_SUFFIXES:
             return p, p.parent, p.parent
         if p.exists() and not p.is_dir():
             raise CLIError(f"cannot write the demo to {out}: it is a file, not a folder")
@@ -501,8 +505,8 @@ def run_cluster(args, console):
     if demo and report is None and not args.no_report:
         # the demo's own folder holds report.html; beside an output file named by the user
         # the report is named after it (never a report.html of theirs replaced)
-        into_folder = output == out_dir / "queries.csv" and not (
-            args.output and Path(args.output).suffix)
+        into_folder = not (args.output
+                           and Path(args.output).suffix.lower() in DEMO_FILE_SUFFIXES)
         report = str(out_dir / "report.html" if into_folder else sidecar(output, "report",
                                                                          ".html"))
     if report:

@@ -133,7 +133,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                              f"number (a normal float64); got {ts!r}")
         for name in ("polish", "reallocate", "stop_when_hard", "progress"):
             v = getattr(self, name, False)
-            if not isinstance(v, (bool, np.bool_)):
+            if not (isinstance(v, (bool, np.bool_))
+                    or (isinstance(v, numbers.Integral) and v in (0, 1))):
                 raise ValueError(f"{name} must be True or False; got {v!r}")
         ck = self.checkpoint
         if ck is not None and not isinstance(ck, (str, os.PathLike)):
@@ -748,14 +749,17 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         counts = mh.hard_counts
         empty = int(np.sum(~(counts > 0)))
         if K > 1 and empty and self.polish:
-            # (after the polish, whose relocations fill every cluster that can be filled;
-            # without it a soft fit's cluster may hold mass but no nearest row)
-            raise ValueError(
-                f"n_clusters={K}: {empty} fitted cluster(s) hold no row (of weight > 0) -- "
-                f"the data holds fewer than {K} points that can be told apart at its "
+            # (after the polish, whose relocations fill every cluster they can; without it
+            # a soft fit's cluster may hold mass but no nearest row). A warning, not an
+            # error: heavy-tailed weights can also defeat the relocations (they split the
+            # heaviest cluster, which may be one heavy row)
+            warnings.warn(
+                f"n_clusters={K}: {empty} fitted cluster(s) hold no row of weight > 0 -- the "
+                f"data may hold fewer than {K} points that can be told apart at its "
                 "floating-point precision (rows that differ only in their last bits, e.g. "
-                "positive multiples of one vector under the cosine metric); choose a "
-                "smaller n_clusters")
+                "positive multiples of one vector under the cosine metric), or a few heavy "
+                "rows kept the relocations from filling them; a smaller n_clusters avoids "
+                "it", AnnealingWarning, stacklevel=3)
         self.labels_ = labels
         self.inertia_ = float(mh.hard_distortion)
         self.cluster_weights_ = counts / counts.sum()
@@ -1031,13 +1035,6 @@ class _PartialFit:
         self.rng = est._rng()
         # the first batch's mean is the origin of every batch (rows far from it: centered)
         Xc, self.origin = est._centered(X, w)
-        if K > 1:
-            nd = InMemorySource(Xc, w, self.metric).n_distinct_rows(
-                np.random.default_rng(0x5EED), K)
-            if nd < K:
-                raise ValueError(f"the first partial_fit batch holds {nd} distinct rows with "
-                                 f"non-zero weight; n_clusters={K} are needed to seed the "
-                                 "centers")
         self.C, self.T_start, self.T_end, self.T_c, self.scale = _seed_from_sample(
             est, Xc, w, int(K), self.metric, self.rng, self.origin)
         mc = est.mass_constrained

@@ -4,18 +4,21 @@ A schedule is a small object with one method, ``next_temperature(state) -> float
 given the state of the annealing after a temperature step (a :class:`ScheduleState`), it
 returns the next temperature (a finite number > 0), or ``None`` to stop annealing; the
 engine raises an error naming the schedule for anything else, and for a schedule still
-going after ``MAX_STEPS`` temperatures. ``start(T_start, T_end)``, when the object has it,
+going ``MAX_STEPS`` temperatures past its ``n_steps``. ``start(T_start, T_end)``, when the object has it,
 is called once before the first step. Pass an instance (``GeometricSchedule(20)``), not
 the class. Schedules that need feedback (the adaptive schedule)
 read entropy and gradient norms from the state; the others ignore them.
 """
+import functools
 import hashlib
 import math
 import numbers
+import types
 from dataclasses import dataclass, field
 
-#: Temperatures one annealing phase may take at most: a schedule that never returns None
-#: is stopped with an error instead of looping for ever.
+#: Temperatures one annealing phase may take beyond its schedule's ``n_steps`` (when it
+#: has one): a schedule that never returns None is stopped with an error instead of
+#: looping for ever.
 MAX_STEPS = 100_000
 
 
@@ -25,23 +28,51 @@ def check_steps(value, name):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) \
             or not float(value).is_integer():
         raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
-    if not 1 <= value <= MAX_STEPS:
-        raise ValueError(f"{name} must be in [1, {MAX_STEPS}]; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
     return int(value)
 
 
+def _const_key(c):
+    """A text for a code constant that is the same in every process: nested code objects
+    by their own key (their repr holds an address), frozensets sorted (their order
+    follows the string hash seed)."""
+    if isinstance(c, types.CodeType):
+        return _code_key(c)
+    if isinstance(c, frozenset):
+        return "frozenset(" + ",".join(sorted(_const_key(x) for x in c)) + ")"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const_key(x) for x in c) + ")"
+    return repr(c)
+
+
+def _code_key(code):
+    blob = code.co_code + "|".join([_const_key(c) for c in code.co_consts]
+                                   + list(code.co_names)).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def callable_key(f):
-    """A text that names a callable the same way in every process (its module, qualified
-    name and a hash of its code, constants, defaults and closure values): schedules that
-    hold one (``AdaptiveSchedule(reference=...)``) key checkpoints with it."""
-    name = f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+    """A text that names a callable the same way in every process and differently for
+    different callables (best effort): a function by its module, qualified name and a hash
+    of its code (nested code included), defaults and closure values; a
+    ``functools.partial`` by its function and arguments; a callable object by its repr
+    when its class defines one, else by its class and attributes. Schedules that hold a
+    callable (``AdaptiveSchedule(reference=...)``) key checkpoints with it."""
+    if isinstance(f, functools.partial):
+        return (f"partial({callable_key(f.func)}, {_const_key(tuple(f.args))}, "
+                f"{sorted((k, _const_key(v)) for k, v in f.keywords.items())})")
     code = getattr(f, "__code__", None)
     if code is None:
-        return name
+        if type(f).__repr__ is not object.__repr__:
+            return repr(f)
+        attrs = sorted((k, callable_key(v) if callable(v) else _const_key(v))
+                       for k, v in getattr(f, "__dict__", {}).items())
+        return f"{type(f).__module__}.{type(f).__qualname__}{attrs}"
+    name = f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', '')}"
     cells = tuple(c.cell_contents for c in (getattr(f, "__closure__", None) or ()))
-    blob = code.co_code + repr((code.co_consts, code.co_names, getattr(f, "__defaults__", None),
-                                cells)).encode()
-    return f"{name}#{hashlib.sha256(blob).hexdigest()[:16]}"
+    extra = _const_key((getattr(f, "__defaults__", None) or ()) + cells)
+    return f"{name}#{_code_key(code)}{hashlib.sha256(extra.encode()).hexdigest()[:8]}"
 
 
 

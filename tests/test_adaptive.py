@@ -258,6 +258,57 @@ class _Returns:
         return self.value if state.step == 0 else None
 
 
+def test_engine_takes_any_real_temperature():
+    """A 0-d array, a Fraction and numpy scalars are temperatures too."""
+    from fractions import Fraction
+    X, _ = blobs(np.random.default_rng(4), n=200)
+    for value in (np.array(0.5), Fraction(1, 2), np.float32(0.5), np.int64(1)):
+        km = AnnealedKMeans(4, schedule=_Returns(value), stop_when_hard=False,
+                            random_state=0).fit(X)
+        assert km.trace_.as_dict()["temperature"][1] == float(value)
+
+
+def test_long_built_in_schedules_are_not_capped():
+    from fastanneal.schedules import GeometricSchedule
+    assert GeometricSchedule(150_000).n_steps == 150_000
+
+
+def test_callable_key_is_stable_across_processes_and_tells_callables_apart():
+    """Nested code objects (a generator expression inside the reference) and set literals
+    have reprs that change from process to process: a checkpoint key built from them was
+    never resumed. partials and callable objects were keyed by their type alone."""
+    import functools
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        from fastanneal.schedules import callable_key
+        def ref(t, n, log_k):
+            return sum(x for x in (1.0, 2.0) if x in {1.0, 3.0, 5.0}) * 0 + log_k
+        print(callable_key(ref))
+    """)
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+                           check=True).stdout.strip() for seed in (1, 2, 3)}
+    assert len(keys) == 1 and "#" in keys.pop()
+    from fastanneal.schedules import callable_key
+
+    def f(t, n, log_k, H_end=0.0):
+        return H_end
+
+    class Ref:
+        def __init__(self, v):
+            self.v = v
+
+        def __call__(self, t, n, log_k):
+            return self.v
+
+    assert callable_key(functools.partial(f, H_end=0.0)) != \
+        callable_key(functools.partial(f, H_end=1.0))
+    assert callable_key(Ref(0.0)) != callable_key(Ref(1.0))
+    assert callable_key(Ref(0.0)) == callable_key(Ref(0.0))
+
+
 @pytest.mark.parametrize("value, exc", [(math.nan, ValueError), (0.0, ValueError),
                                         (-1.0, ValueError), (5e-324, ValueError),
                                         (math.inf, ValueError), ("1", TypeError),
@@ -288,7 +339,8 @@ def test_a_schedule_that_never_ends_is_stopped(monkeypatch):
 
     monkeypatch.setattr(schedules, "MAX_STEPS", 25)
     X, _ = blobs(np.random.default_rng(4), n=100)
-    with pytest.raises(RuntimeError, match="did not end the annealing after 25"):
+    cap = 25 + Forever.n_steps               # MAX_STEPS past the schedule's own n_steps
+    with pytest.raises(RuntimeError, match=f"did not end the annealing after {cap}"):
         AnnealedKMeans(4, schedule=Forever(), stop_when_hard=False, random_state=0).fit(X)
 
 

@@ -762,3 +762,10 @@ def test_demo_to_a_file_names_its_report_after_it(capsys, tmp_path):
     assert mine.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "d.clusters.csv", "d.csv", "d.report.html", "report.html"]
+
+
+def test_demo_into_a_folder_with_a_dot_in_its_name(capsys, tmp_path):
+    rc, out, err = run(capsys, "demo", "-o", tmp_path / "results.v2", "-q")
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "results.v2").iterdir()) == [
+        "queries.clusters.csv", "queries.csv", "report.html"]
