@@ -312,8 +312,10 @@ def fit_stream(log, args, console):
         raise CLIError("--schedule critical needs the embeddings in memory; use the default "
                        "schedule out of core, or raise --memory-limit")
     def local_stream(device=None):
-        return ParquetStream(log.data, args.embedding_column, args.weight_column, None,
-                             metric_code(args.metric), log.dtype, device=device)
+        s = ParquetStream(log.data, args.embedding_column, args.weight_column, None,
+                          metric_code(args.metric), log.dtype, device=device)
+        s.row_base = 1                      # rows counted from 1, as the in-memory route
+        return s
     suggestion = None
     if args.k == "auto":
         try:

@@ -299,6 +299,8 @@ class ParquetStream(_passes_base()):
         self._pool = None
         #: rows are measured from this point when set (:meth:`set_origin`)
         self.origin = None
+        #: the number of the log's first row in error messages (the command line: 1)
+        self.row_base = 0
 
     def set_origin(self, origin):
         """Measure every row group read from now on from ``origin`` (None: from 0): the frame
@@ -322,15 +324,16 @@ class ParquetStream(_passes_base()):
         row0 = int(self.data.offsets[i])
         where = self.data.where(i)
         x = embedding_block(table.column(self.column), self.n_features, self.dtype, where,
-                            row0, self.column)
+                            row0 + self.row_base, self.column)
         w = None
         if self.weight is not None:
             w = _weights64(table.column(self.weight), self.weight, where)
             if np.isnan(w).any():
                 j = int(np.argmax(np.isnan(w)))
                 raise ValueError(f"weight column {self.weight!r} has a missing value at row "
-                                 f"{row0 + j} ({where})")
-        ch = prepare_chunk(x, w, i, row0, self.metric, self.dtype, origin=self.origin)
+                                 f"{row0 + self.row_base + j} ({where})")
+        ch = prepare_chunk(x, w, i, row0, self.metric, self.dtype, origin=self.origin,
+                           row_base=self.row_base)
         if self.id is not None:
             ch.ids = table.column(self.id).to_numpy()
         return ch

@@ -39,10 +39,11 @@ def set_threads(nthreads):
     return n
 
 
-def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None):
+def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_base=0):
     """Validate one chunk (finite, non-negative weights, non-zero rows for cosine) and
     return a :class:`Chunk` (its rows measured from ``origin`` when given: rows far from the
-    origin, ``docs/theory.md``). Errors name the chunk and its global row range."""
+    origin, ``docs/theory.md``). Errors name the chunk and its global row range, rows
+    counted from ``row_base`` (0; the command line counts from 1)."""
     x = np.asarray(x)
     if x.dtype == object or not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
         raise ValueError(f"{name} has dtype {x.dtype}; expected real numbers")
@@ -50,13 +51,14 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None):
         raise ValueError(f"{name} chunk {index} must be 2-D; got shape {x.shape}")
     x = np.ascontiguousarray(x, dtype=dtype)
     n = x.shape[0]
-    where = (f"chunk {index} (rows {row0}-{row0 + n - 1})" if n
+    r0 = row0 + int(row_base)               # (the first row's number in messages)
+    where = (f"chunk {index} (rows {r0}-{r0 + n - 1})" if n
              else f"chunk {index} (no rows)")
     if n and not np.isfinite(x).all():
         bad = np.argwhere(~np.isfinite(x))[0]
         kind = "NaN" if np.isnan(x[tuple(bad)]) else "infinity"
         raise ValueError(f"{name} contains {kind} in {where}; first at row "
-                         f"{row0 + int(bad[0])}, column {int(bad[1])}")
+                         f"{r0 + int(bad[0])}, column {int(bad[1])}")
     if w is None:
         w = np.ones(n, dtype=np.float64)
     else:
@@ -66,17 +68,17 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None):
         if not np.isfinite(w).all():
             i = int(np.argwhere(~np.isfinite(w))[0, 0])
             raise ValueError(f"sample_weight contains NaN or infinity in {where}; first at row "
-                             f"{row0 + i}")
+                             f"{r0 + i}")
         if (w < 0).any():
             i = int(np.argwhere(w < 0)[0, 0])
             raise ValueError(f"sample_weight contains negative weights in {where}; first at "
-                             f"row {row0 + i}")
+                             f"row {r0 + i}")
         w = np.ascontiguousarray(w)
     if metric == 1 and n:
         norms = np.einsum("ij,ij->i", x, x, dtype=np.float64)
         if (norms == 0).any():
             i = int(np.argwhere(norms == 0)[0, 0])
-            raise ValueError(f"{name} has an all-zero row in {where} (row {row0 + i}); the "
+            raise ValueError(f"{name} has an all-zero row in {where} (row {r0 + i}); the "
                              "cosine metric needs non-zero vectors")
         x = normalize_rows(x, name)
     check_range(x, name, where)
