@@ -154,13 +154,18 @@ def coincident_groups(D2, eps2):
     return np.unique(np.nonzero(close)[1])
 
 
-def separate_coincident(C, eps2, delta, rng, metric):
-    """Centers within ``sqrt(eps2)`` of an earlier one nudged apart by random vectors of norm
-    ``delta`` (a duplicate never separates by itself: its responsibilities are its twin's).
-    Returns ``(C, dup, dmin, D2)``: ``C`` a new array when something moved, the indices
-    moved, and the smallest distance and squared distances before the nudge."""
+#: Centers closer than this fraction of the nudge ``delta`` are coincident.
+COINCIDENT_FRACTION = 0.05
+
+
+def separate_coincident(C, delta, rng, metric):
+    """Centers within ``COINCIDENT_FRACTION * delta`` of an earlier one nudged apart by
+    random vectors of norm ``delta`` (a duplicate never separates by itself: its
+    responsibilities are its twin's). Returns ``(C, dup, dmin, D2)``: ``C`` a new array when
+    something moved, the indices moved, and the smallest distance and squared distances
+    before the nudge."""
     dmin, D2 = min_center_distance(C)
-    dup = coincident_groups(D2, eps2)
+    dup = coincident_groups(D2, (COINCIDENT_FRACTION * delta) ** 2)
     if len(dup):
         u = rng.standard_normal((len(dup), C.shape[1]))
         u *= delta / np.linalg.norm(u, axis=1, keepdims=True)
@@ -262,7 +267,6 @@ class Context:
         self.metric = source.metric
         self.tol_abs = cfg.tol * scale / max(D, 1)
         self.delta = perturbation(scale)
-        self.eps2 = (0.05 * self.delta) ** 2
 
     def record(self, step, n_iter, T, m, C, shift, relocated=0, coincident=0, dmin=None,
                logp=None, grad_norm=math.nan):
@@ -597,8 +601,8 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
         else:
             st.relocations += res.relocated
             # perturbed duplicates: they separate when T falls below their cluster's T_c
-            st.centers, dup, dmin, _ = separate_coincident(st.centers, ctx.eps2, ctx.delta,
-                                                           ctx.rng, ctx.metric)
+            st.centers, dup, dmin, _ = separate_coincident(st.centers, ctx.delta, ctx.rng,
+                                                           ctx.metric)
             if len(dup) and hasattr(rule, "reset_rows"):
                 rule.reset_rows(dup)
             n_coinc = len(dup)
@@ -658,9 +662,10 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
 
 
 def checked_temperature(schedule, T, step):
-    """The temperature a schedule returned after ``step`` (of its phase): None, or a finite
-    number > 0 whose reciprocal is finite; a schedule still going after ``MAX_STEPS``
-    temperatures is stopped with an error (it would never end)."""
+    """The temperature a schedule returned after ``step`` (of its phase): None, or a real
+    number that :func:`~fastanneal._validation.check_temperature` accepts; a schedule still
+    going ``MAX_STEPS`` temperatures past its ``n_steps`` is stopped with an error (it would
+    never end)."""
     from .schedules import MAX_STEPS
     if T is None:
         return None
@@ -670,11 +675,12 @@ def checked_temperature(schedule, T, step):
     if isinstance(T, (bool, np.bool_)) or not isinstance(T, numbers.Real):
         raise TypeError(f"{name} returned {T!r} ({type(T).__name__}): a temperature must be "
                         "a number > 0, or None to end the annealing")
-    T = float(T)
-    if not (math.isfinite(T) and T > 0 and math.isfinite(1.0 / T)):
-        raise ValueError(f"{name} returned T={T!r} after step {step}: a temperature must be "
-                         "a finite number > 0 (and not so small that 1/T overflows), or None "
-                         "to end the annealing")
+    from ._validation import check_temperature
+    try:
+        T = check_temperature(float(T))       # the one rule of what a temperature is
+    except ValueError as e:
+        raise ValueError(f"{name} returned T={float(T)!r} after step {step}: {e}; or None to "
+                         "end the annealing") from None
     cap = MAX_STEPS + int(getattr(schedule, "n_steps", 0) or 0)
     if step + 1 >= cap:
         raise RuntimeError(f"{name} did not end the annealing after {cap} temperatures "

@@ -543,15 +543,17 @@ def run_cluster(args, console):
         src = args.input
         log, route = None, "memory"
         if (demo or input_format(Path(src)) == "parquet") and args.embedding_column is not None:
-            from ._cli_stream import ParquetLog, default_memory_limit, fmt_bytes
+            from ._cli_stream import (IN_MEMORY_FACTOR, IN_MEMORY_ROW_BYTES, ParquetLog,
+                                      default_memory_limit, fmt_bytes)
             log = ParquetLog(src, args)
             limit = (args.memory_limit if args.memory_limit is not None
                      else default_memory_limit())
             route = log.route(limit)
             if route == "stream":
                 console.note(f"clustering in memory would need about "
-                             f"{fmt_bytes(log.in_memory_bytes)} (1.5 x the embeddings' "
-                             f"{fmt_bytes(log.embedding_bytes)}, + 48 B a row), above "
+                             f"{fmt_bytes(log.in_memory_bytes)} ({IN_MEMORY_FACTOR:g} x "
+                             f"the embeddings' {fmt_bytes(log.embedding_bytes)}, + "
+                             f"{IN_MEMORY_ROW_BYTES} B a row), above "
                              f"--memory-limit {fmt_bytes(limit)}: clustering out of core "
                              "(mini-batch annealing over the row groups" +
                              (", read by the Dask workers, which also check, label and "

@@ -1093,9 +1093,8 @@ class _PartialFit:
         # duplicates (an init with repeated rows, a collapse at a high temperature) never
         # separate by themselves: nudged apart as in the engine's loop, their running sums
         # moved with them
-        delta = self.running.delta
-        self.C, dup, dmin, _ = E.separate_coincident(self.C, (0.05 * delta) ** 2, delta,
-                                                     self.rng, self.metric)
+        self.C, dup, dmin, _ = E.separate_coincident(self.C, self.running.delta, self.rng,
+                                                     self.metric)
         if len(dup):
             self.running.S[dup] = self.C[dup] * self.running.N[dup, None]
         self.temperature = T
