@@ -370,3 +370,10 @@ def test_adaptive_reference_is_part_of_the_checkpoint_key(tmp_path):
     assert b.trace_.as_dict()["temperature"][1] != a.trace_.as_dict()["temperature"][1]
     assert "reference=" in repr(AdaptiveSchedule(reference=cold))
     assert repr(AdaptiveSchedule(reference=cold)) == repr(AdaptiveSchedule(reference=cold))
+
+
+def test_adaptive_reference_must_return_a_finite_entropy():
+    X, _ = blobs(np.random.default_rng(4), n=200)
+    s = AdaptiveSchedule(n_steps=4, reference=lambda t, n, log_k: math.nan)
+    with pytest.raises(ValueError, match="reference.*returned nan"):
+        AnnealedKMeans(4, schedule=s, stop_when_hard=False, random_state=0).fit(X)

@@ -421,3 +421,13 @@ def test_scale_of_the_weights_does_not_matter(rng, factor):
     np.testing.assert_allclose(got.grad_centers, ref.grad_centers, rtol=tol, atol=0)
     np.testing.assert_allclose(got.grad_X, ref.grad_X, rtol=tol,
                                atol=tol * np.abs(ref.grad_X).max())
+
+
+def test_temperature_below_the_smallest_normal_float_is_refused(rng):
+    """-d/T overflows to -inf for every entry (NaN responsibilities) below it."""
+    X = rng.normal(size=(20, 3))
+    with pytest.raises(ValueError, match="smallest normal"):
+        value_and_grad(X, X[:2].copy(), 5e-324)
+    import fastanneal
+    with pytest.raises(ValueError, match="smallest normal"):
+        fastanneal.moments(X, X[:2], 1e-310)

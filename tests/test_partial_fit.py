@@ -66,3 +66,18 @@ def test_coincident_centers_are_separated_between_batches():
     assert len(np.unique(km.predict(X))) == 3
     assert adjusted_rand_score(y, km.predict(X)) > 0.95
     assert km.trace_.as_dict()["coincident"][0] >= 1      # seen and separated
+
+
+def test_minibatch_fit_says_when_a_cluster_ends_empty():
+    """Rows that differ only in their last bits under cosine (positive multiples of one
+    vector): the mini-batch fit ends with an empty cluster and says so (it only reported
+    relocations)."""
+    import warnings
+    from fastanneal import AnnealingWarning, MiniBatchAnnealedKMeans
+    X = np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [-1.0, 0.0]] * 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        km = MiniBatchAnnealedKMeans(3, metric="cosine", random_state=0, batch_size=4).fit(X)
+    assert (km.cluster_weights_ == 0).sum() == 1
+    assert any(issubclass(w.category, AnnealingWarning)
+               and "1 of the 3 fitted clusters hold no row" in str(w.message) for w in caught)

@@ -18,6 +18,7 @@ user-defined source that lacks methods is rejected with a TypeError naming them.
 """
 import math
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -543,6 +544,26 @@ def test_complete_user_source_fits_like_an_array():
                           gradient_steps=3).fit(X)
     assert "grad_moments" in g.calls
     assert_array_equal(c.cluster_centers_, d.cluster_centers_)
+
+
+def test_user_source_without_grad_forward_survives_a_dropped_center():
+    """A source written before ``grad_forward``: the forward sums come from its moments,
+    which drop every entry of a far center (N = 0); the backward pass treats that cluster
+    as empty instead of dividing by N = 0 (ZeroDivisionError before)."""
+    rng = np.random.default_rng(13)
+    X = rng.normal(size=(200, 2))
+    init = np.array([[0.0, 0.0], [30.0, 0.0]])
+    user = DelegatingSource(X, np.ones(len(X)))
+    assert not hasattr(user, "grad_forward")
+    assert user.moments(init, 2.0, 0, None).N[1] == 0.0
+    got = value_and_grad_from_source(user, init, 2.0, 0, 0.1, G_.PHI_IDENTITY)
+    assert np.isfinite(got.grad_centers).all() and got.empty[1] and not got.empty[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        km = fa.AnnealedKMeans(2, init=init, solver="gradient", temperature_start=2.0,
+                               random_state=0).fit_source(DelegatingSource(X, np.ones(len(X))),
+                                                          in_memory=True)
+    assert np.isfinite(km.cluster_centers_).all() and len(np.unique(km.labels_)) == 2
 
 
 class FirstProtocolSource(DelegatingSource):

@@ -416,6 +416,8 @@ def test_out_of_core_bad_row_is_named(tmp_path, capsys):
         rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 3, "-o",
                           tmp_path / "o.csv", "--memory-limit", limit)
         assert rc == 2 and "NaN" in err and "row 613" in err, (limit, err)
+        # the route's reason states the rule it applied (1.5 x the embeddings + 48 B a row)
+        assert ("clustering in memory would need about" in err) == (limit == "1K"), err
         assert not (tmp_path / "o.csv").exists()
 
 
