@@ -249,6 +249,43 @@ def test_library_connect_errors():
         est.fit(X)
 
 
+def test_connect_tries_once_more_after_a_fast_failure(monkeypatch):
+    """distributed's handshake once failed with a bare AssertionError in CI (the
+    scheduler's first message was not the stream start, while it served another client of
+    the process): one more try then; a timeout is not tried again (it would double the
+    wait), and a second failure is the one-line error."""
+    from fastanneal.dask import _cluster
+    server = _NotAScheduler()                   # something answers the socket probe
+    calls = []
+
+    def flaky(fails):
+        def make(address, timeout=None, set_as_default=False):
+            calls.append(address)
+            if len(calls) <= fails:
+                raise fails_with
+            return "client"
+        return make
+
+    try:
+        addr = f"tcp://127.0.0.1:{server.port}"
+        fails_with = AssertionError()
+        monkeypatch.setattr(_cluster, "_client_class", lambda: flaky(1))
+        assert _cluster.connect(addr, timeout=2) == "client" and len(calls) == 2
+        calls.clear()
+        monkeypatch.setattr(_cluster, "_client_class", lambda: flaky(2))
+        with pytest.raises(_cluster.SchedulerConnectionError, match="something answers"):
+            _cluster.connect(addr, timeout=2)
+        assert len(calls) == 2
+        calls.clear()
+        fails_with = TimeoutError("too slow")
+        monkeypatch.setattr(_cluster, "_client_class", lambda: flaky(1))
+        with pytest.raises(_cluster.SchedulerConnectionError, match="too slow"):
+            _cluster.connect(addr, timeout=2)
+        assert len(calls) == 1
+    finally:
+        server.close()
+
+
 def test_unexpected_error_is_one_line_and_debug_shows_it(capsys, tmp_path, inp, monkeypatch):
     table, d = inp
     src = write_any(table, d / "q.parquet")

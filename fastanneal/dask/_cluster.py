@@ -3,6 +3,7 @@ embedded LocalCluster that the caller closes again."""
 import logging
 import os
 import socket
+import time
 
 log = logging.getLogger("fastanneal")
 
@@ -156,13 +157,21 @@ def connect(address, timeout=None):
             why = e.strerror or str(e) or type(e).__name__
             raise SchedulerConnectionError(
                 f"cannot reach the Dask scheduler at {address}: {why}") from None
-    try:
-        return _client_class()(str(address), timeout=timeout, set_as_default=False)
-    except Exception as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SchedulerConnectionError(
-            f"cannot connect to the Dask scheduler at {address} (something answers there, but "
-            f"not as a Dask scheduler would, or too slowly: {why})") from None
+    for attempt in (0, 1):
+        try:
+            return _client_class()(str(address), timeout=timeout, set_as_default=False)
+        except Exception as e:             # noqa: BLE001 -- named below
+            # one more try after a fast failure: distributed's handshake asserts that the
+            # scheduler's first message starts the stream, which it may not be while the
+            # scheduler serves another client of this process (seen once in CI); a timeout
+            # or a refused connection is not tried again
+            if attempt == 0 and not isinstance(e, (OSError, TimeoutError)):
+                time.sleep(0.5)
+                continue
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise SchedulerConnectionError(
+                f"cannot connect to the Dask scheduler at {address} (something answers there, "
+                f"but not as a Dask scheduler would, or too slowly: {why})") from None
 
 
 def resolve_client(scheduler=None):
