@@ -480,6 +480,40 @@ def cupy_soft_iteration(Xdev, C, T, chunk=65536):
     return cp.asnumpy(N), cp.asnumpy(S)
 
 
+def cupy_lloyd(Xdev, C0, iters=25, chunk=65536):
+    """Plain hard k-means in CuPy, the stand-in for faiss-gpu / cuML where they are not
+    installed: per iteration and chunk of rows one cuBLAS GEMM ``X C^T`` (fp32), ``argmin``,
+    the sums by ``scatter_add`` and the counts by ``bincount``; centers re-estimated after
+    each iteration (an empty cluster keeps its center). Returns ``(seconds, centers)``;
+    ``seconds`` excludes the first iteration's warm-up compile (it is run once before)."""
+    import cupy as cp
+    import cupyx
+    X = cp.asarray(Xdev)
+    n, D = X.shape
+    K = C0.shape[0]
+
+    def one(C):
+        csq = (C * C).sum(1)
+        S = cp.zeros((K, D), dtype=cp.float32)
+        cnt = cp.zeros(K, dtype=cp.int64)
+        for r0 in range(0, n, chunk):
+            Xb = X[r0:r0 + chunk]
+            lab = (csq[None] - 2.0 * (Xb @ C.T)).argmin(axis=1)
+            cupyx.scatter_add(S, lab, Xb)
+            cnt += cp.bincount(lab, minlength=K)
+        ok = cnt > 0
+        return cp.where(ok[:, None], S / cp.maximum(cnt, 1)[:, None].astype(cp.float32), C)
+
+    C = cp.asarray(C0, dtype=cp.float32)
+    one(C)                                              # warm-up (kernel compiles)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        C = one(C)
+    cp.cuda.Device().synchronize()
+    return time.perf_counter() - t0, cp.asnumpy(C)
+
+
 def section_peers(fa, fcuda, cfg, rng, result, repeats):
     """End-to-end default fits on the GPU against faiss-gpu and cuML hard k-means (where they
     are installed) on the same data, with the objective of each; and a plain CuPy soft
@@ -532,6 +566,14 @@ def section_peers(fa, fcuda, cfg, rng, result, repeats):
         except Exception as exc:
             entry["cuml"] = {"unavailable": repr(exc)}
             log(f"   K={K} cuML: unavailable ({exc!r})")
+        try:
+            t, C = cupy_lloyd(src._X, pick_centers(rng, X, K), iters=25)
+            entry["cupy_lloyd"] = {"seconds": t, "sse": _sse(src, C), "iters": 25}
+            log(f"   K={K} plain CuPy Lloyd (25 iterations, random-row start): {t:.2f} s, "
+                f"SSE {entry['cupy_lloyd']['sse']:.6g}")
+        except Exception as exc:
+            entry["cupy_lloyd"] = {"unavailable": repr(exc)}
+            log(f"   K={K} CuPy Lloyd: unavailable ({exc!r})")
         try:
             C = pick_centers(rng, X, K)
             T = temperatures(X, C, rng)["high"]
@@ -606,6 +648,14 @@ def section_k20000(fa, fcuda, cfg, rng, result):
     except Exception as exc:
         entry["faiss_gpu"] = {"unavailable": repr(exc)}
         log(f"   faiss-gpu: unavailable ({exc!r})")
+    save(result)
+    try:
+        t, C = cupy_lloyd(src._X, C0.astype(np.float32), iters=25)
+        entry["cupy_lloyd"] = {"seconds": t, "sse": _sse(src, C)}
+        log(f"   plain CuPy Lloyd 25 iterations: {t:.2f} s, SSE {entry['cupy_lloyd']['sse']:.6g}")
+    except Exception as exc:
+        entry["cupy_lloyd"] = {"unavailable": repr(exc)}
+        log(f"   CuPy Lloyd: unavailable ({exc!r})")
     src.close()
     save(result)
     return "error" not in entry

@@ -569,6 +569,7 @@ def test_gpu_check_script_logic(tmp_path):
     (peer,) = res["peers"]
     assert peer["fastanneal"]["sse"] > 0 and peer["fastanneal"]["passes"] > 0
     assert "unavailable" in peer["faiss_gpu"] and "unavailable" in peer["cuml"]
+    assert "unavailable" in peer["cupy_lloyd"] and "unavailable" in res["k20000"]["cupy_lloyd"]
     big = res["k20000"]
     assert big["seconds"] > 0 and len(big["seconds_per_pass"]) == 25 and big["sse"] > 0
 
