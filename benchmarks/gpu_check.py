@@ -283,7 +283,7 @@ def gemm_timer(Xdev, C, repeats):
     return float(np.median(times[2:])), "torch"
 
 
-def stage_breakdown(src, C, T, resp, repeats):
+def stage_breakdown(src, C, T, resp, repeats, rows_only=False):
     """Seconds of each kernel on one full chunk (synchronized wall time, median), launched
     exactly as CudaSource.moments launches them."""
     from numba import cuda
@@ -312,7 +312,7 @@ def stage_breakdown(src, C, T, resp, repeats):
         src._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
 
     def rows():
-        src._launch_rows(kern, G, ch, tpb, R, dlogp, False, float(T), resp, labels, dHN,
+        src._launch_rows(kern, G, ch, tpb, dlogp, False, float(T), resp, labels, dHN,
                          dscal, dmn)
 
     def timed(fn, prep=None):
@@ -327,38 +327,68 @@ def stage_breakdown(src, C, T, resp, repeats):
             ts.append(time.perf_counter() - t0)
         return float(np.median(ts[1:]))
 
-    out = {"chunk_rows": m, "distances": timed(dist), "responsibilities": timed(rows, dist)}
+    out = {"chunk_rows": m, "distances": timed(dist), "responsibilities": timed(rows, dist),
+           "row_launch": list(S._row_launch(m, tpb))}
+    if rows_only:
+        return out
     dist()
     rows()
     cuda.synchronize()
     out["accumulate_dense"] = timed(lambda: src._launch_dense(kern, G, ch, R, bx, by, dS, dN,
                                                               Sv, Nv))
     out["accumulate_sparse"] = timed(lambda: src._launch_sparse(kern, G, ch, tpb, R, dS, dN))
+    if prod is not None:
+        # the dense accumulation as one GEMM per block of rows (before the batched GEMM)
+        out["accumulate_dense_per_block"] = timed(
+            lambda: _accumulate_per_block(prod, src._buffers[3][:m], ch.Xv[ch.off:ch.off + m],
+                                          src._buffers[4], Sv, Nv))
     out["chunks_per_pass"] = S._cdiv(src.n_rows, m)
     out["distance_tflops"] = 2.0 * m * K * D / out["distances"] / 1e12
     out["dense_accumulate_tflops"] = 2.0 * m * K * D / out["accumulate_dense"] / 1e12
     return out
 
 
+def _accumulate_per_block(prod, Gv, Xv, Sblk, S, N):
+    """``S += Gv^T Xv``, ``N += column sums``: one GEMM per block of ``accum_rows()`` rows
+    (the library path before its batched GEMM; for the A/B timing only)."""
+    from fastanneal.cuda._blas import accum_rows
+    cp = prod.cp
+    step = accum_rows()
+    K, D = Gv.shape[1], Xv.shape[1]
+    out = Sblk[:K * D].reshape(K, D)
+    with prod.stream:
+        for a in range(0, Gv.shape[0], step):
+            g = Gv[a:a + step]
+            cp.matmul(g.T, Xv[a:a + step], out=out)
+            cp.add(S, out, out=S)
+            cp.add(N, g.sum(axis=0, dtype=cp.float64), out=N)
+
+
 def row_kernel_sweep(src, C, temps, repeats, cfg):
     """Seconds of the responsibilities kernel on one chunk for each (threads per row, rows
     per block) of ``cfg``: the launch parameters ``CUDA_ROW_THREADS`` /
-    ``CUDA_ROWS_PER_BLOCK`` to choose from (the defaults use 256 threads per row)."""
+    ``CUDA_ROW_BLOCK_ROWS`` to choose from (``row_launch``: the rows per block and threads
+    per row actually launched, after the shrink for short chunks), and the default."""
     from fastanneal import _config
-    old = (getattr(_config, "CUDA_ROW_THREADS", None), _config.CUDA_ROWS_PER_BLOCK)
+    old = (getattr(_config, "CUDA_ROW_THREADS", None),
+           getattr(_config, "CUDA_ROW_BLOCK_ROWS", None))
     out = []
+    grid = [(None, None)] + [(rt, rpb) for rt in cfg["row_threads"]
+                             for rpb in cfg["rows_per_block"]]
     try:
-        for rt in cfg["row_threads"]:
-            for rpb in cfg["rows_per_block"]:
-                _config.CUDA_ROW_THREADS, _config.CUDA_ROWS_PER_BLOCK = rt, rpb
-                rec = {"row_threads": rt, "rows_per_block": rpb}
-                for name, T in (("dense", temps["high"]), ("lowT", temps["low"])):
-                    rec[name] = stage_breakdown(src, C, T, 0, repeats)["responsibilities"]
-                out.append(rec)
-                log(f"      row kernel: {rt:4d} threads/row, {rpb:4d} rows/block: dense "
-                    f"{rec['dense'] * 1e3:.3f} ms, low T {rec['lowT'] * 1e3:.3f} ms per chunk")
+        for rt, rpb in grid:
+            _config.CUDA_ROW_THREADS, _config.CUDA_ROW_BLOCK_ROWS = rt, rpb
+            rec = {"row_threads": rt, "rows_per_block": rpb}
+            for name, T in (("dense", temps["high"]), ("lowT", temps["low"])):
+                b = stage_breakdown(src, C, T, 0, repeats, rows_only=True)
+                rec[name] = b["responsibilities"]
+                rec["row_launch"] = b["row_launch"]
+            out.append(rec)
+            log(f"      row kernel: {str(rt):>4} threads/row, {str(rpb):>4} rows/block "
+                f"(launched {rec['row_launch']}): dense {rec['dense'] * 1e3:.3f} ms, low T "
+                f"{rec['lowT'] * 1e3:.3f} ms per chunk")
     finally:
-        _config.CUDA_ROW_THREADS, _config.CUDA_ROWS_PER_BLOCK = old
+        _config.CUDA_ROW_THREADS, _config.CUDA_ROW_BLOCK_ROWS = old
     return out
 
 
@@ -430,6 +460,9 @@ def _timing(src, X, n, D, cfg, rng, result, repeats, rows, products, sweep=False
                         " dense G^T X {accumulate_dense:.4f}s, sparse scatter "
                         "{accumulate_sparse:.4f}s; GEMM rates {distance_tflops:.1f} and "
                         "{dense_accumulate_tflops:.1f} TFLOP/s".format(**br))
+                    if "accumulate_dense_per_block" in br:
+                        log(f"      dense G^T X one GEMM per block of rows (before the batched "
+                            f"GEMM): {br['accumulate_dense_per_block']:.4f}s")
                 except Exception as exc:
                     rec["stages_error"] = repr(exc)
                     log(f"      stage breakdown failed: {exc!r}")
@@ -529,14 +562,33 @@ def section_peers(fa, fcuda, cfg, rng, result, repeats):
         entry = {"K": K, "N": n, "D": D, "products": src.products}
         out.append(entry)
         try:
-            est = fa.AnnealedKMeans(K, backend="cuda", random_state=0)
-            t0 = time.perf_counter()
-            est.fit(X)
-            t = time.perf_counter() - t0
-            entry["fastanneal"] = {"seconds": t, "sse": _sse(src, est.cluster_centers_),
+            # the first fit in a process also compiles (CPU kernels without a warm cache,
+            # CUDA kernels); the second is what a user's later fits cost
+            times = []
+            for rep in range(2):
+                est = fa.AnnealedKMeans(K, backend="cuda", random_state=0)
+                prof = None
+                if rep == 1 and K == cfg["peer_k"][0]:
+                    import cProfile
+                    prof = cProfile.Profile()
+                    prof.enable()
+                t0 = time.perf_counter()
+                est.fit(X)
+                times.append(time.perf_counter() - t0)
+                if prof is not None:
+                    prof.disable()
+                    import io
+                    import pstats
+                    buf = io.StringIO()
+                    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+                    result.setdefault("profiles", {})[f"fit_K{K}"] = buf.getvalue()
+            t = times[1]
+            entry["fastanneal"] = {"seconds": t, "first_fit_seconds": times[0],
+                                   "sse": _sse(src, est.cluster_centers_),
                                    "passes": int(est.n_iter_), "steps": int(est.n_steps_)}
-            log(f"   K={K} fastanneal default fit (backend='cuda'): {t:.2f} s, "
-                f"SSE {entry['fastanneal']['sse']:.6g}, {est.n_iter_} passes")
+            log(f"   K={K} fastanneal default fit (backend='cuda'): {t:.2f} s (first fit in "
+                f"the process {times[0]:.2f} s), SSE {entry['fastanneal']['sse']:.6g}, "
+                f"{est.n_iter_} passes")
         except Exception as exc:
             entry["fastanneal"] = {"error": repr(exc)}
             log(f"   K={K} fastanneal fit: ERROR {exc!r}")
@@ -617,6 +669,13 @@ def section_k20000(fa, fcuda, cfg, rng, result):
     C0 = pick_centers(rng, X, K).astype(np.float64)
     temps = temperatures(X, C0.astype(np.float32), rng, n_sample=500)
     Ts = np.geomspace(temps["high"], temps["low"], 25)
+    try:
+        log("   row-kernel launch sweep (one chunk, softmax)")
+        entry["row_kernel_sweep"] = row_kernel_sweep(src, C0.astype(np.float32), temps, 3, cfg)
+    except Exception as exc:
+        entry["row_kernel_sweep"] = {"error": repr(exc)}
+        log(f"      row-kernel sweep failed: {exc!r}")
+    save(result)
     try:
         src.moments(C0[:K], Ts[-1], 0)                     # compile / warm-up
         C = C0.copy()
@@ -705,7 +764,7 @@ def main(argv=None):
             cfg = dict(check_n=20000, check_d=384, check_k=256, bench_n=1_000_000, bench_d=384,
                        bench_k=[256, 1024], peer_n=1_000_000, peer_k=[256, 1024],
                        big_n=1_000_000, big_d=256, big_k=20000,
-                       row_threads=[32, 64, 128, 256], rows_per_block=[8, 64])
+                       row_threads=[32, 64, 128, 256], rows_per_block=[1, 2, 8, 64])
         result["meta"]["config"] = {k: getattr(_config, k) for k in dir(_config)
                                     if k.startswith("CUDA")}
         result["meta"]["sizes"] = cfg

@@ -19,9 +19,11 @@ ENTMAX_SORT_MAX = 48
 #: CUDA: threads per block for the row kernels, and rows per block of the tiled kernels.
 CUDA_THREADS_PER_BLOCK = 256
 CUDA_ROWS_PER_BLOCK = 64
-#: CUDA: threads per row of the row-reduction kernels (None: CUDA_THREADS_PER_BLOCK); to be
-#: chosen from ``benchmarks/gpu_check.py``'s row-kernel sweep on a GPU.
+#: CUDA: threads per row and rows per block of the row-reduction kernels (None: one warp,
+#: and 8 rows, fewer for short chunks; see fastanneal/cuda/source.py's ``_row_launch`` and
+#: ``benchmarks/gpu_check.py``'s row-kernel sweep).
 CUDA_ROW_THREADS = None
+CUDA_ROW_BLOCK_ROWS = None
 
 #: CUDA: rows per chunk of the device pass (the chunk x K buffer is the only N-dependent
 #: allocation), and the non-zero fraction below which a chunk is accumulated sparsely.

@@ -557,7 +557,9 @@ def test_gpu_check_script_logic(tmp_path):
             assert c["err_gpu_vs_f64"]["N"] <= max(4 * c["err_cpu32_vs_f64"]["N"], 1e-5)
     assert [t["products"].split()[0] for t in res["timing"]] == ["numba", "cublas"]
     sweep = res["timing"][0]["row_kernel_sweep"]
-    assert [(r["row_threads"], r["rows_per_block"]) for r in sweep] == [(8, 5), (16, 5)]
+    assert [(r["row_threads"], r["rows_per_block"]) for r in sweep] == [(None, None), (8, 5),
+                                                                         (16, 5)]
+    assert [r["row_launch"] for r in sweep] == [[5, 8], [5, 8], [5, 16]]
     assert all(r["dense"] > 0 and r["lowT"] > 0 for r in sweep)
     assert "row_kernel_sweep" not in res["timing"][1]
     for timing in res["timing"]:
@@ -572,6 +574,8 @@ def test_gpu_check_script_logic(tmp_path):
     assert "unavailable" in peer["cupy_lloyd"] and "unavailable" in res["k20000"]["cupy_lloyd"]
     big = res["k20000"]
     assert big["seconds"] > 0 and len(big["seconds_per_pass"]) == 25 and big["sse"] > 0
+    assert len(big["row_kernel_sweep"]) == 3
+    assert peer["fastanneal"]["first_fit_seconds"] > 0 and "fit_K2" in res["profiles"]
 
 
 # ----------------------------------------------------------------------------- library products
@@ -883,3 +887,63 @@ def test_distance_epilogue_grid_puts_rows_on_x(gpu, rng, monkeypatch):
     grids.clear()
     gpu.cuda_moments(np.tile(X, (2, 1))[:40], C[:3], 1.0, products="cublas")
     assert grids == [((3, 1), (16, 16))]
+
+
+def test_row_kernel_launch_rule(monkeypatch):
+    """The row kernels' launch: a warp per row and 8 rows per block by default; on a GPU the
+    rows per block shrink for short chunks (large K) so that the grid keeps
+    ``ROW_BLOCKS_PER_SM`` blocks per multiprocessor; explicit settings win, the shrink
+    still applies to them."""
+    from fastanneal.cuda import _blas, source
+    monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 256)
+    monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 64)
+    monkeypatch.setattr(_blas, "_simulator", lambda: False)
+    monkeypatch.setattr(source, "_sm_count", lambda: 132)
+    per_grid = source.ROW_BLOCKS_PER_SM * 132
+    assert source._row_launch(65536, 256) == (8, 32)
+    assert source._row_launch(4 * per_grid, 256) == (4, 32)
+    assert source._row_launch(6710, 256) == (1, 32)          # K = 20,000 chunks
+    assert source._row_launch(3, 256) == (1, 32)
+    monkeypatch.setattr(_config, "CUDA_ROW_THREADS", 128)
+    monkeypatch.setattr(_config, "CUDA_ROW_BLOCK_ROWS", 2)
+    assert source._row_launch(65536, 256) == (2, 128)
+    monkeypatch.setattr(_config, "CUDA_ROW_BLOCK_ROWS", 64)
+    assert source._row_launch(65536, 256) == (15, 128)
+    # under the simulator no shrink (tests keep several rows per block on tiny chunks)
+    monkeypatch.setattr(_blas, "_simulator", lambda: True)
+    monkeypatch.setattr(_config, "CUDA_ROW_THREADS", None)
+    monkeypatch.setattr(_config, "CUDA_ROW_BLOCK_ROWS", None)
+    monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 8)
+    monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 5)
+    assert source._row_launch(13, 8) == (5, 8)
+
+
+def test_library_check_runs_once_per_library_and_device(gpu, monkeypatch):
+    """The tiny checked product that "auto" / "cublas" selection runs before trusting the
+    library runs once per process, library and device; its verdict, failure included, is
+    kept (a source made per Parquet batch does not launch it again)."""
+    from fastanneal.cuda import _blas
+    monkeypatch.setattr(_blas, "_simulator", lambda: False)
+    monkeypatch.setattr(_blas, "_SMOKED", {})
+    runs = []
+
+    class Counted(_blas.SimulatedProducts):
+        def distances(self, Xv, Cv, Gv):
+            runs.append(1)
+            return super().distances(Xv, Cv, Gv)
+    monkeypatch.setattr(_blas, "CupyProducts", Counted)
+    for _ in range(3):
+        prod, why = _blas.select("auto")
+        assert isinstance(prod, Counted) and why == "cuBLAS through CuPy"
+    assert len(runs) == 1
+
+    class Wrong(_blas.SimulatedProducts):
+        def distances(self, Xv, Cv, Gv):
+            runs.append(1)
+            Gv[:] = 0.0
+    monkeypatch.setattr(_blas, "CupyProducts", Wrong)
+    for _ in range(2):
+        assert _blas.select("auto")[0] is None
+        with pytest.raises(RuntimeError, match="3 x 2 product"):
+            _blas.select("cublas")
+    assert len(runs) == 2

@@ -66,15 +66,33 @@ class CupyProducts:
 
     def accumulate(self, Gv, Xv, Sblk, S, N):
         """``S += Gv^T Xv`` and ``N += column sums of Gv`` (``S``, ``N`` float64; ``Sblk``
-        a K x D scratch in the rows' dtype), ``accum_rows()`` rows per GEMM."""
+        a scratch in the rows' dtype of at least ``b x K x D`` for ``b`` blocks of
+        ``accum_rows()`` rows). The whole blocks go in one batched GEMM (one K x D product
+        per block: a K x D output alone is too few tiles to fill a GPU when K is small),
+        their float32 sums then added in float64; the rest in one more GEMM."""
         cp = self.cp
         step = accum_rows()
+        m, K = Gv.shape
+        D = Xv.shape[1]
+        nb = m // step
         with self.stream:
-            for a in range(0, Gv.shape[0], step):
-                g = Gv[a:a + step]
-                cp.matmul(g.T, Xv[a:a + step], out=Sblk)
-                cp.add(S, Sblk, out=S)
-                cp.add(N, g.sum(axis=0, dtype=cp.float64), out=N)
+            if nb:
+                g3 = Gv[:nb * step].reshape(nb, step, K)
+                out = Sblk[:nb * K * D].reshape(nb, K, D)
+                cp.matmul(g3.transpose(0, 2, 1), Xv[:nb * step].reshape(nb, step, D), out=out)
+                cp.add(S, out.sum(axis=0, dtype=cp.float64), out=S)
+            if nb * step < m:
+                g = Gv[nb * step:]
+                out = Sblk[:K * D].reshape(K, D)
+                cp.matmul(g.T, Xv[nb * step:], out=out)
+                cp.add(S, out, out=S)
+            cp.add(N, Gv.sum(axis=0, dtype=cp.float64), out=N)
+
+
+def scratch_elements(chunk, K, D):
+    """Elements of the accumulation scratch that :meth:`CupyProducts.accumulate` needs for
+    chunks of at most ``chunk`` rows."""
+    return max(1, chunk // accum_rows()) * K * D
 
 
 class SimulatedProducts(CupyProducts):
@@ -105,7 +123,7 @@ def _smoke(prod):
     if not np.allclose(got, a @ b.T, rtol=1e-6, atol=1e-6):
         raise RuntimeError(f"a 3 x 2 product gave {got.tolist()}, not {(a @ b.T).tolist()}")
     dS, dN = cuda.to_device(np.ones((2, 2))), cuda.to_device(np.ones(2))
-    dSb = cuda.device_array((2, 2), dtype=np.float32)
+    dSb = cuda.device_array(scratch_elements(3, 2, 2), dtype=np.float32)
     prod.accumulate(prod.view(dg), prod.view(da), prod.view(dSb), prod.view(dS),
                     prod.view(dN))
     g = a @ b.T
@@ -113,6 +131,29 @@ def _smoke(prod):
     if not (np.allclose(S, 1.0 + g.T @ a, rtol=1e-6) and np.allclose(N, 1.0 + g.sum(0),
                                                                       rtol=1e-6)):
         raise RuntimeError(f"a 3-row accumulation gave S = {S.tolist()}, N = {N.tolist()}")
+
+
+_SMOKED = {}
+
+
+def _smoke_once(prod):
+    """:func:`_smoke` once per process, library class and device: its verdict (pass, or
+    the error it raised) is kept, so that a source made per batch does not launch it
+    again."""
+    from numba import cuda
+    try:
+        dev = int(cuda.get_current_device().id)
+    except Exception:             # pragma: no cover - depends on the driver
+        dev = -1
+    key = (type(prod), dev)
+    if key not in _SMOKED:
+        try:
+            _smoke(prod)
+            _SMOKED[key] = None
+        except Exception as exc:
+            _SMOKED[key] = exc
+    if _SMOKED[key] is not None:
+        raise _SMOKED[key]
 
 
 def select(mode=None):
@@ -137,7 +178,7 @@ def select(mode=None):
         return None, "numba.cuda products: the simulator has no cuBLAS"
     try:
         prod = CupyProducts()
-        _smoke(prod)
+        _smoke_once(prod)
     except Exception as exc:      # ImportError, or CuPy's own errors (no CUDA runtime)
         why = (f"CuPy is not usable here ({type(exc).__name__}: {exc}); install "
                f"cupy-cuda12x (or the wheel for your CUDA major version)")

@@ -16,6 +16,7 @@ fully dense chunk took 8-9x the dense GEMM, so the crossover is near 0.11).
 import numpy as np
 
 from .. import _config
+from . import _blas
 from .._kernels import (N_SCALARS, RESP_HARD, S_ENTROPY, S_FREE, S_HARD, S_MARGIN, S_NNZ,
                         S_ROWS, S_SOFT_DIST, S_WEIGHT)
 from .._moments import _METRIC_NAMES, _RESP_NAMES, Moments, _prepare, _unshift, log_eps_for
@@ -26,6 +27,13 @@ DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_SPARSE_FRACTION = 0.08
 #: Cap on the ``chunk x K`` responsibility buffer (bytes); the chunk shrinks for large K.
 MAX_BUFFER_BYTES = 1 << 29
+#: the row kernels' launch (:func:`_row_launch`): a warp per row, 8 rows per block (the
+#: fastest of 4 x 2 launches in the row-kernel sweep on an H200, K = 256 and 1024: 3x and 2x
+#: faster than 256 threads x 64 rows), and at least 32 blocks per multiprocessor (the
+#: rows per block shrink for short chunks)
+ROW_THREADS = 32
+ROW_BLOCK_ROWS = 8
+ROW_BLOCKS_PER_SM = 32
 
 _NO_GPU = ("fastanneal.cuda: no usable CUDA GPU ({why}): install numba-cuda and a driver, "
            "or use backend='cpu'")
@@ -80,10 +88,24 @@ def _launch_params(kern):
 
 def _row_threads(tpb):
     """Threads per row of the row-reduction kernels (responsibilities, nearest centers):
-    ``_config.CUDA_ROW_THREADS`` when set (a launch parameter to tune on a GPU, see
-    ``benchmarks/gpu_check.py``'s row-kernel sweep), else ``tpb``."""
+    ``_config.CUDA_ROW_THREADS`` when set, else one warp (``ROW_THREADS``; fewer when
+    ``tpb``, the threads per block, is smaller). Launch parameters tuned on a GPU with
+    ``benchmarks/gpu_check.py``'s row-kernel sweep."""
     rt = getattr(_config, "CUDA_ROW_THREADS", None)
-    return tpb if rt is None else _pow2_threads(rt)
+    return min(tpb, ROW_THREADS) if rt is None else _pow2_threads(rt)
+
+
+def _row_launch(m, tpb):
+    """``(rows per block, threads per row)`` of the row kernels for a chunk of ``m`` rows:
+    ``_config.CUDA_ROW_BLOCK_ROWS`` rows per block (None: ``ROW_BLOCK_ROWS``, at most
+    ``CUDA_ROWS_PER_BLOCK``). On a GPU, fewer when the chunk is short (large K), so that the
+    grid keeps ``ROW_BLOCKS_PER_SM`` blocks per multiprocessor."""
+    rt = _row_threads(tpb)
+    R = getattr(_config, "CUDA_ROW_BLOCK_ROWS", None)
+    R = (min(ROW_BLOCK_ROWS, int(_config.CUDA_ROWS_PER_BLOCK)) if R is None else int(R))
+    if not _blas._simulator():
+        R = min(R, m // (ROW_BLOCKS_PER_SM * _sm_count()))
+    return max(1, R), rt
 
 
 def _cdiv(a, b):
@@ -186,7 +208,6 @@ class CudaSource:
         self._k = _require_cuda()
         from numba import cuda
 
-        from . import _blas
         self._cuda = cuda
         self._prod, self.products_reason = _blas.select(products)
         self.products = self._prod.name if self._prod is not None else "numba"
@@ -260,8 +281,8 @@ class CudaSource:
             Gv = Sblk = None
             if self._prod is not None:
                 Gv = self._prod.view(G)
-                Sblk = self._prod.view(cuda.device_array((K, self.n_features),
-                                                         dtype=self.dtype))
+                Sblk = self._prod.view(cuda.device_array(
+                    _blas.scratch_elements(chunk, K, self.n_features), dtype=self.dtype))
             self._buffers = ((chunk, K), G, cuda.device_array(chunk, dtype=np.int32), Gv,
                              Sblk)
         return self._buffers[1], self._buffers[2]
@@ -288,9 +309,9 @@ class CudaSource:
         kern.distance_kernel[grid, (bx, by), 0, shm](ch.X, ch.xsq, ch.off, m, dC, dcsq,
                                                      self.metric, G)
 
-    def _launch_rows(self, kern, G, ch, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
+    def _launch_rows(self, kern, G, ch, tpb, dlogp, use_prior, T, resp, labels, dHN,
                      dscal, dmn):
-        tpb = _row_threads(tpb)
+        R, tpb = _row_launch(ch.m, tpb)
         kern.rows_kernel[_cdiv(ch.m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
             G, ch.m, ch.w, ch.off, dlogp, use_prior, T, resp, float(log_eps_for(self.dtype)),
             R, labels, dHN, dscal, dmn)
@@ -359,7 +380,7 @@ class CudaSource:
         for ch in self._chunks(chunk):
             m = ch.m
             self._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
-            self._launch_rows(kern, G, ch, tpb, R, dlogp, use_prior, T, resp, labels, dHN,
+            self._launch_rows(kern, G, ch, tpb, dlogp, use_prior, T, resp, labels, dHN,
                               dscal, dmn)
             nnz_now = float(dscal.copy_to_host()[S_NNZ])     # (syncs once per chunk)
             nnz = nnz_now - nnz_before
@@ -397,9 +418,9 @@ class CudaSource:
         Cv = self._prod.view(dC) if self._prod is not None else None
         for ch in self._chunks(chunk):
             self._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
-            rt = _row_threads(tpb)
-            kern.argmin_kernel[_cdiv(ch.m, R), rt, 0, kern.ROW_SLOTS * rt * 8](
-                G, ch.m, R, ch.r0, labels, dmin, margin)
+            Rr, rt = _row_launch(ch.m, tpb)
+            kern.argmin_kernel[_cdiv(ch.m, Rr), rt, 0, kern.ROW_SLOTS * rt * 8](
+                G, ch.m, Rr, ch.r0, labels, dmin, margin)
         return labels, dmin, margin
 
     def assign(self, centers):
