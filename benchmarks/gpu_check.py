@@ -328,7 +328,7 @@ def stage_breakdown(src, C, T, resp, repeats, rows_only=False):
         return float(np.median(ts[1:]))
 
     out = {"chunk_rows": m, "distances": timed(dist), "responsibilities": timed(rows, dist),
-           "row_launch": list(S._row_launch(m, tpb))}
+           "row_launch": list(S._row_launch(m, tpb, K))}
     if rows_only:
         return out
     dist()
@@ -338,7 +338,8 @@ def stage_breakdown(src, C, T, resp, repeats, rows_only=False):
                                                               Sv, Nv))
     out["accumulate_sparse"] = timed(lambda: src._launch_sparse(kern, G, ch, tpb, R, dS, dN))
     if prod is not None:
-        # the dense accumulation as one GEMM per block of rows (before the batched GEMM)
+        # the dense accumulation with the column sums by a CuPy reduction (before they
+        # became a product with a row of ones)
         out["accumulate_dense_per_block"] = timed(
             lambda: _accumulate_per_block(prod, src._buffers[3][:m], ch.Xv[ch.off:ch.off + m],
                                           src._buffers[4], Sv, Nv))
@@ -349,8 +350,8 @@ def stage_breakdown(src, C, T, resp, repeats, rows_only=False):
 
 
 def _accumulate_per_block(prod, Gv, Xv, Sblk, S, N):
-    """``S += Gv^T Xv``, ``N += column sums``: one GEMM per block of ``accum_rows()`` rows
-    (the library path before its batched GEMM; for the A/B timing only)."""
+    """``S += Gv^T Xv``, ``N += column sums``, the sums by ``g.sum(axis=0)`` (the library
+    path before its column sums became a GEMM; for the A/B timing only)."""
     from fastanneal.cuda._blas import accum_rows
     cp = prod.cp
     step = accum_rows()
@@ -461,8 +462,8 @@ def _timing(src, X, n, D, cfg, rng, result, repeats, rows, products, sweep=False
                         "{accumulate_sparse:.4f}s; GEMM rates {distance_tflops:.1f} and "
                         "{dense_accumulate_tflops:.1f} TFLOP/s".format(**br))
                     if "accumulate_dense_per_block" in br:
-                        log(f"      dense G^T X one GEMM per block of rows (before the batched "
-                            f"GEMM): {br['accumulate_dense_per_block']:.4f}s")
+                        log(f"      dense G^T X with the column sums by a reduction (before):"
+                            f" {br['accumulate_dense_per_block']:.4f}s")
                 except Exception as exc:
                     rec["stages_error"] = repr(exc)
                     log(f"      stage breakdown failed: {exc!r}")
@@ -675,6 +676,17 @@ def section_k20000(fa, fcuda, cfg, rng, result):
     except Exception as exc:
         entry["row_kernel_sweep"] = {"error": repr(exc)}
         log(f"      row-kernel sweep failed: {exc!r}")
+    save(result)
+    entry["stages_one_chunk"] = {}
+    for name, T in (("high", temps["high"]), ("low", temps["low"])):
+        try:
+            br = stage_breakdown(src, C0.astype(np.float32), T, 0, 3)
+            entry["stages_one_chunk"][name] = br
+            log(f"   one chunk at {name} T: " + ", ".join(
+                f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in br.items()))
+        except Exception as exc:
+            entry["stages_one_chunk"][name] = {"error": repr(exc)}
+            log(f"      stage breakdown failed: {exc!r}")
     save(result)
     try:
         src.moments(C0[:K], Ts[-1], 0)                     # compile / warm-up

@@ -559,7 +559,7 @@ def test_gpu_check_script_logic(tmp_path):
     sweep = res["timing"][0]["row_kernel_sweep"]
     assert [(r["row_threads"], r["rows_per_block"]) for r in sweep] == [(None, None), (8, 5),
                                                                          (16, 5)]
-    assert [r["row_launch"] for r in sweep] == [[5, 8], [5, 8], [5, 16]]
+    assert [r["row_launch"] for r in sweep] == [[2, 8], [5, 8], [5, 16]]
     assert all(r["dense"] > 0 and r["lowT"] > 0 for r in sweep)
     assert "row_kernel_sweep" not in res["timing"][1]
     for timing in res["timing"]:
@@ -890,38 +890,44 @@ def test_distance_epilogue_grid_puts_rows_on_x(gpu, rng, monkeypatch):
 
 
 def test_row_kernel_launch_rule(monkeypatch):
-    """The row kernels' launch: a warp per row and 8 rows per block by default; on a GPU the
-    rows per block shrink for short chunks (large K) so that the grid keeps
-    ``ROW_BLOCKS_PER_SM`` blocks per multiprocessor; explicit settings win, the shrink
-    still applies to them."""
+    """The row kernels' launch: a warp per row up to K = 1024, one thread per 32 centers
+    above (at most 256), 2 rows per block; on a GPU the rows per block shrink for short
+    chunks (large K) so that the grid keeps ``ROW_BLOCKS_PER_SM`` blocks per
+    multiprocessor; explicit settings win (the shrink still applies to them)."""
     from fastanneal.cuda import _blas, source
     monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 256)
     monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 64)
     monkeypatch.setattr(_blas, "_simulator", lambda: False)
     monkeypatch.setattr(source, "_sm_count", lambda: 132)
     per_grid = source.ROW_BLOCKS_PER_SM * 132
-    assert source._row_launch(65536, 256) == (8, 32)
-    assert source._row_launch(4 * per_grid, 256) == (4, 32)
-    assert source._row_launch(6710, 256) == (1, 32)          # K = 20,000 chunks
-    assert source._row_launch(3, 256) == (1, 32)
+    assert source._row_launch(65536, 256, 256) == (2, 32)
+    assert source._row_launch(65536, 256, 1024) == (2, 32)
+    assert source._row_launch(65536, 256, 2048) == (2, 64)
+    assert source._row_launch(65536, 256, 5000) == (2, 128)
+    assert source._row_launch(6710, 256, 20000) == (1, 256)
+    assert source._row_launch(per_grid - 1, 256, 3) == (1, 32)
+    assert source._row_launch(3, 128, 20000) == (1, 128)     # never above threads per block
     monkeypatch.setattr(_config, "CUDA_ROW_THREADS", 128)
-    monkeypatch.setattr(_config, "CUDA_ROW_BLOCK_ROWS", 2)
-    assert source._row_launch(65536, 256) == (2, 128)
+    monkeypatch.setattr(_config, "CUDA_ROW_BLOCK_ROWS", 8)
+    assert source._row_launch(65536, 256, 20000) == (8, 128)
     monkeypatch.setattr(_config, "CUDA_ROW_BLOCK_ROWS", 64)
-    assert source._row_launch(65536, 256) == (15, 128)
+    assert source._row_launch(65536, 256, 256) == (15, 128)
     # under the simulator no shrink (tests keep several rows per block on tiny chunks)
     monkeypatch.setattr(_blas, "_simulator", lambda: True)
     monkeypatch.setattr(_config, "CUDA_ROW_THREADS", None)
     monkeypatch.setattr(_config, "CUDA_ROW_BLOCK_ROWS", None)
     monkeypatch.setattr(_config, "CUDA_THREADS_PER_BLOCK", 8)
     monkeypatch.setattr(_config, "CUDA_ROWS_PER_BLOCK", 5)
-    assert source._row_launch(13, 8) == (5, 8)
+    assert source._row_launch(13, 8, 7) == (2, 8)
 
 
 def test_library_check_runs_once_per_library_and_device(gpu, monkeypatch):
     """The tiny checked product that "auto" / "cublas" selection runs before trusting the
     library runs once per process, library and device; its verdict, failure included, is
     kept (a source made per Parquet batch does not launch it again)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        pytest.skip("FASTANNEAL_REAL_CUDA=1: NumPy can play CuPy only on the simulator's "
+                    "host-backed arrays (the real CuPy selection runs in the library tests)")
     from fastanneal.cuda import _blas
     monkeypatch.setattr(_blas, "_simulator", lambda: False)
     monkeypatch.setattr(_blas, "_SMOKED", {})

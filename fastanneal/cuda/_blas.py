@@ -66,33 +66,31 @@ class CupyProducts:
 
     def accumulate(self, Gv, Xv, Sblk, S, N):
         """``S += Gv^T Xv`` and ``N += column sums of Gv`` (``S``, ``N`` float64; ``Sblk``
-        a scratch in the rows' dtype of at least ``b x K x D`` for ``b`` blocks of
-        ``accum_rows()`` rows). The whole blocks go in one batched GEMM (one K x D product
-        per block: a K x D output alone is too few tiles to fill a GPU when K is small),
-        their float32 sums then added in float64; the rest in one more GEMM."""
+        a scratch in the rows' dtype of at least ``K x D + K + accum_rows()`` elements),
+        ``accum_rows()`` rows per GEMM, whose sums in the rows' dtype are then added in
+        float64. The column sums are a product with a row of ones too (a reduction over the
+        rows axis is several times slower on a GPU than the GEMM it goes with)."""
         cp = self.cp
         step = accum_rows()
         m, K = Gv.shape
         D = Xv.shape[1]
-        nb = m // step
+        blk = Sblk[:K * D].reshape(K, D)
+        nblk = Sblk[K * D:K * D + K].reshape(1, K)
+        ones = Sblk[K * D + K:K * D + K + step]
         with self.stream:
-            if nb:
-                g3 = Gv[:nb * step].reshape(nb, step, K)
-                out = Sblk[:nb * K * D].reshape(nb, K, D)
-                cp.matmul(g3.transpose(0, 2, 1), Xv[:nb * step].reshape(nb, step, D), out=out)
-                cp.add(S, out.sum(axis=0, dtype=cp.float64), out=S)
-            if nb * step < m:
-                g = Gv[nb * step:]
-                out = Sblk[:K * D].reshape(K, D)
-                cp.matmul(g.T, Xv[nb * step:], out=out)
-                cp.add(S, out, out=S)
-            cp.add(N, Gv.sum(axis=0, dtype=cp.float64), out=N)
+            ones.fill(1)
+            for a in range(0, m, step):
+                g = Gv[a:a + step]
+                cp.matmul(g.T, Xv[a:a + step], out=blk)
+                cp.add(S, blk, out=S)
+                cp.matmul(ones[:g.shape[0]].reshape(1, -1), g, out=nblk)
+                cp.add(N, nblk[0], out=N)
 
 
 def scratch_elements(chunk, K, D):
-    """Elements of the accumulation scratch that :meth:`CupyProducts.accumulate` needs for
-    chunks of at most ``chunk`` rows."""
-    return max(1, chunk // accum_rows()) * K * D
+    """Elements of the scratch that :meth:`CupyProducts.accumulate` needs (chunks of at most
+    ``chunk`` rows)."""
+    return K * D + K + min(chunk, accum_rows())
 
 
 class SimulatedProducts(CupyProducts):

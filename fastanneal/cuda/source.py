@@ -27,12 +27,15 @@ DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_SPARSE_FRACTION = 0.08
 #: Cap on the ``chunk x K`` responsibility buffer (bytes); the chunk shrinks for large K.
 MAX_BUFFER_BYTES = 1 << 29
-#: the row kernels' launch (:func:`_row_launch`): a warp per row, 8 rows per block (the
-#: fastest of 4 x 2 launches in the row-kernel sweep on an H200, K = 256 and 1024: 3x and 2x
-#: faster than 256 threads x 64 rows), and at least 32 blocks per multiprocessor (the
-#: rows per block shrink for short chunks)
+#: the row kernels' launch (:func:`_row_launch`), from the row-kernel sweep on an H200
+#: (1M x 384 at K = 256 and 1024, 1M x 256 at K = 20,000): a warp per row up to K = 1024
+#: (3x and 2x faster than the 256 threads of before), more threads per row for larger K
+#: (one per 32 centers, at most 256: 1.4x faster than a warp at K = 20,000), 2 rows per
+#: block, and at least 32 blocks per multiprocessor (the rows per block shrink for short
+#: chunks)
 ROW_THREADS = 32
-ROW_BLOCK_ROWS = 8
+ROW_ENTRIES_PER_THREAD = 32
+ROW_BLOCK_ROWS = 2
 ROW_BLOCKS_PER_SM = 32
 
 _NO_GPU = ("fastanneal.cuda: no usable CUDA GPU ({why}): install numba-cuda and a driver, "
@@ -86,21 +89,25 @@ def _launch_params(kern):
     return tpb, rows, kern.gemm_block_shape(min(tpb, 256))
 
 
-def _row_threads(tpb):
-    """Threads per row of the row-reduction kernels (responsibilities, nearest centers):
-    ``_config.CUDA_ROW_THREADS`` when set, else one warp (``ROW_THREADS``; fewer when
-    ``tpb``, the threads per block, is smaller). Launch parameters tuned on a GPU with
-    ``benchmarks/gpu_check.py``'s row-kernel sweep."""
+def _row_threads(tpb, K=0):
+    """Threads per row of the row-reduction kernels (responsibilities, nearest centers) for
+    ``K`` centers: ``_config.CUDA_ROW_THREADS`` when set, else about one thread per
+    ``ROW_ENTRIES_PER_THREAD`` centers, from one warp to 256 threads (at most ``tpb``, the
+    threads per block). Tuned on a GPU with ``benchmarks/gpu_check.py``'s row-kernel sweep."""
     rt = getattr(_config, "CUDA_ROW_THREADS", None)
-    return min(tpb, ROW_THREADS) if rt is None else _pow2_threads(rt)
+    if rt is not None:
+        return _pow2_threads(rt)
+    want = _pow2_threads(max(1, K // ROW_ENTRIES_PER_THREAD))
+    return min(tpb, max(ROW_THREADS, min(256, want)))
 
 
-def _row_launch(m, tpb):
-    """``(rows per block, threads per row)`` of the row kernels for a chunk of ``m`` rows:
-    ``_config.CUDA_ROW_BLOCK_ROWS`` rows per block (None: ``ROW_BLOCK_ROWS``, at most
-    ``CUDA_ROWS_PER_BLOCK``). On a GPU, fewer when the chunk is short (large K), so that the
-    grid keeps ``ROW_BLOCKS_PER_SM`` blocks per multiprocessor."""
-    rt = _row_threads(tpb)
+def _row_launch(m, tpb, K=0):
+    """``(rows per block, threads per row)`` of the row kernels for a chunk of ``m`` rows
+    and ``K`` centers: ``_config.CUDA_ROW_BLOCK_ROWS`` rows per block (None:
+    ``ROW_BLOCK_ROWS``, at most ``CUDA_ROWS_PER_BLOCK``). On a GPU, fewer when the chunk is
+    short (large K), so that the grid keeps ``ROW_BLOCKS_PER_SM`` blocks per
+    multiprocessor."""
+    rt = _row_threads(tpb, K)
     R = getattr(_config, "CUDA_ROW_BLOCK_ROWS", None)
     R = (min(ROW_BLOCK_ROWS, int(_config.CUDA_ROWS_PER_BLOCK)) if R is None else int(R))
     if not _blas._simulator():
@@ -311,7 +318,7 @@ class CudaSource:
 
     def _launch_rows(self, kern, G, ch, tpb, dlogp, use_prior, T, resp, labels, dHN,
                      dscal, dmn):
-        R, tpb = _row_launch(ch.m, tpb)
+        R, tpb = _row_launch(ch.m, tpb, G.shape[1])
         kern.rows_kernel[_cdiv(ch.m, R), tpb, 0, kern.ROW_SLOTS * tpb * 8](
             G, ch.m, ch.w, ch.off, dlogp, use_prior, T, resp, float(log_eps_for(self.dtype)),
             R, labels, dHN, dscal, dmn)
@@ -418,7 +425,7 @@ class CudaSource:
         Cv = self._prod.view(dC) if self._prod is not None else None
         for ch in self._chunks(chunk):
             self._launch_distances(kern, G, ch, dC, dcsq, bx, by, Cv)
-            Rr, rt = _row_launch(ch.m, tpb)
+            Rr, rt = _row_launch(ch.m, tpb, K)
             kern.argmin_kernel[_cdiv(ch.m, Rr), rt, 0, kern.ROW_SLOTS * rt * 8](
                 G, ch.m, Rr, ch.r0, labels, dmin, margin)
         return labels, dmin, margin
