@@ -24,23 +24,27 @@ or ``bash benchmarks/gpu_check.sh`` (which does that). Sections:
     where time goes; under the first path, a sweep of the row kernel's launch parameters
     (threads per row 32-256, rows per block 8 / 64) on one chunk.
 (c) peers -- N = 1,000,000, D = 384, K in {256, 1024}: a default ``AnnealedKMeans(K,
-    backend="cuda")`` fit end to end, faiss-gpu ``Kmeans(niter=25, gpu=True)`` and cuML
-    ``KMeans`` where they are installed (each with its SSE on the same rows), and a plain
-    CuPy dense soft k-means iteration against one fastanneal dense pass.
+    backend="cuda")`` fit end to end (twice: the first in the process also compiles; the
+    second is profiled at the first K), faiss-gpu ``Kmeans(niter=25, gpu=True)`` and cuML
+    ``KMeans`` where they are installed and a plain CuPy Lloyd (25 iterations) always (each
+    with its SSE on the same rows), and a plain CuPy dense soft k-means iteration against
+    one fastanneal dense pass.
 (d) k20000 -- the classic faiss size, 1M x 256 into 20,000 centroids: 25 annealing passes
-    (centers re-estimated after each, T falling geometrically), and faiss-gpu's 25
-    iterations where installed.
+    (centers re-estimated after each, T falling geometrically) after a row-kernel launch
+    sweep and a stage breakdown of one chunk, and faiss-gpu's 25 iterations where installed
+    and the plain CuPy Lloyd's.
 
 Each section runs in its own try/except; the JSON (``--out``, else $GPU_CHECK_OUT, else
 benchmarks/results/gpu_check.json) records results, errors and an overall PASS/FAIL.
 ``--tiny`` shrinks every size (seconds under the simulator); ``--sim`` sets
 NUMBA_ENABLE_CUDASIM=1 (with ``--tiny``: the logic test used by the test suite).
 
-Measured on one H200 before the cuBLAS path existed (numba 0.68.0, NumPy 2.5; see
-fastanneal/cuda/_kernels.py for the breakdown; sections (a)-(b), numba products):
-correctness PASS (GPU errors at or below the CPU float32 kernel's); seconds per pass
-K=256: 0.065 dense softmax, 0.045 low-T softmax, 0.074 entmax15 (cuBLAS GEMM 4.1 ms);
-K=1024: 0.19, 0.10, 0.15 (GEMM 16 ms). The whole script ran in about 70 s.
+Measured on one H200 in the twentieth session (numba 0.68.0, numba-cuda 0.30.4, CuPy 14.2;
+BENCHMARKS.md §8, JSON in benchmarks/results/gpu_check_h200_s20_*.json): correctness PASS on
+both paths; seconds per pass with the cuBLAS products, K=256: 0.022 dense softmax, 0.022
+low-T softmax, 0.033 entmax15 (GEMM 4.0 ms); K=1024: 0.062, 0.053, 0.095 (GEMM 16.1 ms);
+the 25 K=20,000 passes 27 s. The whole script ran in about 3 minutes
+(``GPU_CHECK_TESTS=1`` adds ~45 s); faiss-gpu and cuML were not on that image.
 """
 import argparse
 import json

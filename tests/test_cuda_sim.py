@@ -953,3 +953,32 @@ def test_library_check_runs_once_per_library_and_device(gpu, monkeypatch):
         with pytest.raises(RuntimeError, match="3 x 2 product"):
             _blas.select("cublas")
     assert len(runs) == 2
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_library_products_covariance_on_the_device(gpu, rng, monkeypatch, resident):
+    """With the library products the whole-data covariance (the critical temperature's
+    matrix) is one float64 GEMM per block of centered rows on the device, resident or
+    streamed; it equals the host's ``exact_covariance`` (float64, weights included)."""
+    require_library_products()
+    from fastanneal._sources import exact_covariance
+    from fastanneal.cuda import _blas
+    calls = []
+    real = _blas.CupyProducts.scatter
+
+    def spy(self, *a, **k):
+        calls.append(a[0].shape[0])
+        return real(self, *a, **k)
+    for cls in (_blas.CupyProducts, _blas.SimulatedProducts):
+        monkeypatch.setattr(cls, "scatter", spy)
+    X, C, w = data(rng, 41, 6, 3, np.float32)
+    X += 50.0                                   # far from the origin: centering matters
+    mean = np.average(X.astype(np.float64), axis=0, weights=w)
+    src = gpu.CudaSource(X, w, 0, products="cublas", resident=resident)
+    got = src.covariance(mean)
+    ref = exact_covariance(X, w, mean)
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12 * np.abs(ref).max())
+    assert sum(calls) == 41 and len(calls) == 4          # chunks of 13 rows
+    calls.clear()
+    assert gpu.CudaSource(X, w, 0, products="numba").covariance(mean) is not None
+    assert calls == []                                    # the kernels' source: on the host

@@ -3,7 +3,8 @@
 A pass has two products per chunk of rows: the distances' ``X C^T`` and the dense
 accumulation ``R^T X`` (the rest of the pass: :mod:`fastanneal.cuda._kernels`). The numba.cuda
 kernels compute both with SIMT FMAs (7-15 TFLOP/s on an H200, against ~49 for cuBLAS sgemm
-without TF32); :class:`CupyProducts` hands them to cuBLAS through CuPy and leaves the rest
+without TF32; a whole pass through this module measured 3.3-8.1x one GEMM there, BENCHMARKS
+§8); :class:`CupyProducts` hands them to cuBLAS through CuPy and leaves the rest
 of the pass (distance epilogue, responsibilities, sparse accumulation, hard sums) to the
 numba.cuda kernels, which read and write the same device buffers (CuPy views them through
 ``__cuda_array_interface__``; no copies). Both libraries launch on the legacy default
@@ -17,7 +18,9 @@ without a copy, ships as a wheel per CUDA major version (``cupy-cuda12x``), and 
 Precision: the products run in the rows' dtype (float32 sgemm without TF32, unless the
 user sets ``CUPY_TF32=1``); the dense accumulation is summed by cuBLAS over at most
 ``CUDA_BLAS_ACCUM_ROWS`` rows (default 16384) and then added into the float64
-accumulators, as the CPU sums 512-row blocks in float32 GEMMs.
+accumulators, as the CPU sums 512-row blocks in float32 GEMMs; the column sums ``N`` are a
+product with a row of ones, added in float64 the same way (on an H200 a CuPy reduction over
+the rows axis took longer than the GEMM beside it).
 
 :class:`SimulatedProducts` does the same two products with NumPy on the arrays behind the
 numba-cuda simulator's device arrays, so that the orchestration and the epilogue kernel are
@@ -85,6 +88,21 @@ class CupyProducts:
                 cp.add(S, blk, out=S)
                 cp.matmul(ones[:g.shape[0]].reshape(1, -1), g, out=nblk)
                 cp.add(N, nblk[0], out=N)
+
+
+    def scatter(self, Xv, wv, mean, out):
+        """``out += sum w (x - mean)(x - mean)^T`` over the rows ``Xv`` with weights ``wv``
+        (``out`` D x D float64; the centered rows in float64, one ``Z^T Z`` per
+        ``accum_rows()`` rows, as the host's ``scatter_matrix``)."""
+        cp = self.cp
+        step = accum_rows()
+        with self.stream:
+            mu = cp.asarray(mean, dtype=cp.float64)
+            for a in range(0, Xv.shape[0], step):
+                Z = Xv[a:a + step].astype(cp.float64)
+                Z -= mu
+                Z *= cp.sqrt(cp.maximum(wv[a:a + step], 0.0))[:, None]
+                out += Z.T @ Z
 
 
 def scratch_elements(chunk, K, D):

@@ -12,8 +12,8 @@ per chunk, launches:
    ``bx x by`` threads computes a ``8 by x 8 bx`` tile, ``TILE_D`` features deep per step,
    each thread an 8 x 8 register micro-tile accumulated in the input dtype (the CPU uses
    sgemm for float32 too).
-2. :func:`rows_kernel` -- one thread block per row at a time (``CUDA_ROWS_PER_BLOCK`` rows
-   per block): block-wide tree reductions in shared memory find ``d_(1)``, ``d_(2)``, the
+2. :func:`rows_kernel` -- one thread block per row at a time (rows per block and threads per
+   row from ``fastanneal.cuda.source._row_launch``: a warp per row up to K = 1024): block-wide tree reductions in shared memory find ``d_(1)``, ``d_(2)``, the
    nearest center and ``max z``; then softmax in the log domain (entries with
    ``exp(z - zmax) < eps`` dropped, as on the CPU), entmax-1.5 with the exact threshold (the
    CPU's bisection on tau, one block reduction per step, then the closed form on the
@@ -45,7 +45,9 @@ costs 9x ``G^T X`` on a fully dense chunk, hence the sparse-fraction switch). Me
 is minor (``G`` is written once and read three times per chunk). Closing the gap to the
 GEMM floor takes library GEMMs for the two products: :mod:`fastanneal.cuda._blas` runs them
 through cuBLAS (CuPy) and :func:`distance_epilogue_kernel` turns the product into distances;
-the row kernel stays (about 2 GEMMs + 2 ms per chunk expected, not yet measured).
+the row kernel stays. Measured on an H200 with those and the row launch of
+``source._row_launch``: a pass is 3.3-8.1x one GEMM (K = 1024, per chunk: distances 1.5 ms,
+row kernel 1.0 ms, accumulation 1.3 ms; BENCHMARKS.md §8).
 
 Accumulators (``N``, ``S``, hard sums, scalars) are float64 everywhere; within a GEMM tile
 the products are summed in the input dtype over at most ``CUDA_ROWS_PER_BLOCK`` rows (or

@@ -505,7 +505,8 @@ class CudaSource:
 
     # ------------------------------------------------------------------ host-side passes
     # Passes that run once per fit, or whose CUDA kernel does not exist yet, use the host
-    # array the source was built from (no copy): the covariance for T_c, the distinct-row
+    # array the source was built from (no copy): the covariance for T_c without the library
+    # products, the distinct-row
     # count, the checkpoint key and the gradient's two passes (they keep every
     # responsibility, which the device moments pass does not; device kernels for them are
     # future work).
@@ -519,8 +520,20 @@ class CudaSource:
                                 globals_)
 
     def covariance(self, mean):
-        from .._sources import exact_covariance
-        return exact_covariance(self._X_host, self._w_host, mean)
+        """The weighted covariance about ``mean`` (D x D float64, for the critical
+        temperature): on the device when the library products are in use (a float64 GEMM of
+        the centered rows per block), else on the host."""
+        from .._sources import COVARIANCE_MAX_D, exact_covariance
+        if self._prod is None or self.n_rows == 0 or self.n_features > COVARIANCE_MAX_D:
+            return exact_covariance(self._X_host, self._w_host, mean)
+        D = self.n_features
+        dout = self._cuda.to_device(np.zeros((D, D)))
+        out = self._prod.view(dout)
+        mean = np.asarray(mean, dtype=np.float64)
+        for ch in self._chunks(self._stage_rows()):
+            self._prod.scatter(ch.Xv[ch.off:ch.off + ch.m],
+                               self._prod.view(ch.w)[ch.off:ch.off + ch.m], mean, out)
+        return dout.copy_to_host() / self.total_weight
 
     def n_distinct_rows(self, rng, cap):
         from .._sources import n_distinct_rows
