@@ -19,9 +19,9 @@ ENTMAX_SORT_MAX = 48
 #: CUDA: threads per block for the row kernels, and rows per block of the tiled kernels.
 CUDA_THREADS_PER_BLOCK = 256
 CUDA_ROWS_PER_BLOCK = 64
-#: CUDA: threads per row and rows per block of the row-reduction kernels (None: one warp,
-#: and 8 rows, fewer for short chunks; see fastanneal/cuda/source.py's ``_row_launch`` and
-#: ``benchmarks/gpu_check.py``'s row-kernel sweep).
+#: CUDA: threads per row and rows per block of the row-reduction kernels (None: one thread
+#: per 32 centers, from a warp to 256, and 2 rows, fewer for short chunks; see
+#: fastanneal/cuda/source.py's ``_row_launch`` and ``benchmarks/gpu_check.py``'s sweep).
 CUDA_ROW_THREADS = None
 CUDA_ROW_BLOCK_ROWS = None
 

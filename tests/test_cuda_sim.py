@@ -982,3 +982,20 @@ def test_library_products_covariance_on_the_device(gpu, rng, monkeypatch, reside
     calls.clear()
     assert gpu.CudaSource(X, w, 0, products="numba").covariance(mean) is not None
     assert calls == []                                    # the kernels' source: on the host
+
+
+def test_library_scratch_follows_the_accumulation_rows(gpu, rng, monkeypatch):
+    """The dense accumulation's scratch (its row of ones) is sized from
+    ``CUDA_BLAS_ACCUM_ROWS``: raising the setting between passes of one source reallocates
+    it (the setting is read at every call) and the pass stays right."""
+    require_library_products()
+    monkeypatch.setattr(_config, "CUDA_SPARSE_FRACTION", -1.0, raising=False)
+    monkeypatch.setattr(_config, "CUDA_CHUNK_ROWS", 40, raising=False)
+    X, C, w = data(rng, 40, 5, 3, np.float64)
+    T = 3.0 * typical_scale(X, C)[0]
+    src = gpu.CudaSource(X, w, 0, products="cublas")
+    ref = gpu.CudaSource(X, w, 0, products="numba").moments(C, T, 0, hard_sums=True)
+    for rows in (4, 16, 64):
+        monkeypatch.setattr(_config, "CUDA_BLAS_ACCUM_ROWS", rows)
+        got = src.moments(C, T, 0, hard_sums=True)
+        assert_moments_close(got, ref, 1e-12, T, 3, f"accum rows {rows}")

@@ -13,8 +13,9 @@ per chunk, launches:
    each thread an 8 x 8 register micro-tile accumulated in the input dtype (the CPU uses
    sgemm for float32 too).
 2. :func:`rows_kernel` -- one thread block per row at a time (rows per block and threads per
-   row from ``fastanneal.cuda.source._row_launch``: a warp per row up to K = 1024): block-wide tree reductions in shared memory find ``d_(1)``, ``d_(2)``, the
-   nearest center and ``max z``; then softmax in the log domain (entries with
+   row from ``fastanneal.cuda.source._row_launch``: a warp per row below K = 2048, one
+   thread per 32 centers above, at most 256): block-wide tree reductions in shared memory
+   find ``d_(1)``, ``d_(2)``, the nearest center and ``max z``; then softmax in the log domain (entries with
    ``exp(z - zmax) < eps`` dropped, as on the CPU), entmax-1.5 with the exact threshold (the
    CPU's bisection on tau, one block reduction per step, then the closed form on the
    support) or hard. ``G`` is overwritten with ``w_i r_ik``; per-row scalars (soft

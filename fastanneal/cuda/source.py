@@ -28,11 +28,10 @@ DEFAULT_SPARSE_FRACTION = 0.08
 #: Cap on the ``chunk x K`` responsibility buffer (bytes); the chunk shrinks for large K.
 MAX_BUFFER_BYTES = 1 << 29
 #: the row kernels' launch (:func:`_row_launch`), from the row-kernel sweep on an H200
-#: (1M x 384 at K = 256 and 1024, 1M x 256 at K = 20,000): a warp per row up to K = 1024
-#: (3x and 2x faster than the 256 threads of before), more threads per row for larger K
-#: (one per 32 centers, at most 256: 1.4x faster than a warp at K = 20,000), 2 rows per
-#: block, and at least 32 blocks per multiprocessor (the rows per block shrink for short
-#: chunks)
+#: (1M x 384 at K = 256 and 1024, 1M x 256 at K = 20,000): a warp per row below K = 2048
+#: (3x and 2x faster than the 256 threads of before at K = 256 and 1024), one thread per 32
+#: centers above (at most 256: 1.4x faster than a warp at K = 20,000), 2 rows per block,
+#: and at least 32 blocks per multiprocessor (the rows per block shrink for short chunks)
 ROW_THREADS = 32
 ROW_ENTRIES_PER_THREAD = 32
 ROW_BLOCK_ROWS = 2
@@ -278,10 +277,12 @@ class CudaSource:
     def _chunk_buffers(self, chunk, K):
         """The distance/responsibility buffer (at least ``chunk x K``) and the chunk's labels,
         reused while ``K`` stays and they are large enough (the kernels use the first ``m``
-        rows); with library products also their view of the buffer and a ``K x D``
-        scratch."""
+        rows); with library products also their view of the buffer and the flat scratch of
+        the dense accumulation (:func:`._blas.scratch_elements`)."""
         b = self._buffers
-        if b is None or b[0][1] != K or b[0][0] < chunk:
+        if (b is None or b[0][1] != K or b[0][0] < chunk
+                or (b[4] is not None
+                    and b[4].size < _blas.scratch_elements(chunk, K, self.n_features))):
             self._buffers = None        # free the old ones first
             cuda = self._cuda
             G = cuda.device_array((chunk, K), dtype=self.dtype)
@@ -533,7 +534,9 @@ class CudaSource:
         for ch in self._chunks(self._stage_rows()):
             self._prod.scatter(ch.Xv[ch.off:ch.off + ch.m],
                                self._prod.view(ch.w)[ch.off:ch.off + ch.m], mean, out)
-        return dout.copy_to_host() / self.total_weight
+        cov = dout.copy_to_host() / self.total_weight
+        self._prod.release()
+        return cov
 
     def n_distinct_rows(self, rng, cap):
         from .._sources import n_distinct_rows
