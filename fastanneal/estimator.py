@@ -616,7 +616,13 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         paths (or ``backend="dask"``), CUDA for ``backend="cuda"``, else in memory."""
         backend = self.backend
         is_dask = hasattr(X, "__dask_graph__")
-        if backend == "dask" or (backend is None and is_dask):
+        lazy = isinstance(X, (str, os.PathLike)) or type(X).__name__ == "EmbeddingArrays"
+        if lazy and backend not in (None, "dask"):
+            what = "a path" if isinstance(X, (str, os.PathLike)) else "an EmbeddingArrays"
+            raise TypeError(f"X is {what}, which only the Dask backend reads; got "
+                            f"backend={backend!r} "
+                            "(use backend='dask' or None, or load the rows into an array)")
+        if backend == "dask" or (backend is None and (is_dask or lazy)):
             from .dask import make_dask_source  # noqa: WPS433 (optional heavy import)
             return make_dask_source(self, X, sample_weight)[0], False
         X = self._validate_X(X, reset=True)

@@ -655,3 +655,101 @@ def test_write_labels_overwrites_a_file_and_zeros_is_the_identity(tmp_path):
         z = fa.Moments.zeros(2, 3, 0.5) + m
         np.testing.assert_array_equal(z.N, m.N)
         assert z.rows == 40 and z.metric == m.metric
+
+
+def test_parquet_null_ids_and_a_changed_file_are_errors(tmp_path):
+    """A null in the id (or weight) column is an error naming its row (converting it would
+    turn the ids into floats: a null id became -2^63 and ids above 2^53 were rounded into
+    duplicates), and a file rewritten with fewer rows after ``read_parquet_embeddings``
+    opened it is an error, not a fit on fewer rows."""
+    X = np.random.default_rng(3).standard_normal((40, 3)).astype(np.float32)
+    big = [2 ** 53 + 1 + i for i in range(40)]
+    ids = pa.array([None if i == 27 else v for i, v in enumerate(big)], type=pa.int64())
+    emb = pa.array(list(X), type=pa.list_(pa.float32()))
+    path = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"embedding": emb, "id": ids, "big": pa.array(big)}), path,
+                   row_group_size=10)
+    arr = read_parquet_embeddings(path, id="id")
+    with pytest.raises(ValueError, match=r"column 'id' has a null in n.parquet row groups "
+                                         r"2-2, row 27"):
+        arr.ids.compute()
+    ok = read_parquet_embeddings(path, id="big").ids.compute()
+    assert ok.dtype == np.int64 and ok.tolist() == big          # exact above 2^53
+    arr = read_parquet_embeddings(path)
+    pq.write_table(pa.table({"embedding": emb[:35]}), path, row_group_size=10)
+    with pytest.raises(ValueError, match=r"row groups 3-3\) has 5 rows, but the dataset was "
+                                         r"opened with 10: the file changed"):
+        arr.X.compute()
+
+
+def test_chunks_that_do_not_hold_their_declared_shape_are_errors(client):
+    """A chunk whose data does not have the rows or columns its Dask array declares (a
+    wrong from_delayed shape, data changed under the graph) is an error naming the chunk on
+    the full-batch, mini-batch and predict routes: rows are never silently dropped."""
+    import dask
+    X = blobs(300, 3, 4, seed=2)[0]
+    assert X.shape == (300, 4)
+    same = dask.delayed(lambda a: a, pure=True)
+    pieces = [X[:100], X[100:190], X[200:]]               # the middle one holds 90 rows
+    lying = da.concatenate([da.from_delayed(same(p), (100, 4), X.dtype) for p in pieces])
+    msg = r"X chunk 1 holds 90 rows, but the array declares 100 for it"
+    with pytest.raises(ValueError, match=msg):
+        fa.AnnealedKMeans(3, random_state=0, scheduler=client).fit(lying)
+    with pytest.raises(ValueError, match=msg):
+        MiniBatchAnnealedKMeans(3, random_state=0, scheduler=client).fit(lying)
+    km = fa.AnnealedKMeans(3, random_state=0).fit(X)
+    with pytest.raises(ValueError, match=msg):
+        km.predict(lying).compute(scheduler="synchronous")
+    cols = [X[:100], X[100:200, :3], X[200:]]
+    lying = da.concatenate([da.from_delayed(same(p), (100, 4), X.dtype) for p in cols])
+    with pytest.raises(ValueError, match=r"X chunk 1 holds 3 columns, but the array "
+                                         r"declares 4"):
+        fa.AnnealedKMeans(3, random_state=0, scheduler=client).fit(lying)
+
+
+def test_paths_and_embedding_arrays_take_the_dask_backend_by_themselves(client, tmp_path):
+    """``AnnealedKMeans().fit`` reads a Parquet path or an EmbeddingArrays through Dask
+    without ``backend="dask"`` (as the docstring says; it failed converting them to floats)
+    and gives that backend's result; another backend refuses them by name."""
+    X = blobs(600, 3, 4, seed=5)[0].astype(np.float32)
+    path = tmp_path / "e.parquet"
+    pq.write_table(pa.table({"embedding": pa.array(list(X), type=pa.list_(pa.float32()))}),
+                   path, row_group_size=200)
+    arr = read_parquet_embeddings(path)
+    ref = fa.AnnealedKMeans(3, random_state=0, backend="dask", scheduler=client).fit(arr)
+    for src in (arr, str(path), path):
+        got = fa.AnnealedKMeans(3, random_state=0, scheduler=client).fit(src)
+        np.testing.assert_array_equal(got.labels_, ref.labels_)
+    for backend in ("cpu", "cuda"):
+        with pytest.raises(TypeError, match=r"only the Dask backend reads; got "
+                                            rf"backend='{backend}'"):
+            fa.AnnealedKMeans(3, backend=backend).fit(path)
+
+
+def test_a_scheduler_without_workers_is_an_error_not_a_hang(monkeypatch):
+    """A scheduler with no workers takes the tasks and never runs them: the fit waits
+    ``FASTANNEAL_WORKER_TIMEOUT`` seconds for a first worker, then says so."""
+    monkeypatch.setenv("FASTANNEAL_WORKER_TIMEOUT", "1")
+    cluster = distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=None)
+    c = distributed.Client(cluster, set_as_default=False)
+    try:
+        X = da.from_array(blobs(200, 2, 3, seed=1)[0], chunks=(50, -1))
+        for est in (fa.AnnealedKMeans(2, scheduler=c), MiniBatchAnnealedKMeans(2, scheduler=c)):
+            with pytest.raises(RuntimeError, match=r"has no workers \(waited 1 s\): start "
+                                                   r"some \(`dask worker"):
+                est.fit(X)
+    finally:
+        c.close()
+        cluster.close()
+
+
+def test_weights_summing_to_infinity_are_named_on_the_dask_route(client):
+    """Finite weights whose sum overflows: the full-batch Dask route says so (it said
+    "all rows are identical"), as the in-memory and mini-batch routes do."""
+    X = blobs(300, 3, 3, seed=4)[0]
+    w = np.ones(300)
+    w[[5, 200]] = 1e308
+    for est in (fa.AnnealedKMeans(3, scheduler=client),
+                MiniBatchAnnealedKMeans(3, scheduler=client)):
+        with pytest.raises(ValueError, match="sample_weight sums to infinity"):
+            est.fit(da.from_array(X, chunks=(100, -1)), sample_weight=da.from_array(w, 100))

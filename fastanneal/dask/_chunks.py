@@ -39,16 +39,26 @@ def set_threads(nthreads):
     return n
 
 
-def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_base=0):
-    """Validate one chunk (finite, non-negative weights, non-zero rows for cosine) and
-    return a :class:`Chunk` (its rows measured from ``origin`` when given: rows far from the
-    origin, ``docs/theory.md``). Errors name the chunk and its global row range, rows
+def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_base=0,
+                  expect=None):
+    """Validate one chunk (finite, non-negative weights, non-zero rows for cosine; with
+    ``expect``, the ``(rows, features)`` the collection declares for it, NaN for unknown)
+    and return a :class:`Chunk` (its rows measured from ``origin`` when given: rows far from
+    the origin, ``docs/theory.md``). Errors name the chunk and its global row range, rows
     counted from ``row_base`` (0; the command line counts from 1)."""
     x = np.asarray(x)
     if x.dtype == object or not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
         raise ValueError(f"{name} has dtype {x.dtype}; expected real numbers")
     if x.ndim != 2:
         raise ValueError(f"{name} chunk {index} must be 2-D; got shape {x.shape}")
+    if expect is not None:
+        for got, want, what in zip(x.shape, expect, ("rows", "columns")):
+            if want == want and got != want:            # (NaN: not declared)
+                raise ValueError(
+                    f"{name} chunk {index} holds {got} {what}, but the array declares "
+                    f"{int(want)} for it (its data changed since the collection was made, "
+                    "or a from_delayed / map_blocks shape is wrong): rows would be lost or "
+                    "misnumbered")
     x = np.ascontiguousarray(x, dtype=dtype)
     n = x.shape[0]
     r0 = row0 + int(row_base)               # (the first row's number in messages)
@@ -176,10 +186,12 @@ def chunk_cov_matvec(chunk, labels, mu, V, nthreads):
     return K_.cluster_cov_matvec_kernel(chunk.X, chunk.w, labels, mu, V, nth)
 
 
-def on_prepared(x, w, ids, index, row0, metric, dtype, work, origin=None, **kwargs):
+def on_prepared(x, w, ids, index, row0, metric, dtype, work, origin=None, expect=None,
+                **kwargs):
     """Read, validate and prepare one chunk on the worker, then ``work(chunk, **kwargs)``
     (the streaming passes of :class:`~fastanneal.dask.DaskBatchStream`)."""
-    return work(prepare_chunk(x, w, index, row0, metric, dtype, origin=origin), **kwargs)
+    return work(prepare_chunk(x, w, index, row0, metric, dtype, origin=origin, expect=expect),
+                **kwargs)
 
 
 def chunk_cov_matvec_at(chunk, C, label_metric, mu, V, nthreads):
@@ -211,14 +223,14 @@ def union_capped(*parts, cap):
 # ------------------------------------------------------------------------- streaming passes
 def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, hard_sums,
                  nthreads, out_dir=None, with_labels=False, name="X", keep_S=False,
-                 origin=None):
+                 origin=None, expect=None):
     """Read, validate and reduce one chunk in a streaming pass (nothing stays in memory).
 
     Returns the chunk's Moments (``S`` dropped unless ``hard_sums`` or ``keep_S``: the final
     pass only needs the scalars and hard counts). With ``out_dir``, writes ``part-{index:06d}.parquet`` with the
     columns ``row`` (global row number), ``id`` (when ids are given) and ``label``.
     """
-    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin)
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin, expect=expect)
     m = chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads)
     if not (hard_sums or keep_S):
         m.S = m.S[:, :0].copy()
@@ -231,9 +243,10 @@ def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, h
     return m
 
 
-def sample_chunk(x, w, ids, index, row0, metric, dtype, idx, name="X", origin=None):
+def sample_chunk(x, w, ids, index, row0, metric, dtype, idx, name="X", origin=None,
+                 expect=None):
     """Rows ``idx`` (local, validated) of one chunk read on the worker."""
-    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin)
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin, expect=expect)
     return chunk_take(chunk, idx)
 
 

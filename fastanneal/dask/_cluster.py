@@ -33,7 +33,7 @@ class ClientHandle:
         (the minimum over hosts, so every task uses the same count and results do not depend
         on which worker ran a chunk)."""
         if self._threads is None:
-            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            info = self.require_workers()
             per_host = {}
             for w in info.values():
                 per_host[w.get("host")] = per_host.get(w.get("host"), 0) + int(w.get("nthreads", 1))
@@ -49,6 +49,24 @@ class ClientHandle:
                     for h, t in per_host.items()]
             self._threads = min(vals) if vals else 1
         return self._threads
+
+    def require_workers(self):
+        """The scheduler's workers, after waiting up to ``WORKER_TIMEOUT`` seconds for the
+        first one (a scheduler without workers would otherwise take the tasks and hang)."""
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        if info:
+            return info
+        timeout = float(os.environ.get("FASTANNEAL_WORKER_TIMEOUT", WORKER_TIMEOUT))
+        try:
+            self.client.wait_for_workers(1, timeout=timeout)
+        except Exception as exc:      # TimeoutError (distributed raises its own kinds too)
+            addr = getattr(self.client, "scheduler", None)
+            addr = getattr(addr, "address", None) or "the scheduler"
+            raise RuntimeError(
+                f"the Dask scheduler at {addr} has no workers (waited {timeout:g} s): start "
+                f"some (`dask worker {addr}`), or set FASTANNEAL_WORKER_TIMEOUT to wait "
+                "longer") from exc
+        return self.client.scheduler_info(n_workers=-1)["workers"]
 
     def n_worker_threads(self):
         info = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -76,6 +94,8 @@ def embedded_cluster_size(cpus=None):
 
 #: Seconds to wait for a scheduler to answer (``FASTANNEAL_CONNECT_TIMEOUT`` overrides).
 CONNECT_TIMEOUT = 10.0
+#: Seconds to wait for a scheduler's first worker (``FASTANNEAL_WORKER_TIMEOUT`` overrides).
+WORKER_TIMEOUT = 60.0
 
 
 class SchedulerConnectionError(ConnectionError):

@@ -50,7 +50,16 @@ def _parquet_files(path):
     return files
 
 
-def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=8192):
+def _planned(where, file, n, rows):
+    """The piece holds the rows the dataset was opened with (else the file changed since)."""
+    if rows is not None and n != rows:
+        raise ValueError(f"{file} ({where}) has {n} rows, but the dataset was opened with "
+                         f"{rows}: the file changed after read_parquet_embeddings (open it "
+                         "again)")
+
+
+def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=8192,
+                       rows=None):
     """Read the embedding column of some row groups of one file as an ``(n, D)`` array.
 
     Decoded ``batch_rows`` rows at a time straight into one NumPy array, and Arrow's pool
@@ -64,7 +73,10 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
     try:
         with pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 22,
                             page_checksum_verification=True) as pf:
+            if max(row_groups) >= pf.metadata.num_row_groups:
+                _planned(where, file, 0, rows if rows else None)
             n = sum(pf.metadata.row_group(rg).num_rows for rg in row_groups)
+            _planned(where, file, n, rows)
             out = np.empty((n, D), dtype=dtype)
             r = 0
             for batch in pf.iter_batches(batch_size=batch_rows, row_groups=row_groups,
@@ -82,15 +94,25 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
     return out
 
 
-def read_parquet_values(file, row_groups, column, dtype):
-    """A scalar column (weights, ids) of some row groups of one file as a 1-D array."""
+def read_parquet_values(file, row_groups, column, dtype, row0=0, rows=None):
+    """A scalar column (weights, ids) of some row groups of one file as a 1-D array. A null
+    is an error naming its row (counted like the embeddings' rows, from ``row0``): a null
+    id or weight has no value to give (converting it would turn ids into floats)."""
     import pyarrow.parquet as pq
+    where = f"{os.path.basename(file)} row groups {row_groups[0]}-{row_groups[-1]}"
     try:
         with pq.ParquetFile(file, page_checksum_verification=True) as pf:
+            if max(row_groups) >= pf.metadata.num_row_groups:
+                _planned(where, file, 0, rows if rows else None)
             tab = pf.read_row_groups(row_groups, columns=[column])
     except OSError as e:          # a failed page checksum included: name the file
         raise OSError(f"{file}: {e}") from e
     col = tab.column(0)
+    _planned(where, file, len(col), rows)
+    if col.null_count:
+        i = int(np.argwhere(col.is_null().to_numpy(zero_copy_only=False))[0, 0])
+        raise ValueError(f"column {column!r} has a null in {where}, row {row0 + i} "
+                         f"({col.null_count} null(s) there)")
     out = col.to_numpy() if col.num_chunks else np.zeros(0)
     return np.asarray(out, dtype=dtype) if dtype != object else np.asarray(out, dtype=object)
 
@@ -202,15 +224,17 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
                              [os.path.getmtime(f) if os.path.exists(f) else 0 for f in files])
     for j, (f, rgs, rows) in enumerate(pieces):
         x = dask.delayed(read_parquet_piece, pure=True)(
-            f, rgs, column, D, dtype, row0, dask_key_name=f"read-embeddings-{tok}-{j}")
+            f, rgs, column, D, dtype, row0, rows=rows,
+            dask_key_name=f"read-embeddings-{tok}-{j}")
         blocks.append(da.from_delayed(x, shape=(rows, D), dtype=dtype))
         if weight is not None:
             wv = dask.delayed(read_parquet_values, pure=True)(
-                f, rgs, weight, np.float64, dask_key_name=f"read-weights-{tok}-{j}")
+                f, rgs, weight, np.float64, row0, rows,
+                dask_key_name=f"read-weights-{tok}-{j}")
             wblocks.append(da.from_delayed(wv, shape=(rows,), dtype=np.float64))
         if id is not None:
             iv = dask.delayed(read_parquet_values, pure=True)(
-                f, rgs, id, id_dtype, dask_key_name=f"read-ids-{tok}-{j}")
+                f, rgs, id, id_dtype, row0, rows, dask_key_name=f"read-ids-{tok}-{j}")
             iblocks.append(da.from_delayed(iv, shape=(rows,), dtype=id_dtype))
         row0 += rows
     if not blocks:

@@ -92,7 +92,8 @@ class _ChunkPlan(_Submitter):
             while pending or inflight:
                 while pending and len(inflight) < window:
                     j, i = pending.popleft()
-                    extra = per_chunk(i) if per_chunk is not None else {}
+                    extra = dict(per_chunk(i) if per_chunk is not None else {},
+                                 expect=(self.chunk_rows[i], self.n_features))
                     t = dask.delayed(fn, pure=False)(
                         self.xd[i], self.wd[i], self.idd[i] if with_ids else None, i,
                         int(self.offsets[i]), self.metric, self.dtype, **kwargs, **extra)
@@ -330,9 +331,14 @@ def _predict_block(x, C, metric, origin=None, block_info=None):
     if block_info is not None and 0 in block_info:
         row0 = int(block_info[0]["array-location"][0][0])
         index = int(block_info[0]["chunk-location"][0])
+    expect = None
+    if block_info is not None and 0 in block_info:
+        loc = block_info[0]["array-location"]
+        expect = (loc[0][1] - loc[0][0], loc[1][1] - loc[1][0])
     x = np.asarray(x)
     dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
-    chunk = ch.prepare_chunk(x, None, index, row0, metric, dtype, origin=origin)
+    chunk = ch.prepare_chunk(x, None, index, row0, metric, dtype, origin=origin,
+                             expect=expect)
     if chunk.rows == 0:
         return np.zeros(0, dtype=np.int64)
     return assign(chunk.X, C, metric, _prepared=True)[0]

@@ -1,5 +1,6 @@
 """``DaskSource``: full-batch moments over persisted chunks on a Dask cluster."""
 import logging
+import math
 import warnings
 import weakref
 
@@ -102,7 +103,8 @@ class DaskSource(_Submitter):
             with dask.annotate(**({} if where is None else
                                   {"workers": [where[i]], "allow_other_workers": True})):
                 tasks.append(dask.delayed(ch.prepare_chunk, pure=True)(
-                    x, wb, i, int(self.offsets[i]), self.metric, self.dtype))
+                    x, wb, i, int(self.offsets[i]), self.metric, self.dtype,
+                    expect=(self.chunk_rows[i], self.n_features)))
         self._chunks = self.client.compute(tasks)
         try:
             stats = self.client.gather(self.client.map(ch.chunk_stats, self._chunks,
@@ -110,10 +112,15 @@ class DaskSource(_Submitter):
         except BaseException:
             self._release()
             raise
-        self.total_weight = float(sum(s[1] for s in stats))
+        with np.errstate(over="ignore"):
+            self.total_weight = float(sum(s[1] for s in stats))
         if self.n_rows and not self.total_weight > 0:
             self._release()
             raise ValueError("sample_weight sums to zero: no row carries weight")
+        if not math.isfinite(self.total_weight):
+            self._release()
+            raise ValueError("sample_weight sums to infinity: rescale the weights (only "
+                             "their ratios matter)")
         #: the point the rows are measured from (Euclidean rows far from the origin relative
         #: to their spread: the persisted chunks are shifted to their weighted mean, as the
         #: in-memory route centers its rows; ``docs/theory.md``, "Rows far from the origin")
