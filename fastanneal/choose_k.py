@@ -31,7 +31,9 @@ previous temperature (``docs/theory.md`` §9).
 annealing from the path's state with that many clusters (no refit from scratch).
 """
 import math
+import numbers
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -239,6 +241,18 @@ class KSuggestion:
         return fig
 
 
+def _check_path_params(cooling, max_steps):
+    """``cooling`` a real in (0, 1) (a factor between temperatures), ``max_steps`` a whole
+    number >= 1."""
+    from .schedules import check_steps
+    c = cooling
+    if isinstance(c, (bool, np.bool_)) or not isinstance(c, numbers.Real) or \
+            not (0.0 < float(c) < 1.0):
+        raise ValueError(f"cooling must be a number strictly between 0 and 1 (the factor "
+                         f"between temperatures); got {cooling!r}")
+    return float(c), check_steps(max_steps, "max_steps")
+
+
 def _check_k_range(k_min, k_max, n_rows):
     for name, v in (("k_min", k_min), ("k_max", k_max)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -260,6 +274,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
     statistics, the critical temperature and checked ``k_max`` (no second pass for them)."""
     from ._seeding import check_n_clusters, critical_temperature, data_stats
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+    cooling, max_steps = _check_path_params(cooling, max_steps)
     _check_k_range(k_min, k_max, source.n_rows)
     if checked is not None:
         stats, T_c = checked
@@ -287,7 +302,24 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
         snap = phase.snapshots[k_max]
         C = _merged(snap, source.metric)[0]
         lam = source.cluster_top_eigenvalues(C, 30, rng)
-        T_out_last = float(2.0 * np.max(lam))
+        # the k_max level's plateau is not observed below the path's floor: a state of
+        # single-row cells (k_max near the number of distinct rows) has lambda ~ rounding
+        # noise, which would make its plateau the widest of all
+        T_out_last = max(float(2.0 * np.max(lam)), phase.T_floor)
+    reached = max((r[1] for r in phase.steps), default=1)
+    if reached < k_min:
+        why = (f"max_steps={max_steps} steps were not enough" if phase.steps and
+               phase.steps[-1][0] > phase.T_floor else
+               f"it stayed at {reached} cluster(s) down to {floor:g} x the critical "
+               "temperature: nothing in the data separates at a coarser scale than that "
+               "(e.g. a few rows carry almost all the weight, or all but a few rows are "
+               "identical)")
+        raise ValueError(f"the annealing path reached no K in {k_min}..{k_max}: {why}")
+    if reached < k_max and phase.steps[-1][0] > phase.T_floor:
+        warnings.warn(f"the annealing path stopped at {reached} clusters after max_steps="
+                      f"{max_steps} temperature steps, before k_max={k_max}: the plateaus "
+                      f"of K > {reached} were not measured (raise max_steps)",
+                      E.AnnealingWarning, stacklevel=3)
     out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last, cooling)
     out.cooling = float(cooling)
     out.path_temperature = np.array([r[0] for r in phase.steps])
@@ -345,7 +377,7 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling):
             J[k - k_min], F[k - k_min] = snap["J"], snap["F"]
     seen = [int(k) for k in ks if int(k) in phase.snapshots]
     if not seen:
-        raise RuntimeError("the annealing path reached no K in the range; raise max_steps")
+        raise ValueError("the annealing path reached no K in the range; raise max_steps")
     order = sorted(seen, key=lambda k: (-width[k - k_min], k))
     levels = natural_levels(ks, width, cooling)
     best = max(levels) if levels else order[0]

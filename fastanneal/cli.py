@@ -321,8 +321,11 @@ def fit_result(est, args, console, caught):
         console.note(f"resumed from the checkpoint in {args.checkpoint} at step "
                      f"{info['resumed_from']} (T = {info['temperature']:.4g})")
     for wm in caught:
-        if not issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
-            console.note(f"warning: {wm.message}")
+        if issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
+            continue
+        if str(wm.message).startswith("n_clusters='auto': no K in"):
+            continue              # the command says it in its own words (the K choice)
+        console.note(f"warning: {wm.message}")
     meta = {k: getattr(est, k) for k in ("temperature_", "temperature_start_",
                                          "critical_temperature_", "inertia_",
                                          "hardening_gap_")}

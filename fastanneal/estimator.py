@@ -107,7 +107,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             extra = " or 'auto'" if hasattr(self, "k_max") else ""
             raise ValueError(f"n_clusters must be a positive integer{extra}; got {K!r}")
         if n_samples is not None and n_samples < K:
-            raise ValueError(f"n_samples={n_samples} should be >= n_clusters={K}")
+            name = "k_max" if K is not self.n_clusters else "n_clusters"
+            raise ValueError(f"n_samples={n_samples} should be >= {name}={K}")
         metric_code(self.metric)
         rc = resp_code(self.responsibilities)
         if rc == 2:
@@ -802,6 +803,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         K = int(sug.best)
         self.k_suggestion_ = sug
         self.n_clusters_ = K
+        if not sug.supported:
+            warnings.warn(f"n_clusters='auto': no K in {int(self.k_min)}..{int(self.k_max)} is "
+                          f"clearly supported by the data (no wide plateau on the annealing "
+                          f"path); fitting K = {K}, where the path's widest plateau is. See "
+                          "k_suggestion_.table()", AnnealingWarning, stacklevel=4)
         snap = sug.snapshots[K]
         C, p = _merged(snap, source.metric)
         T0 = sug.temperature_start

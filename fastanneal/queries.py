@@ -95,7 +95,7 @@ class QueryClusters:
         kw = dict(n_clusters=self.n_clusters, metric=self.metric,
                   random_state=self.random_state, **self.params)
         if self.n_clusters == "auto":
-            kw["k_max"] = int(self.k_max)
+            kw["k_max"] = self.k_max          # checked by the estimator (no int() rounding)
         est = AnnealedKMeans(**kw).fit(X, sample_weight=w)
         w = est._validate_weights(w, n)
         Xv = X if X.dtype in (np.float32, np.float64) else X.astype(np.float64)

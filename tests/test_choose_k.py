@@ -311,3 +311,64 @@ def test_suggest_k_out_of_core_on_a_sample(tmp_path):
         fastanneal.suggest_k(X, k_max=10, max_rows=1)
     with pytest.raises(ValueError, match="metric"):
         fastanneal.suggest_k(fastanneal.open_parquet(p), k_max=10, metric="cosine")
+
+
+def test_k_max_at_the_number_of_rows_is_not_chosen():
+    """``k_max`` equal to the number of rows: the last state is one row per cell, whose
+    "next split" temperature is rounding noise; its plateau is measured only down to the
+    path's floor, so the true K still wins (it chose K = N)."""
+    rng = np.random.default_rng(0)
+    X = np.concatenate([c + rng.normal(size=(100, 4)) for c in rng.normal(size=(3, 4)) * 10])
+    s = fastanneal.suggest_k(X, k_max=X.shape[0], random_state=0)
+    assert s.best == 3 and s.supported, s.table()[:3]
+    assert s.t_in[-1] > 0                                 # the path did reach K = N
+    assert s.t_out[-1] >= 1e-5 * s.temperature_start * (1 - 1e-12)
+    assert s.width[-1] < s.width[1]
+
+
+def test_path_parameters_are_checked_and_a_short_path_is_said():
+    X, _ = blobs(3, 2, 10, n=30)
+    for bad in (0.0, 1.0, 1.5, -0.5, float("nan"), "0.85", True):
+        with pytest.raises(ValueError, match="cooling must be a number strictly between"):
+            fastanneal.suggest_k(X, k_max=6, cooling=bad)
+    for bad in (0, -1, 2.5, "10", True):
+        with pytest.raises(ValueError, match="max_steps must be a whole number"):
+            fastanneal.suggest_k(X, k_max=6, max_steps=bad)
+    with pytest.warns(fastanneal.AnnealingWarning, match=r"stopped at 2 clusters after "
+                                                         r"max_steps=5 .*before k_max=6"):
+        fastanneal.suggest_k(X, k_max=6, max_steps=5, random_state=0)
+    with pytest.raises(ValueError, match=r"reached no K in 2\.\.6: max_steps=3 steps were "
+                                         r"not enough"):
+        fastanneal.suggest_k(X, k_max=6, max_steps=3, random_state=0)
+
+
+def test_a_path_that_never_splits_names_the_reason():
+    """One row carrying nearly all the weight: the path stays at one cluster down to its
+    floor; the error says so (it said "raise max_steps", which changes nothing)."""
+    X, _ = blobs(3, 2, 10, n=30)
+    w = np.ones(X.shape[0])
+    w[7] = 1e12
+    with pytest.raises(ValueError, match=r"reached no K in 2\.\.6: it stayed at 1 "
+                                         r"cluster\(s\) down to 1e-05 x the critical"):
+        fastanneal.suggest_k(X, k_max=6, sample_weight=w, random_state=0)
+
+
+def test_auto_warns_when_no_k_is_supported():
+    """The estimator says what the command line says: no clear plateau, K is where the
+    widest one happened to be."""
+    X = np.random.default_rng(5).normal(size=(600, 32))
+    with pytest.warns(fastanneal.AnnealingWarning, match=r"no K in 2\.\.8 is clearly "
+                                                         r"supported"):
+        est = fastanneal.AnnealedKMeans("auto", k_max=8, random_state=0).fit(X)
+    assert not est.k_suggestion_.supported
+    X, _ = blobs(3, 2, 10, n=40)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fastanneal.AnnealingWarning)
+        est = fastanneal.AnnealedKMeans("auto", k_max=6, random_state=0).fit(X)
+    assert est.n_clusters_ == 3
+    with pytest.raises(ValueError, match=r"n_samples=120 should be >= k_max=121"):
+        fastanneal.AnnealedKMeans("auto", k_max=121).fit(X)
+    from fastanneal.queries import QueryClusters
+    with pytest.raises(ValueError, match="needs k_max >= 2 \\(an integer\\); got 2.9"):
+        QueryClusters("auto", k_max=2.9).fit([f"q{i}" for i in range(len(X))], X)
