@@ -753,3 +753,16 @@ def test_weights_summing_to_infinity_are_named_on_the_dask_route(client):
                 MiniBatchAnnealedKMeans(3, scheduler=client)):
         with pytest.raises(ValueError, match="sample_weight sums to infinity"):
             est.fit(da.from_array(X, chunks=(100, -1)), sample_weight=da.from_array(w, 100))
+
+
+def test_minibatch_weight_errors_name_their_row(client):
+    """The mini-batch route reads the weights through the chunks' own tasks and names the
+    first bad row (it gave only a count)."""
+    X = da.from_array(blobs(400, 2, 3, seed=6)[0], chunks=(100, -1))
+    for bad, what in ((np.nan, "NaN"), (np.inf, "infinity"), (-1.0, "negative values")):
+        w = np.ones(400)
+        w[[250, 260]] = bad
+        with pytest.raises(ValueError, match=rf"sample_weight contains {what} \(2 rows; the "
+                                             r"first is row 250\)"):
+            MiniBatchAnnealedKMeans(2, scheduler=client).fit(
+                X, sample_weight=da.from_array(w, chunks=100))

@@ -30,6 +30,20 @@ class Chunk:
                 else f"chunk {self.index} (no rows)")
 
 
+def weight_stats(w, index, row0):
+    """``{"sum": float, "NaN" / "infinity" / "negative values": (count, first row) or
+    None}`` of one chunk of weights (rows counted from ``row0``)."""
+    w = np.asarray(w, dtype=np.float64).ravel()
+    out = {}
+    for what, bad in (("NaN", np.isnan(w)), ("infinity", np.isinf(w)),
+                      ("negative values", w < 0)):
+        idx = np.flatnonzero(bad)
+        out[what] = (int(idx.size), row0 + int(idx[0])) if idx.size else None
+    with np.errstate(over="ignore", invalid="ignore"):
+        out["sum"] = float(w.sum())
+    return out
+
+
 def set_threads(nthreads):
     """Numba threads for the kernels this worker thread runs next."""
     n = numba.config.NUMBA_NUM_THREADS

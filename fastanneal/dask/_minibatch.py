@@ -59,16 +59,24 @@ class _ChunkPlan(_Submitter):
         return self.client.compute(t)
 
     def total_weight(self):
+        """The weights' sum, read chunk by chunk through the same delayed objects as every
+        pass (a whole-array reduction would put a second, differently optimized task under
+        the same keys into the scheduler: "different run_spec" warnings). Bad weights are
+        named by their row."""
         if self.weights is None:
             return float(self.n_rows)
-        import dask.array as da
-        w = self.weights
-        tot, n_nan, n_inf, n_neg = self.client.gather(self.client.compute(
-            [w.sum(), da.isnan(w).sum(), da.isinf(w).sum(), (w < 0).sum()]))
-        for count, what in ((n_nan, "NaN"), (n_inf, "infinity"), (n_neg, "negative values")):
-            if count:
-                raise ValueError(f"sample_weight contains {what} ({int(count)} rows)")
-        return float(tot)
+        import dask
+        parts = self.client.gather(self.client.compute(
+            [dask.delayed(ch.weight_stats, pure=True)(w, i, int(self.offsets[i]))
+             for i, w in enumerate(self.wd)]))
+        for what in ("NaN", "infinity", "negative values"):
+            bad = [p[what] for p in parts if p[what] is not None]
+            if bad:
+                n, first = sum(b[0] for b in bad), bad[0][1]
+                raise ValueError(f"sample_weight contains {what} ({n} rows; the first is row "
+                                 f"{first})")
+        with np.errstate(over="ignore"):
+            return float(sum(p["sum"] for p in parts))
 
     def map_chunks(self, fn, indices, window, per_chunk=None, combine=None, with_ids=False,
                    **kwargs):
