@@ -845,6 +845,15 @@ def _terminate_as_interrupt():
     return signal.SIG_DFL if previous is None else previous
 
 
+class _DropComputeFailed:
+    """A logging filter for distributed's in-process workers (the embedded cluster): a task
+    that raised is reported once, as the command's one-line error, not also as the worker's
+    "Compute Failed" block with the task's traceback."""
+
+    def filter(self, record):
+        return not str(record.msg).startswith("Compute Failed")
+
+
 def main(argv=None):
     """Entry point of the ``fastanneal`` command; returns the exit code."""
     parser = build_parser()
@@ -860,6 +869,11 @@ def main(argv=None):
     console = _Console(args.quiet, args.progress)
     args._created = []
     previous = _terminate_as_interrupt()
+    from . import _config
+    row_base, _config.ROW_BASE = _config.ROW_BASE, 1   # rows counted from 1 in messages
+    import logging
+    quiet_tasks = _DropComputeFailed()
+    logging.getLogger("distributed.worker").addFilter(quiet_tasks)
     try:
         if args.command == "suggest-k":
             return run_suggest(args, console)
@@ -892,6 +906,8 @@ def main(argv=None):
               "--debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
     finally:
+        _config.ROW_BASE = row_base
+        logging.getLogger("distributed.worker").removeFilter(quiet_tasks)
         if previous is not None:
             import signal
             signal.signal(signal.SIGTERM, previous)

@@ -769,3 +769,29 @@ def test_demo_into_a_folder_with_a_dot_in_its_name(capsys, tmp_path):
     assert rc == 0, err
     assert sorted(p.name for p in (tmp_path / "results.v2").iterdir()) == [
         "queries.clusters.csv", "queries.csv", "report.html"]
+
+
+def test_dask_route_counts_rows_as_the_other_routes(capsys, dirs):
+    """``--backend dask`` names a bad row with the number the in-memory and in-process
+    routes give (rows counted from 1), in memory and out of core, and prints one error line
+    (not also the worker's "Compute Failed" block)."""
+    import pyarrow as pa
+    i, o = dirs
+    table, _, _ = make_table(n=300)
+    emb = table.column("emb").to_pylist()
+    emb[211] = [float("nan")] + emb[211][1:]
+    table = table.set_column(table.schema.get_field_index("emb"), "emb",
+                             pa.array(emb, type=table.schema.field("emb").type))
+    inp = i / "nan.parquet"
+    pq.write_table(table, inp, row_group_size=50)
+    for extra in ([], ["--memory-limit", "1K"]):
+        msgs = {}
+        for backend in ("cpu", "dask"):
+            rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 3,
+                             "--embedding-column", "emb", "-q", "--backend", backend, *extra)
+            assert_one_line_error(rc, err, "NaN", "row 212")
+            assert "Compute Failed" not in err
+            msgs[backend] = err.strip()
+        no_output(o)
+    from fastanneal import _config
+    assert _config.ROW_BASE == 0                  # the library's own count is left as it was

@@ -201,11 +201,11 @@ def chunk_cov_matvec(chunk, labels, mu, V, nthreads):
 
 
 def on_prepared(x, w, ids, index, row0, metric, dtype, work, origin=None, expect=None,
-                **kwargs):
+                row_base=0, **kwargs):
     """Read, validate and prepare one chunk on the worker, then ``work(chunk, **kwargs)``
     (the streaming passes of :class:`~fastanneal.dask.DaskBatchStream`)."""
-    return work(prepare_chunk(x, w, index, row0, metric, dtype, origin=origin, expect=expect),
-                **kwargs)
+    return work(prepare_chunk(x, w, index, row0, metric, dtype, origin=origin, expect=expect,
+                              row_base=row_base), **kwargs)
 
 
 def chunk_cov_matvec_at(chunk, C, label_metric, mu, V, nthreads):
@@ -237,14 +237,15 @@ def union_capped(*parts, cap):
 # ------------------------------------------------------------------------- streaming passes
 def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, hard_sums,
                  nthreads, out_dir=None, with_labels=False, name="X", keep_S=False,
-                 origin=None, expect=None):
+                 origin=None, expect=None, row_base=0):
     """Read, validate and reduce one chunk in a streaming pass (nothing stays in memory).
 
     Returns the chunk's Moments (``S`` dropped unless ``hard_sums`` or ``keep_S``: the final
     pass only needs the scalars and hard counts). With ``out_dir``, writes ``part-{index:06d}.parquet`` with the
     columns ``row`` (global row number), ``id`` (when ids are given) and ``label``.
     """
-    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin, expect=expect)
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin, row_base,
+                          expect=expect)
     m = chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads)
     if not (hard_sums or keep_S):
         m.S = m.S[:, :0].copy()
@@ -258,9 +259,10 @@ def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, h
 
 
 def sample_chunk(x, w, ids, index, row0, metric, dtype, idx, name="X", origin=None,
-                 expect=None):
+                 expect=None, row_base=0):
     """Rows ``idx`` (local, validated) of one chunk read on the worker."""
-    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin, expect=expect)
+    chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin, row_base,
+                          expect=expect)
     return chunk_take(chunk, idx)
 
 

@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .. import _config
 from .._parquet import _embedding_info, _value_dtype, embedding_block  # noqa: F401
 
 #: Target bytes of one chunk when a NumPy array is split for the Dask backend.
@@ -50,6 +51,14 @@ def _parquet_files(path):
     return files
 
 
+def _where(file, row_groups):
+    """"name.parquet row group 3" / "name.parquet row groups 3-5" for messages."""
+    name = os.path.basename(file)
+    if len(row_groups) == 1:
+        return f"{name} row group {row_groups[0]}"
+    return f"{name} row groups {row_groups[0]}-{row_groups[-1]}"
+
+
 def _planned(where, file, n, rows):
     """The piece holds the rows the dataset was opened with (else the file changed since)."""
     if rows is not None and n != rows:
@@ -69,7 +78,7 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
-    where = f"{os.path.basename(file)} row groups {row_groups[0]}-{row_groups[-1]}"
+    where = _where(file, row_groups)
     try:
         with pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 22,
                             page_checksum_verification=True) as pf:
@@ -99,7 +108,7 @@ def read_parquet_values(file, row_groups, column, dtype, row0=0, rows=None):
     is an error naming its row (counted like the embeddings' rows, from ``row0``): a null
     id or weight has no value to give (converting it would turn ids into floats)."""
     import pyarrow.parquet as pq
-    where = f"{os.path.basename(file)} row groups {row_groups[0]}-{row_groups[-1]}"
+    where = _where(file, row_groups)
     try:
         with pq.ParquetFile(file, page_checksum_verification=True) as pf:
             if max(row_groups) >= pf.metadata.num_row_groups:
@@ -219,8 +228,8 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
         dtype = _value_dtype(vt0)
     dtype = np.dtype(dtype)
     blocks, wblocks, iblocks = [], [], []
-    row0 = 0
-    tok = dask.base.tokenize(files, column, weight, id, str(dtype), rows_per_chunk,
+    row0 = int(_config.ROW_BASE)                 # (rows in messages: the command counts from 1)
+    tok = dask.base.tokenize(files, column, weight, id, str(dtype), rows_per_chunk, row0,
                              [os.path.getmtime(f) if os.path.exists(f) else 0 for f in files])
     for j, (f, rgs, rows) in enumerate(pieces):
         x = dask.delayed(read_parquet_piece, pure=True)(

@@ -9,6 +9,7 @@ from collections import deque
 
 import numpy as np
 
+from .. import _config
 from .._engine import _project
 from .._io import temp_folder
 from .._moments import Moments
@@ -31,6 +32,7 @@ class _ChunkPlan(_Submitter):
         self.n_rows, self.n_features = (int(s) for s in X.shape)
         self.chunk_rows = tuple(int(c) for c in X.chunks[0])
         self.offsets = row_offsets(self.chunk_rows)
+        self.row_base = int(_config.ROW_BASE)        # the first row's number in messages
         self.xd = list(X.to_delayed().ravel())
         nc = len(self.xd)
         self.wd = list(data.weights.to_delayed().ravel()) if data.weights is not None \
@@ -55,7 +57,8 @@ class _ChunkPlan(_Submitter):
         import dask
         t = dask.delayed(ch.prepare_chunk, pure=True)(
             self.xd[i], self.wd[i], i, int(self.offsets[i]), self.metric, self.dtype,
-            origin=self.origin)
+            origin=self.origin, row_base=self.row_base,
+            expect=(self.chunk_rows[i], self.n_features))
         return self.client.compute(t)
 
     def total_weight(self):
@@ -67,7 +70,7 @@ class _ChunkPlan(_Submitter):
             return float(self.n_rows)
         import dask
         parts = self.client.gather(self.client.compute(
-            [dask.delayed(ch.weight_stats, pure=True)(w, i, int(self.offsets[i]))
+            [dask.delayed(ch.weight_stats, pure=True)(w, i, int(self.offsets[i]) + self.row_base)
              for i, w in enumerate(self.wd)]))
         for what in ("NaN", "infinity", "negative values"):
             bad = [p[what] for p in parts if p[what] is not None]
@@ -101,7 +104,8 @@ class _ChunkPlan(_Submitter):
                 while pending and len(inflight) < window:
                     j, i = pending.popleft()
                     extra = dict(per_chunk(i) if per_chunk is not None else {},
-                                 expect=(self.chunk_rows[i], self.n_features))
+                                 expect=(self.chunk_rows[i], self.n_features),
+                                 row_base=self.row_base)
                     t = dask.delayed(fn, pure=False)(
                         self.xd[i], self.wd[i], self.idd[i] if with_ids else None, i,
                         int(self.offsets[i]), self.metric, self.dtype, **kwargs, **extra)

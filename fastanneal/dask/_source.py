@@ -6,6 +6,7 @@ import weakref
 
 import numpy as np
 
+from .. import _config
 from .._sources import COVARIANCE_MAX_D, _about, power_iteration_eigs
 from .._validation import far_from_origin, metric_code
 from . import _chunks as ch
@@ -91,6 +92,7 @@ class DaskSource(_Submitter):
         self.n_rows, self.n_features = (int(s) for s in X.shape)
         self.chunk_rows = tuple(int(c) for c in X.chunks[0])
         self.offsets = row_offsets(self.chunk_rows)
+        self.row_base = int(_config.ROW_BASE)        # the first row's number in messages
         self._nthreads = handle.task_threads()
         xd = X.to_delayed().ravel()
         wd = w.to_delayed().ravel() if w is not None else [None] * len(xd)
@@ -104,11 +106,19 @@ class DaskSource(_Submitter):
                                   {"workers": [where[i]], "allow_other_workers": True})):
                 tasks.append(dask.delayed(ch.prepare_chunk, pure=True)(
                     x, wb, i, int(self.offsets[i]), self.metric, self.dtype,
-                    expect=(self.chunk_rows[i], self.n_features)))
+                    row_base=self.row_base, expect=(self.chunk_rows[i], self.n_features)))
         self._chunks = self.client.compute(tasks)
         try:
-            stats = self.client.gather(self.client.map(ch.chunk_stats, self._chunks,
-                                                       pure=False))
+            futs = self.client.map(ch.chunk_stats, self._chunks, pure=False)
+            # every chunk finishes first: a bad input is reported for its first chunk, not
+            # for whichever chunk failed first in time
+            from distributed import wait
+            with self.client.as_current():
+                wait(futs)
+            for f in futs:
+                if f.status == "error":
+                    f.result()                   # raises the chunk's error
+            stats = self.client.gather(futs)
         except BaseException:
             self._release()
             raise
