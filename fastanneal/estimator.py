@@ -3,6 +3,7 @@
 input, out of core over Dask chunks or Parquet row groups). Both share
 :class:`_BaseAnnealedKMeans` (validation, inference) and run the one engine loop of
 :mod:`fastanneal._engine`; seeding lives in :mod:`fastanneal._seeding`."""
+import functools
 import math
 import numbers
 import os
@@ -66,6 +67,37 @@ def probability_temperature(X, w, centers, metric, fraction=PROBABILITY_MARGIN_F
 def _n_distinct_rows(X, rng, cap):
     """Number of distinct rows (all weights positive; see :func:`_sources.n_distinct_rows`)."""
     return _n_distinct_rows_exact(X, np.ones(X.shape[0]), rng)
+
+
+def _distance_rows(X, C, metric):
+    """:meth:`AnnealedKMeans.transform` of prepared rows (module level: Dask ships it)."""
+    from ._moments import pairwise_distances
+    return np.sqrt(pairwise_distances(X, C, metric="cosine" if metric == "cosine"
+                                      else "euclidean"))
+
+
+def _proba_rows(X, C, T, metric, kind, log_prior):
+    """:meth:`AnnealedKMeans.predict_proba` of prepared rows."""
+    from ._moments import responsibilities
+    return responsibilities(X, C, T, metric=metric, kind=kind, log_prior=log_prior)
+
+
+def _nearest_rows(X, C, metric):
+    """The squared distance to the nearest center of each prepared row, (m, 1) float64."""
+    if not X.shape[0]:
+        return np.zeros((0, 1))
+    return _assign(X, C, metric_code(metric), _prepared=True)[1][:, None]
+
+
+def _checked_weights(w, block_info=None):
+    """One block of sample weights as float64, refused with its first bad row named."""
+    w = np.asarray(w, dtype=np.float64)
+    row0 = block_info[0]["array-location"][0][0] if block_info and 0 in block_info else 0
+    for what, bad in (("NaN or infinity", ~np.isfinite(w)), ("negative values", w < 0)):
+        idx = np.flatnonzero(bad)
+        if idx.size:
+            raise ValueError(f"sample_weight contains {what}; first at row {row0 + idx[0]}")
+    return w
 
 
 def _real(v):
@@ -280,12 +312,30 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         the masses as prior when ``mass_constrained``) at the final annealing temperature or
         at that temperature.
         """
-        X, C = self._in_frame(self._check_X(X))
         from ._moments import responsibilities as _resp
+        if hasattr(X, "__dask_graph__"):
+            check_is_fitted(self, "cluster_centers_")
+            T, kind, logp = self._probability_rule(temperature)
+            C, origin = self._frame_centers()
+            return self._dask_rows(X, C, origin, functools.partial(
+                _proba_rows, T=T, metric=self.metric, kind=kind, log_prior=logp))
+        X, C = self._in_frame(self._check_X(X))
+        T, kind, logp = self._probability_rule(temperature)
+        return _resp(X, C, T, metric=self.metric, kind=kind, log_prior=logp)
+
+    def _dask_rows(self, X, C, origin, fn):
+        """A lazy (n, K) Dask array of ``fn(rows, C)`` per row chunk of the Dask input ``X``
+        (rows validated like a fit's and measured from ``origin``; the rows' dtype)."""
+        from .dask import map_rows
+        dt = np.dtype(getattr(X, "dtype", np.float64))
+        dt = dt if dt in (np.float32, np.float64) else np.dtype(np.float64)
+        return map_rows(X, np.asarray(C, dtype=np.float64), self.metric, origin, fn, dt)
+
+    def _probability_rule(self, temperature):
+        """``(T, kind, log_prior)`` of :meth:`predict_proba` (see there)."""
         if temperature is None and hasattr(self, "probability_temperature_"):
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
-            return _resp(X, C, self.probability_temperature_, metric=self.metric,
-                         kind="softmax", log_prior=logp)
+            return self.probability_temperature_, "softmax", logp
         if temperature is None or (isinstance(temperature, str) and temperature == "final"):
             T = self.temperature_
         else:
@@ -299,7 +349,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         logp = None
         if getattr(self, "_mass_constrained", False) and self.responsibilities == "softmax":
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
-        return _resp(X, C, T, metric=self.metric, kind=self.responsibilities, log_prior=logp)
+        return T, self.responsibilities, logp
 
     def _set_probability_temperature(self, source, rng, centers):
         """``probability_temperature_`` from a sample of the fitted rows (after the fit;
@@ -319,15 +369,38 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         return self._frame_centers()[0]
 
     def transform(self, X):
-        """Distances to the centers (Euclidean, as scikit-learn; cosine: ``sqrt(2 - 2 cos)``)."""
+        """Distances to the centers (Euclidean, as scikit-learn; cosine: ``sqrt(2 - 2 cos)``).
+        Dask arrays give a lazy Dask array (one task per row chunk)."""
+        fn = functools.partial(_distance_rows, metric=self.metric)
+        if hasattr(X, "__dask_graph__"):
+            check_is_fitted(self, "cluster_centers_")
+            C, origin = self._frame_centers()
+            return self._dask_rows(X, C, origin, fn)
         X, C = self._in_frame(self._check_X(X))
-        from ._moments import pairwise_distances
-        return np.sqrt(pairwise_distances(X, C,
-                                          metric="euclidean" if self.metric != "cosine"
-                                          else "cosine"))
+        return fn(X, C)
 
     def score(self, X, y=None, sample_weight=None):
-        """Opposite of the hard objective ``J`` on X."""
+        """Opposite of the hard objective ``J`` on X (for a Dask array computed chunk by
+        chunk, with the weights as a Dask or NumPy array)."""
+        if hasattr(X, "__dask_graph__"):
+            check_is_fitted(self, "cluster_centers_")
+            C, origin = self._frame_centers()
+            from .dask import map_rows
+            d = map_rows(X, np.asarray(C, dtype=np.float64), self.metric, origin,
+                         functools.partial(_nearest_rows, metric=self.metric), np.float64,
+                         cols=1)[:, 0]
+            if sample_weight is not None:
+                import dask.array as da
+                w = sample_weight
+                if not hasattr(w, "__dask_graph__"):
+                    w = self._validate_weights(w, d.shape[0])
+                w = da.asarray(w) if hasattr(w, "__dask_graph__") else da.from_array(w)
+                if w.shape != d.shape:
+                    raise ValueError(f"sample_weight.shape == {w.shape}, expected "
+                                     f"({d.shape[0]},)!")
+                w = w.rechunk({0: d.chunks[0]}).map_blocks(_checked_weights, dtype=np.float64)
+                d = d * w
+            return -float(d.sum().compute())
         X = self._check_X(X)
         w = self._validate_weights(sample_weight, X.shape[0])
         X, C = self._in_frame(X)

@@ -766,3 +766,37 @@ def test_minibatch_weight_errors_name_their_row(client):
                                              r"first is row 250\)"):
             MiniBatchAnnealedKMeans(2, scheduler=client).fit(
                 X, sample_weight=da.from_array(w, chunks=100))
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine"])
+def test_inference_on_dask_input_is_lazy_and_equals_numpy(metric):
+    """transform / predict_proba give lazy Dask arrays (they computed the whole N x K
+    result into memory), score reduces chunk by chunk; all equal the NumPy results, and a
+    bad row is named as in predict."""
+    import dask
+    X = blobs(300, 3, 5, seed=8)[0].astype(np.float32)
+    X[:, 0] += 1e3                                  # far from the origin: the fit's frame
+    w = np.random.default_rng(2).uniform(0.5, 2.0, 300)
+    km = fa.AnnealedKMeans(3, metric=metric, random_state=0).fit(X)
+    Xd = da.from_array(X, chunks=(70, 3))
+    with dask.config.set(scheduler="synchronous"):
+        t, p = km.transform(Xd), km.predict_proba(Xd)
+        pf = km.predict_proba(Xd, temperature="final")
+        assert all(isinstance(a, da.Array) and a.dtype == np.float32 for a in (t, p, pf))
+        np.testing.assert_array_equal(t.compute(), km.transform(X))
+        np.testing.assert_array_equal(p.compute(), km.predict_proba(X))
+        np.testing.assert_array_equal(pf.compute(), km.predict_proba(X, temperature="final"))
+        for sw in (None, w, da.from_array(w, chunks=45)):
+            ref = km.score(X, sample_weight=None if sw is None else w)
+            assert km.score(Xd, sample_weight=sw) == pytest.approx(ref, rel=1e-12)
+        bad = w.copy()
+        bad[222] = -1.0
+        with pytest.raises(ValueError, match="negative values; first at row 222"):
+            km.score(Xd, sample_weight=da.from_array(bad, chunks=45))
+        Xn = X.copy()
+        Xn[123, 2] = np.nan
+        for call in (km.transform, km.predict_proba, km.score):
+            with pytest.raises(ValueError, match=r"NaN in chunk 1 \(rows 70-139\); first at "
+                                                 r"row 123"):
+                out = call(da.from_array(Xn, chunks=(70, 3)))
+                out.compute() if hasattr(out, "compute") else None

@@ -17,8 +17,8 @@ embedded ``LocalCluster`` closed again after the fit. Fitted attributes are NumP
 from ._cluster import ClientHandle, resolve_client  # noqa: F401
 from ._inputs import (EmbeddingArrays, as_dask_inputs, embeddings_from_dataframe,  # noqa: F401
                       read_parquet_embeddings)
-from ._minibatch import (DaskBatchStream, open_batch_stream, predict_labels,  # noqa: F401
-                         write_labels)
+from ._minibatch import (DaskBatchStream, map_rows, open_batch_stream,  # noqa: F401
+                         predict_labels, write_labels)
 from ._source import DaskSource, make_dask_source  # noqa: F401
 
 __all__ = ["DaskSource", "make_dask_source", "read_parquet_embeddings",

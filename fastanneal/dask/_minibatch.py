@@ -335,6 +335,42 @@ def write_labels(X, centers, path, *, ids=None, metric="euclidean", scheduler=No
             "counts": np.zeros(C.shape[0]) if m is None else m.hard_counts}
 
 
+def _prepared_block(x, metric, origin, block_info):
+    """One block of rows validated like a fitted chunk (the errors name its global rows),
+    measured from ``origin`` when given: a :class:`~fastanneal.dask._chunks.Chunk`."""
+    row0, index, expect = 0, 0, None
+    if block_info is not None and 0 in block_info:
+        loc = block_info[0]["array-location"]
+        row0, index = int(loc[0][0]), int(block_info[0]["chunk-location"][0])
+        expect = (loc[0][1] - loc[0][0], loc[1][1] - loc[1][0])
+    x = np.asarray(x)
+    dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
+    return ch.prepare_chunk(x, None, index, row0, metric, dtype, origin=origin,
+                            expect=expect)
+
+
+def _rows_block(x, C, metric, origin, fn, block_info=None):
+    """``fn(rows, C)`` of one validated block (an (m, K) result per block of rows)."""
+    chunk = _prepared_block(x, metric, origin, block_info)
+    return fn(chunk.X, C)
+
+
+def map_rows(X, C, metric, origin, fn, dtype, cols=None):
+    """``fn(rows, C)`` -> (m, cols) (default cols = K) for every row block of the Dask
+    array ``X``: a lazy (n, cols) Dask array (one task per row chunk; the rows validated
+    like a fit's)."""
+    X = as_dask_inputs(X).X
+    if X.ndim != 2:
+        raise ValueError(f"X must be 2-D (n_samples, n_features); got {X.ndim} dimensions")
+    if X.shape[1] != C.shape[1]:
+        raise ValueError(f"X has {X.shape[1]} features but the centers have {C.shape[1]}")
+    if len(X.chunks[1]) != 1:
+        X = X.rechunk({1: -1})
+    return X.map_blocks(_rows_block, C, metric_code(metric), origin, fn,
+                        chunks=(X.chunks[0], (C.shape[0] if cols is None else cols,)),
+                        dtype=dtype)
+
+
 def _predict_block(x, C, metric, origin=None, block_info=None):
     """Labels of one block (validated like a fitted chunk: the errors name its global rows;
     measured from ``origin`` when given)."""
