@@ -16,10 +16,11 @@ SPARSE_FRACTION = 0.125
 #: Candidate count above which entmax-1.5 uses bisection instead of sorting.
 ENTMAX_SORT_MAX = 48
 
-#: The number of the first row in error messages of the Dask route (read when a dataset is
-#: opened or a fit starts; 0 in the library, the ``fastanneal`` command sets 1 while it runs,
-#: as its in-memory and in-process routes count rows).
-ROW_BASE = 0
+#: The number of the first row in error messages of the Dask route (``ROW_BASE.get()``, read
+#: when a dataset is opened or a fit starts): 0 in the library; the ``fastanneal`` command
+#: sets 1 in its own context while it runs, as its in-memory and in-process routes count
+#: rows (a context variable: other threads and later calls keep 0).
+ROW_BASE = __import__("contextvars").ContextVar("fastanneal_row_base", default=0)
 
 #: CUDA: threads per block for the row kernels, and rows per block of the tiled kernels.
 CUDA_THREADS_PER_BLOCK = 256

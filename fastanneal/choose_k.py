@@ -11,7 +11,9 @@ effective clusters (moments only: every backend) and measures each K's plateau
                log(T_j / T_{j+1}),
 
 the last temperature of ``k_max`` ending at its predicted next transition
-(``max_k 2 lambda_max(C_k)`` of the ``k_max``-cluster state). A K that the path skipped
+(``max_k 2 lambda_max(C_k)`` of the ``k_max``-cluster state), but not below the path's floor
+(``1e-5`` of its start: a state of single-row cells would otherwise end it at rounding
+noise and make it the widest). A K that the path skipped
 (several clusters split at one temperature) has width 0.
 
 The rule: the *natural levels* are the K whose plateau is wider than two cooling steps and
@@ -377,7 +379,12 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling):
             J[k - k_min], F[k - k_min] = snap["J"], snap["F"]
     seen = [int(k) for k in ks if int(k) in phase.snapshots]
     if not seen:
-        raise ValueError("the annealing path reached no K in the range; raise max_steps")
+        path_k = [int(r[1]) for r in steps]
+        lo = max([k for k in path_k if k < k_min], default=1)
+        hi = min([k for k in path_k if k > k_max], default=None)
+        raise ValueError(f"the annealing path reached no K in {k_min}..{k_max}: it went from "
+                         f"{lo} to {hi} clusters at one temperature (several clusters split "
+                         f"together); widen the range (k_min <= {lo} or k_max >= {hi})")
     order = sorted(seen, key=lambda k: (-width[k - k_min], k))
     levels = natural_levels(ks, width, cooling)
     best = max(levels) if levels else order[0]

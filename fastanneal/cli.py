@@ -462,9 +462,13 @@ def _dask_setup(args, stack):
         if args.workers < 1:
             raise CLIError(f"--workers must be >= 1; got {args.workers}")
         from distributed import Client, LocalCluster
+        import logging
+        # the worker processes log a failed task as a "Compute Failed" block; the command
+        # reports the error itself, in one line
         cluster = stack.enter_context(LocalCluster(n_workers=int(args.workers),
                                                    threads_per_worker=1, processes=True,
-                                                   host="127.0.0.1", dashboard_address=None))
+                                                   host="127.0.0.1", dashboard_address=None,
+                                                   silence_logs=logging.CRITICAL))
         args._dask_scheduler = stack.enter_context(Client(cluster))
 
 
@@ -870,7 +874,7 @@ def main(argv=None):
     args._created = []
     previous = _terminate_as_interrupt()
     from . import _config
-    row_base, _config.ROW_BASE = _config.ROW_BASE, 1   # rows counted from 1 in messages
+    row_base = _config.ROW_BASE.set(1)                 # rows counted from 1 in messages
     import logging
     quiet_tasks = _DropComputeFailed()
     logging.getLogger("distributed.worker").addFilter(quiet_tasks)
@@ -906,7 +910,7 @@ def main(argv=None):
               "--debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
     finally:
-        _config.ROW_BASE = row_base
+        _config.ROW_BASE.reset(row_base)
         logging.getLogger("distributed.worker").removeFilter(quiet_tasks)
         if previous is not None:
             import signal

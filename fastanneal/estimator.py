@@ -690,9 +690,12 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         paths (or ``backend="dask"``), CUDA for ``backend="cuda"``, else in memory."""
         backend = self.backend
         is_dask = hasattr(X, "__dask_graph__")
-        lazy = isinstance(X, (str, os.PathLike)) or type(X).__name__ == "EmbeddingArrays"
+        paths = isinstance(X, (str, os.PathLike)) or (
+            isinstance(X, (list, tuple)) and len(X) > 0
+            and all(isinstance(p, (str, os.PathLike)) for p in X))
+        lazy = paths or type(X).__name__ == "EmbeddingArrays"
         if lazy and backend not in (None, "dask"):
-            what = "a path" if isinstance(X, (str, os.PathLike)) else "an EmbeddingArrays"
+            what = "a path" if paths else "an EmbeddingArrays"
             raise TypeError(f"X is {what}, which only the Dask backend reads; got "
                             f"backend={backend!r} "
                             "(use backend='dask' or None, or load the rows into an array)")

@@ -372,3 +372,15 @@ def test_auto_warns_when_no_k_is_supported():
     from fastanneal.queries import QueryClusters
     with pytest.raises(ValueError, match="needs k_max >= 2 \\(an integer\\); got 2.9"):
         QueryClusters("auto", k_max=2.9).fit([f"q{i}" for i in range(len(X))], X)
+
+
+def test_a_range_the_path_jumps_over_is_named():
+    """Four square blobs split 2 -> 4 at one temperature: k_min = k_max = 3 is never on the
+    path, and the error says so and how to widen the range."""
+    rng = np.random.default_rng(0)
+    sq = np.array([[0, 0], [0, 10], [10, 0], [10, 10]], float)
+    X = np.concatenate([c + 0.3 * rng.normal(size=(100, 2)) for c in sq])
+    with pytest.raises(ValueError, match=r"reached no K in 3\.\.3: it went from 2 to 4 "
+                                         r"clusters at one temperature.*k_min <= 2 or "
+                                         r"k_max >= 4"):
+        fastanneal.suggest_k(X, k_min=3, k_max=3, random_state=0)

@@ -890,8 +890,8 @@ def test_distance_epilogue_grid_puts_rows_on_x(gpu, rng, monkeypatch):
 
 
 def test_row_kernel_launch_rule(monkeypatch):
-    """The row kernels' launch: a warp per row up to K = 1024, one thread per 32 centers
-    above (at most 256), 2 rows per block; on a GPU the rows per block shrink for short
+    """The row kernels' launch: a warp per row below K = 2048, one thread per 32 centers
+    from there (at most 256), 2 rows per block; on a GPU the rows per block shrink for short
     chunks (large K) so that the grid keeps ``ROW_BLOCKS_PER_SM`` blocks per
     multiprocessor; explicit settings win (the shrink still applies to them)."""
     from fastanneal.cuda import _blas, source
@@ -999,3 +999,25 @@ def test_library_scratch_follows_the_accumulation_rows(gpu, rng, monkeypatch):
         monkeypatch.setattr(_config, "CUDA_BLAS_ACCUM_ROWS", rows)
         got = src.moments(C, T, 0, hard_sums=True)
         assert_moments_close(got, ref, 1e-12, T, 3, f"accum rows {rows}")
+
+
+def test_device_covariance_falls_back_to_the_host_when_it_does_not_fit(gpu, rng,
+                                                                      monkeypatch):
+    """Out of device memory for the float64 blocks (CuPy raises a MemoryError): the host
+    computes the covariance, and the library's pool is released either way."""
+    require_library_products()
+    from fastanneal._sources import exact_covariance
+    from fastanneal.cuda import _blas
+    released = []
+
+    def oom(self, *a, **k):
+        raise MemoryError("out of memory to allocate 1 bytes")
+    for cls in (_blas.CupyProducts, _blas.SimulatedProducts):
+        monkeypatch.setattr(cls, "scatter", oom)
+        monkeypatch.setattr(cls, "release", lambda self: released.append(1))
+    X, C, w = data(rng, 30, 4, 2, np.float64)
+    mean = np.average(X, axis=0, weights=w)
+    src = gpu.CudaSource(X, w, 0, products="cublas")
+    np.testing.assert_allclose(src.covariance(mean), exact_covariance(X, w, mean),
+                               rtol=1e-12)
+    assert released == [1]

@@ -717,7 +717,7 @@ def test_paths_and_embedding_arrays_take_the_dask_backend_by_themselves(client, 
                    path, row_group_size=200)
     arr = read_parquet_embeddings(path)
     ref = fa.AnnealedKMeans(3, random_state=0, backend="dask", scheduler=client).fit(arr)
-    for src in (arr, str(path), path):
+    for src in (arr, str(path), path, [path]):
         got = fa.AnnealedKMeans(3, random_state=0, scheduler=client).fit(src)
         np.testing.assert_array_equal(got.labels_, ref.labels_)
     for backend in ("cpu", "cuda"):
@@ -800,3 +800,21 @@ def test_inference_on_dask_input_is_lazy_and_equals_numpy(metric):
                                                  r"row 123"):
                 out = call(da.from_array(Xn, chunks=(70, 3)))
                 out.compute() if hasattr(out, "compute") else None
+
+
+def test_an_adaptive_cluster_scaled_to_zero_starts_its_workers(monkeypatch):
+    """A cluster that starts workers only for pending work (adapt(minimum=0)) is not "a
+    scheduler without workers": the fit's probe task makes it scale up."""
+    monkeypatch.setenv("FASTANNEAL_WORKER_TIMEOUT", "30")
+    cluster = distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=None)
+    cluster.adapt(minimum=0, maximum=1, interval="100ms")
+    c = distributed.Client(cluster, set_as_default=False)
+    try:
+        X = blobs(200, 2, 3, seed=1)[0]
+        km = fa.AnnealedKMeans(2, random_state=0, scheduler=c).fit(
+            da.from_array(X, chunks=(50, -1)))
+        ref = fa.AnnealedKMeans(2, random_state=0).fit(X)
+        assert ari(km.labels_, ref.labels_) == 1.0
+    finally:
+        c.close()
+        cluster.close()

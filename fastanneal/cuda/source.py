@@ -528,15 +528,20 @@ class CudaSource:
         if self._prod is None or self.n_rows == 0 or self.n_features > COVARIANCE_MAX_D:
             return exact_covariance(self._X_host, self._w_host, mean)
         D = self.n_features
-        dout = self._cuda.to_device(np.zeros((D, D)))
-        out = self._prod.view(dout)
         mean = np.asarray(mean, dtype=np.float64)
-        for ch in self._chunks(self._stage_rows()):
-            self._prod.scatter(ch.Xv[ch.off:ch.off + ch.m],
-                               self._prod.view(ch.w)[ch.off:ch.off + ch.m], mean, out)
-        cov = dout.copy_to_host() / self.total_weight
-        self._prod.release()
-        return cov
+        try:
+            dout = self._cuda.to_device(np.zeros((D, D)))
+            out = self._prod.view(dout)
+            for ch in self._chunks(self._stage_rows()):
+                self._prod.scatter(ch.Xv[ch.off:ch.off + ch.m],
+                                   self._prod.view(ch.w)[ch.off:ch.off + ch.m], mean, out)
+            return dout.copy_to_host() / self.total_weight
+        except MemoryError:
+            # the float64 blocks did not fit beside the rows (CuPy's OutOfMemoryError is a
+            # MemoryError): the host computes it
+            return exact_covariance(self._X_host, self._w_host, mean)
+        finally:
+            self._prod.release()
 
     def n_distinct_rows(self, rng, cap):
         from .._sources import n_distinct_rows

@@ -57,6 +57,9 @@ class ClientHandle:
         if info:
             return info
         timeout = float(os.environ.get("FASTANNEAL_WORKER_TIMEOUT", WORKER_TIMEOUT))
+        # a pending task: an adaptive cluster (adapt(minimum=0): dask-gateway, jobqueue)
+        # starts workers only when there is work
+        probe = self.client.submit(int, 1, pure=False)
         try:
             self.client.wait_for_workers(1, timeout=timeout)
         except Exception as exc:      # TimeoutError (distributed raises its own kinds too)
@@ -66,6 +69,8 @@ class ClientHandle:
                 f"the Dask scheduler at {addr} has no workers (waited {timeout:g} s): start "
                 f"some (`dask worker {addr}`), or set FASTANNEAL_WORKER_TIMEOUT to wait "
                 "longer") from exc
+        finally:
+            probe.cancel()
         return self.client.scheduler_info(n_workers=-1)["workers"]
 
     def n_worker_threads(self):

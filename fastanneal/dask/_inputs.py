@@ -228,7 +228,7 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
         dtype = _value_dtype(vt0)
     dtype = np.dtype(dtype)
     blocks, wblocks, iblocks = [], [], []
-    row0 = int(_config.ROW_BASE)                 # (rows in messages: the command counts from 1)
+    row0 = int(_config.ROW_BASE.get())           # (rows in messages: the command counts from 1)
     tok = dask.base.tokenize(files, column, weight, id, str(dtype), rows_per_chunk, row0,
                              [os.path.getmtime(f) if os.path.exists(f) else 0 for f in files])
     for j, (f, rgs, rows) in enumerate(pieces):

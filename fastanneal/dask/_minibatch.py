@@ -32,7 +32,7 @@ class _ChunkPlan(_Submitter):
         self.n_rows, self.n_features = (int(s) for s in X.shape)
         self.chunk_rows = tuple(int(c) for c in X.chunks[0])
         self.offsets = row_offsets(self.chunk_rows)
-        self.row_base = int(_config.ROW_BASE)        # the first row's number in messages
+        self.row_base = int(_config.ROW_BASE.get())  # the first row's number in messages
         self.xd = list(X.to_delayed().ravel())
         nc = len(self.xd)
         self.wd = list(data.weights.to_delayed().ravel()) if data.weights is not None \

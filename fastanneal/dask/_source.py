@@ -92,7 +92,7 @@ class DaskSource(_Submitter):
         self.n_rows, self.n_features = (int(s) for s in X.shape)
         self.chunk_rows = tuple(int(c) for c in X.chunks[0])
         self.offsets = row_offsets(self.chunk_rows)
-        self.row_base = int(_config.ROW_BASE)        # the first row's number in messages
+        self.row_base = int(_config.ROW_BASE.get())  # the first row's number in messages
         self._nthreads = handle.task_threads()
         xd = X.to_delayed().ravel()
         wd = w.to_delayed().ravel() if w is not None else [None] * len(xd)
@@ -110,15 +110,9 @@ class DaskSource(_Submitter):
         self._chunks = self.client.compute(tasks)
         try:
             futs = self.client.map(ch.chunk_stats, self._chunks, pure=False)
-            # every chunk finishes first: a bad input is reported for its first chunk, not
-            # for whichever chunk failed first in time
-            from distributed import wait
-            with self.client.as_current():
-                wait(futs)
-            for f in futs:
-                if f.status == "error":
-                    f.result()                   # raises the chunk's error
-            stats = self.client.gather(futs)
+            # in chunk order: a bad input is reported for its first chunk, not for whichever
+            # chunk failed first in time (and as soon as the chunks before it are done)
+            stats = [f.result() for f in futs]
         except BaseException:
             self._release()
             raise
