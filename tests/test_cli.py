@@ -771,19 +771,24 @@ def test_demo_into_a_folder_with_a_dot_in_its_name(capsys, tmp_path):
         "queries.clusters.csv", "queries.csv", "report.html"]
 
 
+def _bad_value_log(path, n, row, value, row_group_size):
+    """A Parquet log of ``make_table(n)`` whose row ``row`` (from 0) has ``value`` first."""
+    import pyarrow as pa
+    table, _, _ = make_table(n=n)
+    emb = table.column("emb").to_pylist()
+    emb[row] = [value] + emb[row][1:]
+    table = table.set_column(table.schema.get_field_index("emb"), "emb",
+                             pa.array(emb, type=table.schema.field("emb").type))
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
 def test_dask_route_counts_rows_as_the_other_routes(capfd, dirs):
     """``--backend dask`` names a bad row with the number the in-memory and in-process
     routes give (rows counted from 1), in memory and out of core, and prints one error line
     (not also the worker's "Compute Failed" block)."""
-    import pyarrow as pa
     i, o = dirs
-    table, _, _ = make_table(n=300)
-    emb = table.column("emb").to_pylist()
-    emb[211] = [float("nan")] + emb[211][1:]
-    table = table.set_column(table.schema.get_field_index("emb"), "emb",
-                             pa.array(emb, type=table.schema.field("emb").type))
-    inp = i / "nan.parquet"
-    pq.write_table(table, inp, row_group_size=50)
+    inp = _bad_value_log(i / "nan.parquet", 300, 211, float("nan"), 50)
     # (capfd: distributed's log handler writes to the process's stderr, which capsys
     # does not see; the worker processes of --workers write to the same descriptor)
     for extra in ([], ["--memory-limit", "1K"], ["--memory-limit", "1K", "--workers", "1"]):
@@ -808,14 +813,7 @@ def test_dask_route_error_is_one_line_in_a_real_process(tmp_path):
     the test harness does not capture) the in-process worker's "Compute Failed" block is
     filtered: the command prints its one error line only."""
     import subprocess
-    import pyarrow as pa
-    table, _, _ = make_table(n=120)
-    emb = table.column("emb").to_pylist()
-    emb[77] = [float("inf")] + emb[77][1:]
-    table = table.set_column(table.schema.get_field_index("emb"), "emb",
-                             pa.array(emb, type=table.schema.field("emb").type))
-    inp = tmp_path / "inf.parquet"
-    pq.write_table(table, inp, row_group_size=40)
+    inp = _bad_value_log(tmp_path / "inf.parquet", 120, 77, float("inf"), 40)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     r = subprocess.run([sys.executable, "-m", "fastanneal", "cluster", str(inp), "-o",
                         str(tmp_path / "o.csv"), "--k", "2", "--embedding-column", "emb", "-q",

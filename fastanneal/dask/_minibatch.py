@@ -355,17 +355,21 @@ def _rows_block(x, C, metric, origin, fn, block_info=None):
     return fn(chunk.X, C)
 
 
-def map_rows(X, C, metric, origin, fn, dtype, cols=None):
-    """``fn(rows, C)`` -> (m, cols) (default cols = K) for every row block of the Dask
-    array ``X``: a lazy (n, cols) Dask array (one task per row chunk; the rows validated
-    like a fit's)."""
+def _row_chunked(X, C):
+    """The Dask input ``X`` as a 2-D Dask array of ``C``'s features in one column chunk."""
     X = as_dask_inputs(X).X
     if X.ndim != 2:
         raise ValueError(f"X must be 2-D (n_samples, n_features); got {X.ndim} dimensions")
     if X.shape[1] != C.shape[1]:
         raise ValueError(f"X has {X.shape[1]} features but the centers have {C.shape[1]}")
-    if len(X.chunks[1]) != 1:
-        X = X.rechunk({1: -1})
+    return X.rechunk({1: -1}) if len(X.chunks[1]) != 1 else X
+
+
+def map_rows(X, C, metric, origin, fn, dtype, cols=None):
+    """``fn(rows, C)`` -> (m, cols) (default cols = K) for every row block of the Dask
+    array ``X``: a lazy (n, cols) Dask array (one task per row chunk; the rows validated
+    like a fit's)."""
+    X = _row_chunked(X, C)
     return X.map_blocks(_rows_block, C, metric_code(metric), origin, fn,
                         chunks=(X.chunks[0], (C.shape[0] if cols is None else cols,)),
                         dtype=dtype)
@@ -375,18 +379,7 @@ def _predict_block(x, C, metric, origin=None, block_info=None):
     """Labels of one block (validated like a fitted chunk: the errors name its global rows;
     measured from ``origin`` when given)."""
     from .._moments import assign
-    row0, index = 0, 0
-    if block_info is not None and 0 in block_info:
-        row0 = int(block_info[0]["array-location"][0][0])
-        index = int(block_info[0]["chunk-location"][0])
-    expect = None
-    if block_info is not None and 0 in block_info:
-        loc = block_info[0]["array-location"]
-        expect = (loc[0][1] - loc[0][0], loc[1][1] - loc[1][0])
-    x = np.asarray(x)
-    dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
-    chunk = ch.prepare_chunk(x, None, index, row0, metric, dtype, origin=origin,
-                             expect=expect)
+    chunk = _prepared_block(x, metric, origin, block_info)
     if chunk.rows == 0:
         return np.zeros(0, dtype=np.int64)
     return assign(chunk.X, C, metric, _prepared=True)[0]
@@ -423,14 +416,8 @@ def predict_labels(X, centers, metric="euclidean", origin=None):
         if origin is not None:
             C = C - origin
     if is_dask_collection(X):
-        X = as_dask_inputs(X).X
-        if X.ndim != 2:
-            raise ValueError(f"X must be 2-D (n_samples, n_features); got {X.ndim} dimensions")
-        if X.shape[1] != C.shape[1]:
-            raise ValueError(f"X has {X.shape[1]} features but the centers have {C.shape[1]}")
-        if len(X.chunks[1]) != 1:
-            X = X.rechunk({1: -1})
-        return X.map_blocks(_predict_block, C, mc, origin, drop_axis=1, dtype=np.int64)
+        return _row_chunked(X, C).map_blocks(_predict_block, C, mc, origin, drop_axis=1,
+                                             dtype=np.int64)
     X = as_float_matrix(X, "X", finite=False)
     if X.shape[1] != C.shape[1]:
         raise ValueError(f"X has {X.shape[1]} features but the centers have {C.shape[1]}")
