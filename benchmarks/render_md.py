@@ -114,14 +114,23 @@ def r_dask(d):
 
 def r_gpu(d):
     rows = []
-    for t in d["timing"]:
-        for mode, v in t["modes"].items():
-            rows.append({"K": t["K"], "mode": mode, "s": v["seconds"],
-                         "r": v["ratio_to_gemm"], "g": t["gemm_seconds"]})
+    for t in d.get("timing", []):
+        for mode, v in t.get("modes", {}).items():
+            rows.append({"K": t["K"], "mode": mode, "p": t["products"].split()[0],
+                         "s": v["seconds"], "r": v["ratio_to_gemm"], "g": t["gemm_seconds"]})
     out = table(rows, [("K", "K", "d"), ("mode", "pass (N=1e6, D=384)", ""),
-                       ("s", "seconds", ".3f"), ("g", "cuBLAS GEMM s", ".4f"),
-                       ("r", "× GEMM", ".1f")])
-    return out + f"\n\n_Device: {d['meta'].get('device')}; correctness: {d['status']}._"
+                       ("p", "products", ""), ("s", "seconds", ".3f"),
+                       ("g", "cuBLAS GEMM s", ".4f"), ("r", "× GEMM", ".1f")])
+    meta = d["meta"]
+    out += (f"\n\n_Device: {meta.get('device')}; numba {meta.get('numba')}; correctness: "
+            f"{d['status']}; `{' '.join(['gpu_check.py'] + meta.get('argv', []))}`._")
+    big = d.get("k20000")
+    if big and "seconds" in big:
+        lloyd = big.get("cupy_lloyd", {})
+        out += (f"\n\n_1M × 256, K = 20,000: 25 annealing passes in {big['seconds']:.1f} s"
+                + (f"; plain CuPy Lloyd 25 iterations {lloyd['seconds']:.1f} s"
+                   if "seconds" in lloyd else "") + "._")
+    return out
 
 
 def r_hubness(d):
