@@ -113,3 +113,20 @@ def test_settle_study_table_renders_from_its_json():
     assert lines[2] == ("| a20 | 1.000000 / 1.000020 | 0 / 1 | CI = 0: 2 → 2 | 1/2 (step 3) "
                         "| 30.0 → 14.5 | 0.70 |")
     assert "ARI 0.5000 → 0.4900" in lines[3] and "| 0/2 |" in lines[3]
+
+
+def test_gpu_table_renders_the_committed_gpu_check_json():
+    """``render_md.r_gpu`` renders BENCHMARKS §8's generated block from the committed
+    ``gpu_check.json`` (an H200 run): every timed pass with its products path, and the
+    K = 20,000 line; the block in BENCHMARKS.md is that rendering."""
+    import render_md
+    d = render_md.load("gpu_check")
+    md = render_md.r_gpu(d)
+    rows = [ln for ln in md.splitlines() if ln.startswith("| 256 |") or
+            ln.startswith("| 1024 |")]
+    assert len(rows) == sum(len(t["modes"]) for t in d["timing"]) == 6
+    assert all("| cublas |" in r for r in rows)
+    assert "25 annealing passes in" in md and "correctness: PASS" in md
+    bench = (Path(render_md.__file__).resolve().parents[1] / "BENCHMARKS.md").read_text()
+    block = bench.split("<!-- BEGIN gpu_check -->\n")[1].split("\n<!-- END gpu_check -->")[0]
+    assert block == md
