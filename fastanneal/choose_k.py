@@ -147,6 +147,9 @@ class KSuggestion:
         ``T_c = 2 lambda_max(C)`` of the data (first transition).
     k_max : int
         The ``k_max`` the path was run to.
+    trivial_k : int or None
+        ``k_max`` when it equals the number of distinct rows (every row its own cluster: a
+        plateau of the data's granularity, never suggested), else None.
     trace : Trace
         The path's :class:`~fastanneal._trace.Trace` (temperature, F, J, ...; its
         ``n_distinct`` counts codevectors, twins included).
@@ -175,6 +178,9 @@ class KSuggestion:
     path_temperature: np.ndarray = field(repr=False, default=None)
     path_clusters: np.ndarray = field(repr=False, default=None)
     n_rows: int = 0
+    #: ``k_max`` when it equals the number of distinct rows (every row its own cluster):
+    #: never suggested and not counted against ``best`` in :attr:`supported`; else None
+    trivial_k: int = None
 
     @property
     def supported(self):
@@ -189,7 +195,8 @@ class KSuggestion:
         i = int(np.nonzero(self.ks == self.best)[0][0])
         wb = float(self.width[i])
         other = [w for k, w in zip(self.ks, self.width)
-                 if int(k) != self.best and int(k) not in self.levels]
+                 if int(k) != self.best and int(k) not in self.levels
+                 and int(k) != self.trivial_k]
         runner = max(other) if other else 0.0
         return bool(wb > 2.0 * step + 1e-12 and wb >= 1.5 * runner)
 
@@ -322,7 +329,14 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
                       f"{max_steps} temperature steps, before k_max={k_max}: the plateaus "
                       f"of K > {reached} were not measured (raise max_steps)",
                       E.AnnealingWarning, stacklevel=3)
-    out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last, cooling)
+    # k_max equal to the number of distinct rows: that level is every row its own cluster,
+    # stable at every temperature below its entry -- a plateau of the data's granularity,
+    # not a clustering; it is never suggested (its own generator: the fit's stream stays)
+    from ._sources import EIG_SEED
+    trivial = k_max if k_max in phase.snapshots and source.n_distinct_rows(
+        np.random.default_rng(EIG_SEED), k_max + 1) <= k_max else None
+    out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last, cooling,
+                trivial)
     out.cooling = float(cooling)
     out.path_temperature = np.array([r[0] for r in phase.steps])
     out.path_clusters = np.array([r[1] for r in phase.steps], dtype=np.int64)
@@ -353,7 +367,7 @@ def natural_levels(ks, width, cooling):
     return [int(k) for k in ks[ok]]
 
 
-def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling):
+def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivial=None):
     ks = np.arange(k_min, k_max + 1)
     m = ks.shape[0]
     width = np.zeros(m)
@@ -385,15 +399,15 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling):
         raise ValueError(f"the annealing path reached no K in {k_min}..{k_max}: it went from "
                          f"{lo} to {hi} clusters at one temperature (several clusters split "
                          f"together); widen the range (k_min <= {lo} or k_max >= {hi})")
-    order = sorted(seen, key=lambda k: (-width[k - k_min], k))
-    levels = natural_levels(ks, width, cooling)
+    order = sorted(seen, key=lambda k: (k == trivial, -width[k - k_min], k))
+    levels = [k for k in natural_levels(ks, width, cooling) if k != trivial]
     best = max(levels) if levels else order[0]
     order = [best] + [k for k in order if k != best]
     return KSuggestion(best=best, ranking=order, levels=levels, ks=ks, width=width, t_in=t_in,
                        t_out=t_out, hard_distortion=J, free_energy=F,
                        critical_temperature=float(T_c), k_max=int(k_max), trace=trace,
                        snapshots=phase.snapshots, temperature_start=float(T0),
-                       scale=float(scale))
+                       scale=float(scale), trivial_k=trivial)
 
 
 #: Rows of the sample the path runs on out of core (``suggest_k(max_rows=...)``).
@@ -415,7 +429,9 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
         core in this process: the path runs on a uniform sample of ``max_rows`` rows
         (default 100,000), drawn in one pass over the row groups.
     k_max : int
-        The most clusters the path splits into (the cost grows with it).
+        The most clusters the path splits into (the cost grows with it). When it equals
+        the number of distinct rows, that level (every row its own cluster) is ranked but
+        never suggested.
     k_min : int >= 2, default=2
         The fewest clusters to rank.
     sample_weight : (n,) array or None, default=None

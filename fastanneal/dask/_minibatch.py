@@ -96,11 +96,20 @@ class _ChunkPlan(_Submitter):
         pending = deque(enumerate(indices))
         inflight = {}
         done = {}
+        failed = {}                     # position -> the erred future (kept to raise it)
         total = None
         results = []
         nxt = 0
         try:
             while pending or inflight:
+                if failed:
+                    # a chunk erred: submit nothing after it, and raise the error of the
+                    # first erred chunk in order once every chunk before it is done (the
+                    # same message whichever task failed first in time)
+                    first = min(failed)
+                    if all(j > first for j in inflight.values()):
+                        failed[first].result()
+                    pending = deque(p for p in pending if p[0] < first)
                 while pending and len(inflight) < window:
                     j, i = pending.popleft()
                     extra = dict(per_chunk(i) if per_chunk is not None else {},
@@ -114,7 +123,10 @@ class _ChunkPlan(_Submitter):
                     res = wait(list(inflight), return_when="FIRST_COMPLETED")
                 for f in res.done:
                     j = inflight.pop(f)
-                    done[j] = f.result()      # raises the chunk's error
+                    if f.status == "error":
+                        failed[j] = f
+                        continue
+                    done[j] = f.result()
                     f.release()
                 while nxt in done:
                     part = done.pop(nxt)
@@ -123,6 +135,8 @@ class _ChunkPlan(_Submitter):
                     else:
                         total = part if total is None else combine(total, part)
                     nxt += 1
+            if failed:
+                failed[min(failed)].result()            # raises the first chunk's error
         except BaseException:
             for f in inflight:
                 f.cancel()
