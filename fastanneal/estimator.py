@@ -692,7 +692,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         is_dask = hasattr(X, "__dask_graph__")
         paths = isinstance(X, (str, os.PathLike)) or (
             isinstance(X, (list, tuple)) and len(X) > 0
-            and all(isinstance(p, (str, os.PathLike)) for p in X))
+            and all(isinstance(p, os.PathLike) or (isinstance(p, str) and (
+                p.endswith(".parquet") or os.path.exists(p))) for p in X))
         lazy = paths or type(X).__name__ == "EmbeddingArrays"
         if lazy and backend not in (None, "dask"):
             what = "a path" if paths else "an EmbeddingArrays"
@@ -882,7 +883,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         if not sug.supported:
             warnings.warn(f"n_clusters='auto': no K in {int(self.k_min)}..{int(self.k_max)} is "
                           f"clearly supported by the data (no wide plateau on the annealing "
-                          f"path); fitting K = {K}, where the path's widest plateau is. See "
+                          f"path); fitting the suggested K = {K} anyway. See "
                           "k_suggestion_.table()", AnnealingWarning, stacklevel=4)
         snap = sug.snapshots[K]
         C, p = _merged(snap, source.metric)
