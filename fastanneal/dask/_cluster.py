@@ -56,7 +56,12 @@ class ClientHandle:
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         if info:
             return info
-        timeout = float(os.environ.get("FASTANNEAL_WORKER_TIMEOUT", WORKER_TIMEOUT))
+        raw = os.environ.get("FASTANNEAL_WORKER_TIMEOUT", WORKER_TIMEOUT)
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"FASTANNEAL_WORKER_TIMEOUT must be a number of seconds; got "
+                             f"{raw!r}") from None
         # a pending task: an adaptive cluster (adapt(minimum=0): dask-gateway, jobqueue)
         # starts workers only when there is work
         probe = self.client.submit(int, 1, pure=False)
