@@ -451,12 +451,16 @@ def _dask_setup(args, stack):
     if args.workers is not None and args.scheduler is not None:
         raise CLIError("give either --workers (a local cluster) or --scheduler (an existing one)")
     if args.scheduler is not None:
-        from .dask._cluster import SchedulerConnectionError, connect
+        from .dask._cluster import ClientHandle, SchedulerConnectionError, connect
         try:
             client = connect(args.scheduler)
         except (ValueError, SchedulerConnectionError) as e:
             raise CLIError(f"--scheduler: {e}") from None
         stack.callback(client.close)
+        try:
+            ClientHandle(client).require_workers()      # before reading anything
+        except (ValueError, RuntimeError) as e:
+            raise CLIError(f"--scheduler: {e}") from None
         args._dask_scheduler = client
     elif args.workers is not None:
         if args.workers < 1:

@@ -829,3 +829,25 @@ def test_sigterm_leaves_no_temporary_output(tmp_path, inp):
     assert p.returncode == 143, p.stderr
     assert "terminated" in p.stderr
     assert os.listdir(out.parent) == []
+
+
+def test_a_scheduler_without_workers_is_one_line_before_reading(tmp_path, inp):
+    """``--scheduler`` pointing at a scheduler that has no workers: one line naming it (and
+    the variable that waits longer), exit 2, no output, before the log is read."""
+    distributed = pytest.importorskip("distributed")
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    cluster = distributed.LocalCluster(n_workers=0, processes=False, protocol="tcp",
+                                       host="127.0.0.1", dashboard_address=None)
+    try:
+        env = dict(os.environ, FASTANNEAL_CONNECT_TIMEOUT="5", FASTANNEAL_WORKER_TIMEOUT="1")
+        p = subprocess.run([sys.executable, "-m", "fastanneal", "cluster", str(src), "-o",
+                            str(tmp_path / "r.csv"), "--k", "2", "--embedding-column", "emb",
+                            "--backend", "dask", "--scheduler", cluster.scheduler_address],
+                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    finally:
+        cluster.close()
+    assert_one_line_error(p.returncode, p.stderr, "--scheduler", "has no workers",
+                          "FASTANNEAL_WORKER_TIMEOUT")
+    assert "reading" not in p.stderr
+    assert not (tmp_path / "r.csv").exists()
