@@ -89,17 +89,6 @@ def _nearest_rows(X, C, metric):
     return _assign(X, C, metric_code(metric), _prepared=True)[1][:, None]
 
 
-def _checked_weights(w, block_info=None):
-    """One block of sample weights as float64, refused with its first bad row named."""
-    w = np.asarray(w, dtype=np.float64)
-    row0 = block_info[0]["array-location"][0][0] if block_info and 0 in block_info else 0
-    for what, bad in (("NaN or infinity", ~np.isfinite(w)), ("negative values", w < 0)):
-        idx = np.flatnonzero(bad)
-        if idx.size:
-            raise ValueError(f"sample_weight contains {what}; first at row {row0 + idx[0]}")
-    return w
-
-
 def _real(v):
     """A real number that is not a bool (``True`` is not a temperature)."""
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
@@ -398,7 +387,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 if w.shape != d.shape:
                     raise ValueError(f"sample_weight.shape == {w.shape}, expected "
                                      f"({d.shape[0]},)!")
-                w = w.rechunk({0: d.chunks[0]}).map_blocks(_checked_weights, dtype=np.float64)
+                from .dask._chunks import checked_weights
+                w = w.rechunk({0: d.chunks[0]}).map_blocks(checked_weights, dtype=np.float64)
                 d = d * w
             return -float(d.sum().compute())
         X = self._check_X(X)

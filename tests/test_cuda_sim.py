@@ -677,16 +677,22 @@ def test_products_selection_without_cupy(gpu, monkeypatch):
     assert src.products == "numba" and "CuPy is not usable" in src.products_reason
 
 
+def numpy_plays_cupy():
+    """The selection tests let NumPy play CuPy on the simulator's host-backed device arrays;
+    with FASTANNEAL_REAL_CUDA=1 (never in CI) real device arrays have no host ndarray, so
+    they skip there, and the real CuPy selection is exercised by the library-product
+    tests instead."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        pytest.skip("FASTANNEAL_REAL_CUDA=1: NumPy can play CuPy only on the simulator's "
+                    "host-backed arrays (the real CuPy selection runs in the library tests)")
+
+
 def test_products_selection_checks_the_library_before_using_it(gpu, monkeypatch):
     """On a GPU, "auto" takes cuBLAS only after one tiny product through it is right: a
     library that imports but computes wrong numbers (or fails) leaves the numba.cuda
     products in charge, with the reason; "cublas" then fails naming it. (The simulator's
     NumPy stand-in plays CuPy here.)"""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        # FASTANNEAL_REAL_CUDA=1: real device arrays have no host ndarray for NumPy to play
-        # CuPy on; the real selection is exercised there by the library-product tests
-        pytest.skip("FASTANNEAL_REAL_CUDA=1: NumPy can play CuPy only on the simulator's "
-                    "host-backed arrays (the real CuPy selection runs in the library tests)")
+    numpy_plays_cupy()
     from fastanneal.cuda import _blas
     monkeypatch.setattr(_blas, "_simulator", lambda: False)
     monkeypatch.setattr(_blas, "CupyProducts", _blas.SimulatedProducts)
@@ -925,9 +931,7 @@ def test_library_check_runs_once_per_library_and_device(gpu, monkeypatch):
     """The tiny checked product that "auto" / "cublas" selection runs before trusting the
     library runs once per process, library and device; its verdict, failure included, is
     kept (a source made per Parquet batch does not launch it again)."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        pytest.skip("FASTANNEAL_REAL_CUDA=1: NumPy can play CuPy only on the simulator's "
-                    "host-backed arrays (the real CuPy selection runs in the library tests)")
+    numpy_plays_cupy()
     from fastanneal.cuda import _blas
     monkeypatch.setattr(_blas, "_simulator", lambda: False)
     monkeypatch.setattr(_blas, "_SMOKED", {})

@@ -791,7 +791,8 @@ def test_inference_on_dask_input_is_lazy_and_equals_numpy(metric):
             assert km.score(Xd, sample_weight=sw) == pytest.approx(ref, rel=1e-12)
         bad = w.copy()
         bad[222] = -1.0
-        with pytest.raises(ValueError, match="negative values; first at row 222"):
+        with pytest.raises(ValueError, match=r"negative values \(1 rows; the first is row "
+                                             r"222\)"):
             km.score(Xd, sample_weight=da.from_array(bad, chunks=45))
         Xn = X.copy()
         Xn[123, 2] = np.nan

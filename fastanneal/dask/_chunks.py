@@ -35,13 +35,33 @@ def weight_stats(w, index, row0):
     None}`` of one chunk of weights (rows counted from ``row0``)."""
     w = np.asarray(w, dtype=np.float64).ravel()
     out = {}
-    for what, bad in (("NaN", np.isnan(w)), ("infinity", np.isinf(w)),
-                      ("negative values", w < 0)):
+    for what, bad in zip(WEIGHT_FAULTS, (np.isnan(w), np.isinf(w), w < 0)):
         idx = np.flatnonzero(bad)
         out[what] = (int(idx.size), row0 + int(idx[0])) if idx.size else None
     with np.errstate(over="ignore", invalid="ignore"):
         out["sum"] = float(w.sum())
     return out
+
+
+WEIGHT_FAULTS = ("NaN", "infinity", "negative values")
+
+
+def raise_bad_weights(stats):
+    """The ``ValueError`` for the first fault found in :func:`weight_stats` records (one
+    chunk's, or several chunks' in row order), naming how many rows and the first."""
+    for what in WEIGHT_FAULTS:
+        bad = [s[what] for s in stats if s[what] is not None]
+        if bad:
+            raise ValueError(f"sample_weight contains {what} ({sum(b[0] for b in bad)} rows; "
+                             f"the first is row {bad[0][1]})")
+
+
+def checked_weights(w, block_info=None):
+    """One block of a Dask array of weights as float64, refused (:func:`raise_bad_weights`)
+    when it holds a NaN, an infinity or a negative weight (for ``map_blocks``)."""
+    row0 = block_info[0]["array-location"][0][0] if block_info and 0 in block_info else 0
+    raise_bad_weights([weight_stats(w, 0, row0)])
+    return np.asarray(w, dtype=np.float64)
 
 
 def set_threads(nthreads):

@@ -72,12 +72,7 @@ class _ChunkPlan(_Submitter):
         parts = self.client.gather(self.client.compute(
             [dask.delayed(ch.weight_stats, pure=True)(w, i, int(self.offsets[i]) + self.row_base)
              for i, w in enumerate(self.wd)]))
-        for what in ("NaN", "infinity", "negative values"):
-            bad = [p[what] for p in parts if p[what] is not None]
-            if bad:
-                n, first = sum(b[0] for b in bad), bad[0][1]
-                raise ValueError(f"sample_weight contains {what} ({n} rows; the first is row "
-                                 f"{first})")
+        ch.raise_bad_weights(parts)
         with np.errstate(over="ignore"):
             return float(sum(p["sum"] for p in parts))
 
