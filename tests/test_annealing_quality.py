@@ -84,7 +84,10 @@ def test_the_first_temperatures_carry_uncertainty_that_pays():
     reduced to Lloyd passes and the re-allocation moves -- ends with a higher objective on
     many of these problems (``benchmarks/study_start_temperature.py``, set ``overlap2d``, 20
     fits: 9 more than 0.1 % higher, 1 lower, summed inertia +0.32 %; BENCHMARKS 10). With
-    the annealing switched off the two fits are one and the test fails."""
+    the annealing switched off the two fits are one and the test fails. The near-break-even
+    re-allocation moves (twenty-first session) rescue some cold starts: on these 20 fits 13
+    were more than 0.1 % higher and none lower without them (mean +1.5 %), 9 higher and 2
+    lower (-1.4 %, -0.2 %) with them (mean +0.85 %)."""
     ent, cold_ent, gain = [], [], []
     for data_seed in range(100, 110):
         X = overlap2d(data_seed)
@@ -97,9 +100,9 @@ def test_the_first_temperatures_carry_uncertainty_that_pays():
     gain = np.array(gain)
     assert np.median(ent) > 0.1                 # real uncertainty at the first temperature
     assert np.median(cold_ent) < 1e-3           # the control really starts decided
-    assert (gain > 1e-3).sum() >= 10            # measured: 13 of 20
-    assert (gain < -1e-3).sum() <= 1            # measured: 0 of 20
-    assert gain.mean() > 0.0075                 # measured: 1.5 %
+    assert (gain > 1e-3).sum() >= 8             # measured: 9 of 20
+    assert (gain < -1e-3).sum() <= 2            # measured: 2 of 20
+    assert gain.mean() > 0.005                  # measured: 0.85 %
 
 
 def test_reallocation_never_increases_J_and_records_its_moves():
@@ -116,6 +119,61 @@ def test_reallocation_never_increases_J_and_records_its_moves():
     assert km.n_reallocations_ >= 1 and 2 <= hard.sum() <= 2 + km.n_reallocations_
     assert np.all(np.diff(J) < 0)                          # every kept move lowered J
     assert km.inertia_ <= J[-1] * (1 + 1e-12)
+
+
+def overlapping(seed=7, n=120, k=15, d=8, sep=1.6):
+    """15 overlapping Gaussian clusters in 8-D, spreads 0.6-1.2, centers N(0, 1.6^2)."""
+    rng = np.random.default_rng(seed)
+    C = rng.standard_normal((k, d)) * sep
+    return np.concatenate([c + rng.standard_normal((n, d)) * rng.uniform(0.6, 1.2) for c in C])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_near_break_even_moves_lower_J_where_first_order_moves_stop(seed, monkeypatch):
+    """On overlapping data a move whose split gains less than its merge costs, at first
+    order (the other centers held fixed), can still lower ``J`` once Lloyd moves the
+    neighbouring centers too. Measured on this set: without those moves the fit stops at a
+    partition where no first-order move exists (seed 0: no move kept at all) and ``J`` is
+    0.7 % (seed 0) / 1.1 % (seed 1) above the fit with them."""
+    from fastanneal import _engine as E
+    X = overlapping()
+    proposed = []
+    orig = E.propose_moves
+
+    def spy(*a, **k):
+        batch = orig(*a, **k)
+        if k.get("slack") is not None:
+            proposed.extend(batch)
+        return batch
+    monkeypatch.setattr(E, "propose_moves", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        km = AnnealedKMeans(15, random_state=seed).fit(X)
+        monkeypatch.setattr(E, "MAX_SPECULATIVE_MOVES", 0)
+        first_order = AnnealedKMeans(15, random_state=seed).fit(X)
+    assert proposed and km.n_reallocations_ > first_order.n_reallocations_
+    assert km.inertia_ < first_order.inertia_ * (1 - 5e-3)
+    d = km.trace_.as_dict()
+    assert np.all(np.diff(d["hard_distortion"][d["step"] == -1]) < 0)   # J never rose
+    if seed == 0:
+        assert first_order.n_reallocations_ == 0
+
+
+def test_near_break_even_proposal():
+    """``propose_moves(..., slack=)``: the one move of largest ``gain[s] - merge[r]`` among
+    ``gain[s] >= slack * merge[r]``, a mutual pair once, tried pairs skipped, no move when
+    nothing reaches the slack."""
+    from fastanneal._engine import propose_moves
+    gain = np.array([10.0, 9.0, 0.0, 1.0])
+    merge = np.array([12.0, 12.0, 11.0, 11.0])
+    partner = np.array([1, 0, 3, 2])            # pairs {0, 1} and {2, 3}
+    # the best: split 0 (10) with the pair {2, 3} (11), once, as (0, 2, 3)
+    assert propose_moves(gain, merge, partner, 4, set(), slack=0.7) == [(0, 2, 3)]
+    assert propose_moves(gain, merge, partner, 4, {(0, 2)}, slack=0.7) == [(1, 2, 3)]
+    assert propose_moves(gain, merge, partner, 4, {(0, 2), (1, 2)}, slack=0.7) == []
+    assert propose_moves(gain, merge, partner, 4, set(), slack=0.95) == []
+    # without slack nothing gains at first order
+    assert propose_moves(gain, merge, partner, 4, set()) == []
 
 
 def test_minibatch_seeds_are_reallocated_on_the_seeding_sample():
