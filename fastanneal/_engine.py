@@ -997,9 +997,12 @@ def reallocate_state(ctx, st, hook=None):
     ``l``" wherever the gain exceeds the cost, best first, up to ``K // 4`` at once; the
     two halves' means and the merged mean are the new centers. Lloyd from them (at most 3
     passes to judge) must lower ``J`` or the batch is halved; a single move that fails is
-    not proposed again until a move is kept. The phase ends when no move is worth
-    proposing or after ``cfg.max_failed_moves`` (default 8) rejected single moves in a
-    row, then runs Lloyd to convergence. Every quantity is a pass of the moment source
+    not proposed again until a move is kept. Once no move gains at first order, up to
+    ``MAX_SPECULATIVE_MOVES`` near-break-even single moves (split gain at least
+    ``MOVE_SLACK`` x merge cost) are tried since the last kept move, each kept only when
+    Lloyd lowers ``J`` by ``SPECULATIVE_MIN_GAIN`` (relative). The phase ends when no move
+    is worth proposing or after ``cfg.max_failed_moves`` (default 8) rejected single moves
+    in a row, then runs Lloyd to convergence. Every quantity is a pass of the moment source
     (hard moments with hard sums, Lanczos on covariance products), so it runs on every
     backend. The state is saved after each kept batch (resume repeats the proposals
     rejected since then, deterministically).
