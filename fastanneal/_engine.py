@@ -948,20 +948,26 @@ def propose_moves(gain, merge, partner, width, tried, slack=None):
     on overlapping data such moves often lower ``J`` by more than the first-order deficit;
     ``docs/theory.md`` section 6.7)."""
     if slack is not None:
-        best, best_v = None, -np.inf
-        for s in range(len(gain)):
-            if not gain[s] > 0:
+        # for each merge, the best split is the first allowed one in falling-gain order:
+        # O(K log K + |tried|) (a double loop over all pairs took 0.4 s at K = 1024)
+        order_s = [int(s) for s in np.argsort(-gain, kind="stable")]
+        best, best_key = None, None
+        for r in range(len(merge)):
+            l = int(partner[r])
+            if l < r and int(partner[l]) == r:
+                continue                # the same pair as (l, r): tried once
+            m = merge[r]
+            if not m < np.inf:
                 continue
-            for r in range(len(merge)):
-                l = int(partner[r])
-                if l < r and int(partner[l]) == r:
-                    continue            # the same pair as (l, r): tried once
-                if (r == s or l == s or (s, r) in tried or not merge[r] * slack <= gain[s]
-                        or not merge[r] < np.inf):
+            for s in order_s:
+                if not (gain[s] > 0 and m * slack <= gain[s]):
+                    break               # the gains only fall from here
+                if s == r or s == l or (s, r) in tried:
                     continue
-                v = gain[s] - merge[r]
-                if v > best_v:
-                    best, best_v = (s, r, l), v
+                key = (m - gain[s], s, r)   # largest gain - merge, then the lowest (s, r)
+                if best_key is None or key < best_key:
+                    best, best_key = (s, r, l), key
+                break
         return [] if best is None else [best]
     order_r = np.argsort(merge, kind="stable")
     used, batch = set(), []
