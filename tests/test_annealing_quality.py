@@ -128,15 +128,10 @@ def overlapping(seed=7, n=120, k=15, d=8, sep=1.6):
     return np.concatenate([c + rng.standard_normal((n, d)) * rng.uniform(0.6, 1.2) for c in C])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_near_break_even_moves_lower_J_where_first_order_moves_stop(seed, monkeypatch):
-    """On overlapping data a move whose split gains less than its merge costs, at first
-    order (the other centers held fixed), can still lower ``J`` once Lloyd moves the
-    neighbouring centers too. Measured on this set: without those moves the fit stops at a
-    partition where no first-order move exists (seed 0: no move kept at all) and ``J`` is
-    0.7 % (seed 0) / 1.1 % (seed 1) above the fit with them."""
+@pytest.fixture
+def near_break_even_moves(monkeypatch):
+    """The near-break-even moves the fits of a test propose (``propose_moves(slack=)``)."""
     from fastanneal import _engine as E
-    X = overlapping()
     proposed = []
     orig = E.propose_moves
 
@@ -146,6 +141,20 @@ def test_near_break_even_moves_lower_J_where_first_order_moves_stop(seed, monkey
             proposed.extend(batch)
         return batch
     monkeypatch.setattr(E, "propose_moves", spy)
+    return proposed
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_near_break_even_moves_lower_J_where_first_order_moves_stop(seed, monkeypatch,
+                                                                    near_break_even_moves):
+    """On overlapping data a move whose split gains less than its merge costs, at first
+    order (the other centers held fixed), can still lower ``J`` once Lloyd moves the
+    neighbouring centers too. Measured on this set: without those moves the fit stops at a
+    partition where no first-order move exists (seed 0: no move kept at all) and ``J`` is
+    0.7 % (seed 0) / 1.1 % (seed 1) above the fit with them."""
+    from fastanneal import _engine as E
+    X = overlapping()
+    proposed = near_break_even_moves
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         km = AnnealedKMeans(15, random_state=seed).fit(X)
@@ -159,22 +168,14 @@ def test_near_break_even_moves_lower_J_where_first_order_moves_stop(seed, monkey
         assert first_order.n_reallocations_ == 0
 
 
-def test_near_break_even_budget_is_per_kept_move(monkeypatch):
+def test_near_break_even_budget_is_per_kept_move(monkeypatch, near_break_even_moves):
     """Up to 3 near-break-even moves are tried since the last kept move, and the count
     starts again after each kept one. On 25 overlapping 6-D clusters (seed 1) the fit keeps
     such moves again and again (10 tried, a third try kept once); measured J with at most
     0 / 1 / 2 / 3 of them: 13987.6 / 13987.1 / 13953.4 / 13903.4."""
     from fastanneal import _engine as E
     X = overlapping(3, k=25, d=6, sep=1.5)
-    proposed = []
-    orig = E.propose_moves
-
-    def spy(gain, merge, partner, width, tried, slack=None):
-        batch = orig(gain, merge, partner, width, tried, slack=slack)
-        if slack is not None:
-            proposed.extend(batch)
-        return batch
-    monkeypatch.setattr(E, "propose_moves", spy)
+    proposed = near_break_even_moves
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         km = AnnealedKMeans(25, random_state=1).fit(X)
@@ -185,29 +186,19 @@ def test_near_break_even_budget_is_per_kept_move(monkeypatch):
     assert km.inertia_ < one.inertia_ * (1 - 2e-3)
 
 
-def test_near_break_even_moves_stay_cheap_when_k_exceeds_the_groups(monkeypatch):
+def test_near_break_even_moves_stay_cheap_when_k_exceeds_the_groups(near_break_even_moves):
     """K = 256 codevectors on 64 Gaussian groups (20,000 x 64): the pieces of one group can
     be re-shuffled by near-break-even moves that lower ``J`` by ~1e-5 each, and there are
     many. Measured: keeping every such move (``SPECULATIVE_MIN_GAIN`` 1e-9) tried 23 of them,
     kept 15, in 138 passes (on an H200 at 1M x 384, K = 1,024: 256 passes, 71 s against 14 s);
     with the 1e-4 rule, 3 tried (the budget) and none kept, 65 passes."""
-    from fastanneal import _engine as E
     rng = np.random.default_rng(0)
     means = rng.standard_normal((64, 64)).astype(np.float32) * 2.0
     X = rng.standard_normal((20_000, 64), dtype=np.float32) + means[rng.integers(64, size=20_000)]
-    tried = []
-    orig = E.propose_moves
-
-    def spy(*a, **k):
-        batch = orig(*a, **k)
-        if k.get("slack") is not None:
-            tried.extend(batch)
-        return batch
-    monkeypatch.setattr(E, "propose_moves", spy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         km = AnnealedKMeans(256, random_state=0).fit(X)
-    assert len(tried) == 3                      # the documented budget, none kept
+    assert len(near_break_even_moves) == 3      # the documented budget, none kept
     assert km.n_iter_ <= 95
 
 
