@@ -71,8 +71,8 @@ MAX_SPECULATIVE_MOVES = 3
 #: gain ~1e-5 each, and there are many of them).
 SPECULATIVE_MIN_GAIN = 1e-4
 #: Lanczos steps for the cells' top directions in the move statistics (the gain of the cut
-#: along whatever direction results is exact; 6 steps find the same moves as 10 on the
-#: CLINC150 domains and CLINC150 itself, at 60 % of the matvecs).
+#: along whatever direction results is exact): 60 % of the matvecs of the earlier 10, neutral
+#: on CLINC150's domains, slightly worse on overlapping Gaussian mixtures (docs/theory.md 6.7).
 MOVE_EIG_ITER = 6
 
 
