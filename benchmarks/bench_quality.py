@@ -44,6 +44,21 @@ def load_clinc(path=CLINC, n_labels=None):
     return np.ascontiguousarray(X), y
 
 
+def clinc_domains(names=None, path=CLINC):
+    """``(domain, X, y)`` for the CLINC150 domains ``names`` (default: all ten, in
+    ``_study.CLINC_DOMAINS`` order): float32 rows as stored, intents numbered 0..14."""
+    import pyarrow.parquet as pq
+    import _study
+    t = pq.read_table(path, columns=["embedding", "label"])
+    Xall = np.asarray(t.column("embedding").combine_chunks().flatten(),
+                      dtype=np.float32).reshape(t.num_rows, -1)
+    lab = np.asarray(t.column("label").to_pylist())
+    for dom in (names or _study.CLINC_DOMAINS):
+        keep = np.isin(lab, _study.CLINC_DOMAINS[dom])
+        _, y = np.unique(lab[keep], return_inverse=True)
+        yield dom, np.ascontiguousarray(Xall[keep]), y
+
+
 def synthetic_blobs(n, d, k, rng, spread=1.0):
     means = rng.standard_normal((k, d)) * 3.0
     y = rng.integers(0, k, n)
@@ -179,17 +194,9 @@ def main(argv=None):
             if not CLINC.exists():
                 print(f"skipping clinc-domains: {CLINC} not found")
                 continue
-            import _study
-            import pyarrow.parquet as pq
-            t = pq.read_table(CLINC, columns=["embedding", "label"])
-            Xall = np.asarray(t.column("embedding").combine_chunks().flatten(),
-                              dtype=np.float32).reshape(t.num_rows, -1)
-            lab = np.asarray(t.column("label").to_pylist())
-            for dom, intents in _study.CLINC_DOMAINS.items():
-                keep = np.isin(lab, intents)
-                _, y = np.unique(lab[keep], return_inverse=True)
-                rows += run_methods(f"clinc150/{dom}", np.ascontiguousarray(Xall[keep]), y,
-                                    int(y.max() + 1), "cosine", seeds, schedules)
+            for dom, X, y in clinc_domains():
+                rows += run_methods(f"clinc150/{dom}", X, y, int(y.max() + 1), "cosine",
+                                    seeds, schedules)
         elif ds == "blobs":
             n, k = (5000, 20) if args.quick else (30000, 50)
             X, y = synthetic_blobs(n, 32, k, rng, spread=2.2)

@@ -31,23 +31,15 @@ def main(argv=None):
     ap.add_argument("--restarts", type=int, default=200)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    import pyarrow.parquet as pq
     from sklearn.cluster import KMeans
     from sklearn.metrics import adjusted_rand_score
 
-    import _study
-    from bench_quality import CLINC, spherical_objective
+    from bench_quality import CLINC, clinc_domains, spherical_objective
     import fastanneal as fa
     if not CLINC.exists():
         print(f"{CLINC} not found")
         return 1
-    t = pq.read_table(CLINC, columns=["embedding", "label"])
-    Xall = np.asarray(t.column("embedding").combine_chunks().flatten(),
-                      dtype=np.float32).reshape(t.num_rows, -1)
-    lab = np.asarray(t.column("label").to_pylist())
-    keep = np.isin(lab, _study.CLINC_DOMAINS[args.domain])
-    _, y = np.unique(lab[keep], return_inverse=True)
-    X = np.ascontiguousarray(Xall[keep])
+    _, X, y = next(clinc_domains([args.domain]))
     Xu = X / np.linalg.norm(X, axis=1, keepdims=True)
     K = int(y.max() + 1)
     out = {"domain": args.domain, "rows": int(X.shape[0]), "K": K,

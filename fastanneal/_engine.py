@@ -94,8 +94,6 @@ class EngineConfig:
     progress: Optional[object] = None  # callable(step, T, record) for progress bars
     reallocate: bool = False          # phase-transition re-allocation moves after the polish
     max_failed_moves: Optional[int] = None   # default 8 (rejected single moves)
-    # near-break-even moves tried since the last kept move (default MAX_SPECULATIVE_MOVES)
-    max_speculative_moves: Optional[int] = None
     stop_when_hard: bool = True       # end the schedule once it can no longer change anything
 
 
@@ -1019,8 +1017,6 @@ def reallocate_state(ctx, st, hook=None):
     if K < 2:
         return
     max_fail = cfg.max_failed_moves or 8
-    max_spec = (MAX_SPECULATIVE_MOVES if cfg.max_speculative_moves is None
-                else cfg.max_speculative_moves)
     trial_iter = min(cfg.max_polish_iter, 3)           # Lloyd passes to judge a move
     rs = st.rule_state
     if "W" in rs:           # resumed after a kept move: its state, not another Lloyd run
@@ -1042,7 +1038,7 @@ def reallocate_state(ctx, st, hook=None):
             stats = move_statistics(ctx, st, C, W, S)
         batch = propose_moves(stats.gain, stats.merge, stats.partner, width, tried)
         need = 1e-9                   # the relative fall of J that keeps a batch
-        if not batch and speculative < max_spec:
+        if not batch and speculative < MAX_SPECULATIVE_MOVES:
             batch = propose_moves(stats.gain, stats.merge, stats.partner, 1, tried,
                                   slack=MOVE_SLACK)
             speculative += len(batch)
