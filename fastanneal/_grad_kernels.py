@@ -24,6 +24,11 @@ so the responsibilities of pass 2 are bit-identical to those behind ``N`` and ``
 
 The row ranges run on fastanneal's threads (``fastanneal/_pool.py``: serial kernels, range 0
 in the calling thread); BLAS (``np.dot``) runs inside them: the caller pins it to one thread.
+Unlike the moments passes, the number of row ranges here does not follow the thread count
+(:func:`grad_ranges`): the gradient solver's Adam steps amplify a change in the last bit of
+a sum about tenfold every ten steps, so a per-thread association of the sums made its fits
+depend on the thread count (up to 10 % of the labels); with a fixed association they are
+bit-identical for any number of threads.
 """
 import math
 
@@ -117,6 +122,22 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
     return math.log(s) - sez / s
 
 
+#: Row ranges of the gradient passes, whatever the number of threads (each range its own
+#: partial sums, added in range order) ...
+GRAD_RANGES = 16
+#: ... fewer when their per-range sums would take more than this many bytes in all
+GRAD_ACC_BYTES = 1 << 28
+
+
+def grad_ranges(n, block, rows_per_range, D):
+    """Number of row ranges of a gradient pass over ``n`` rows: ``GRAD_RANGES`` (no more
+    than there are blocks, at least one), fewer when ``rows_per_range`` accumulator rows of
+    ``D`` float64 per range would exceed ``GRAD_ACC_BYTES``. A function of the data's shape
+    only, never of the thread count."""
+    cap = max(1, GRAD_ACC_BYTES // max(1, 8 * rows_per_range * D))
+    return row_ranges(n, block, min(GRAD_RANGES, cap))
+
+
 def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
     """Pass 1: ``(N, S, sum_i w_i H_i)`` of all rows of ``X``.
 
@@ -125,12 +146,13 @@ def grad_forward_kernel(X, w, Ct, csq, T, metric, resp, block, sort_max, nth):
     """
     n, D = X.shape
     K = Ct.shape[1]
-    nch = row_ranges(n, block, _pool.threads_for(nth, n * (K + D)))
-    accN = np.zeros((nch, K + PAD))          # padded per thread: see _kernels.PAD
+    nch = grad_ranges(n, block, K + pad_rows(D), D)
+    accN = np.zeros((nch, K + PAD))          # padded per range: see _kernels.PAD
     accS = np.zeros((nch, K + pad_rows(D), D))
     accH = np.zeros((nch, PAD))
-    _pool.run(_grad_forward_ranges, (X, w, Ct, csq, T, metric, resp, block, sort_max, accN,
-                                     accS, accH), nch)
+    _pool.run_groups(_grad_forward_ranges, (X, w, Ct, csq, T, metric, resp, block, sort_max,
+                                            accN, accS, accH), nch,
+                     _pool.threads_for(nth, n * (K + D)))
     return accN[:, :K].sum(axis=0), accS[:, :K].sum(axis=0), float(accH[:, 0].sum())
 
 
@@ -190,12 +212,14 @@ def grad_backward_kernel(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, r
     """
     n, D = X.shape
     K2 = 2 * (B.shape[0] // 3)
-    nch = row_ranges(n, block, _pool.threads_for(nth, n * (B.shape[0] + D)))
-    accA = np.zeros((nch, K2 + pad_rows(D), D))     # padded per thread: see PAD
+    nch = grad_ranges(n, block, K2 + pad_rows(D), D)
+    accA = np.zeros((nch, K2 + pad_rows(D), D))     # padded per range: see PAD
     acca = np.zeros((nch, K2 + PAD))
     accC = np.zeros((nch, PAD))
-    _pool.run(_grad_backward_ranges, (X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric,
-                                      resp, block, sort_max, gX, accA, acca, accC), nch)
+    _pool.run_groups(_grad_backward_ranges, (X, w, B, Bt, csq, musq, gmu, N, invW, lam, T,
+                                             metric, resp, block, sort_max, gX, accA, acca,
+                                             accC), nch,
+                     _pool.threads_for(nth, n * (B.shape[0] + D)))
     return float(accC[:, 0].sum()), accA[:, :K2].sum(axis=0), acca[:, :K2].sum(axis=0)
 
 

@@ -18,8 +18,11 @@ mean, which the estimator computes):
   RMS spread of one coordinate: Adam's normalized step is at most about ``lr`` per
   coordinate, so one step moves a center by at most about ``learning_rate * sqrt(scale)``
   (Euclidean norm) whatever the temperature (the raw gradient scales like ``1 / T``);
-* ``margin`` (``phi="hinge"``) and ``eps`` (``phi="log"``) are in units of ``scale``
-  (they are squared distances).
+* ``margin`` (``phi="hinge"``) and ``eps`` (``phi="log"``, default ``1e-12``) are in units
+  of ``scale`` (they are squared distances);
+* ``adam_eps`` is in units of ``sqrt(scale)``, the unit of the gradient, so that a fit of
+  ``s * X`` is ``s`` times the fit of ``X`` (``phi="log"`` excepted: ``log`` of a squared
+  distance is not scale-free, so its ``L_sep`` weighs differently at another scale).
 
 Drift (Euclidean metric): ``L`` depends on the centers only through the responsibilities,
 and a sharper partition has a smaller ``L_comp``, so Adam also lowers ``L`` by moving the
@@ -139,7 +142,7 @@ class AdamRule:
         elif margin is not None:
             raise ValueError(f"margin applies only to phi='hinge'; got phi={phi!r}")
         if self.pc == G_.PHI_LOG:
-            self.eps = LOG_EPS_DEFAULT if eps is None else float(eps) * scale
+            self.eps = (LOG_EPS_DEFAULT if eps is None else float(eps)) * scale
             if not 0 < self.eps < math.inf:
                 raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
         elif eps is not None:
@@ -150,6 +153,10 @@ class AdamRule:
         self.adam_eps = float(adam_eps)
         if not 0 < self.adam_eps < math.inf:
             raise ValueError(f"adam_eps must be a finite number > 0; got {adam_eps!r}")
+        # in the gradient's own unit, sqrt(scale) (a squared distance differentiated by a
+        # center): an absolute offset made the fit depend on the data's scale (at 2^-20 of
+        # it Adam's steps became plain gradient steps of ~1e-8)
+        self.adam_eps *= math.sqrt(scale)
         self.betas = (b1, b2)
         self.reset_adam = bool(reset_adam)
         self.lr_abs = lr * math.sqrt(scale / max(D, 1))
@@ -230,7 +237,7 @@ def anneal_gradient(source, C0, schedule, T_start, T_end, cfg, rng, scale, trace
         As :func:`fastanneal.gradient.value_and_grad`; ``margin`` and ``eps`` in units of
         ``scale``.
     adam_eps : float, default 1e-8
-        Adam's denominator offset (gradient units).
+        Adam's denominator offset, in units of ``sqrt(scale)`` (the gradient's unit).
     reset_adam : bool, default True
         Reset Adam's moments at every new temperature.
     anchor_weight : float >= 0, default 0.0

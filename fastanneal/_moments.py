@@ -297,13 +297,15 @@ def _prepare(X, centers, metric):
     X = as_float_matrix(X, "X", finite=False)
     mc = metric_code(metric)
     sq = check_rows(X, "X", check_scale=mc != 1)
-    C = as_float_matrix(centers, "centers", dtype=X.dtype, allow_empty=False)
+    # centers in float64 until they are in the rows' frame: float32 rows far from the
+    # origin would otherwise get centers rounded at their own magnitude before the shift
+    # (1e-3 at 1e4), an error no centering can take back
+    C = as_float_matrix(centers, "centers", dtype=np.float64, allow_empty=False)
     if C.shape[1] != X.shape[1]:
         raise ValueError(f"centers have {C.shape[1]} features but X has {X.shape[1]}")
     if mc == 1:
         X = normalize_rows(X, "X", sqnorms=sq)       # unit rows: in range by construction
         C = normalize_rows(C, "centers")
-    check_range(C, "centers", too_small=X.shape[0] == 0)   # (rows in range: see check_range)
     shift = None
     if mc == 0 and X.shape[0]:
         # rows far from the origin relative to their spread: measured from their mean (a
@@ -311,7 +313,14 @@ def _prepare(X, centers, metric):
         # "Rows far from the origin"); distances, responsibilities and labels are the same
         X, shift = centered_rows(X, sqnorms=sq)
         if shift is not None:
-            C = np.ascontiguousarray(C.astype(np.float64) - shift, dtype=X.dtype)
+            C = C - shift
+    if X.dtype != np.float64:
+        big = float(np.abs(C).max())
+        if big > float(np.finfo(X.dtype).max):
+            raise ValueError(f"centers hold values up to {big:.3g}, beyond the range of X's "
+                             f"dtype {X.dtype}; rescale the data or pass X as float64")
+        C = np.ascontiguousarray(C, dtype=X.dtype)
+    check_range(C, "centers", too_small=X.shape[0] == 0)   # (rows in range: see check_range)
     return X, C, mc, shift
 
 
@@ -371,6 +380,11 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
     rc = resp_code(responsibilities)
     T = check_temperature(T, allow_zero=(rc == 2))
     w = as_weights(weights, X.shape[0], "weights")
+    with np.errstate(over="ignore"):
+        W = float(w.sum())
+    if not math.isfinite(W):
+        raise ValueError(f"weights sum to infinity (largest weight {float(w.max()):.3g}): "
+                         "the moments are sums weighted by them; rescale the weights")
     log_prior = _check_log_prior(log_prior, C.shape[0])
     return _unshift(compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums), shift)
 

@@ -91,6 +91,22 @@ def run(fn, args, nch):
         raise error
 
 
+def run_groups(fn, args, nch, nthreads):
+    """``fn(*args, t0, t1)`` over the ranges ``0 .. nch`` in ``nthreads`` contiguous groups
+    (as :func:`run`: group 0 in the calling thread). For kernels whose number of ranges --
+    so the association of their sums -- must not depend on the thread count."""
+    nthreads = max(1, min(int(nthreads), int(nch)))
+    if nthreads <= 1:
+        fn(*args, 0, nch)
+        return
+    run(_group_task, (fn, args, nch, nthreads), nthreads)
+
+
+def _group_task(fn, args, nch, nthreads, g0, g1):
+    for g in range(g0, g1):
+        fn(*args, g * nch // nthreads, (g + 1) * nch // nthreads)
+
+
 def run_rows(fn, n, nch, args_of):
     """Row-parallel kernels: ``fn(*args_of(r0, r1))`` over ``nch`` contiguous row ranges
     (``args_of`` slices the per-row arguments), in the same way as :func:`run`."""

@@ -42,7 +42,7 @@ def as_float_matrix(X, name="X", dtype=None, allow_empty=True, finite=True):
         raise TypeError(f"{name} is a lazy Dask collection; use the Dask backend "
                         "(AnnealedKMeans.fit accepts a dask array) or call .compute()")
     check_not_sparse(X, name)
-    X = np.asarray(X)
+    X = np.asarray(_numeric_frame(X))
     if X.dtype == object:
         raise ValueError(f"{name} has dtype object; expected a numeric 2-D array")
     if X.dtype.kind not in "biuf":
@@ -60,6 +60,26 @@ def as_float_matrix(X, name="X", dtype=None, allow_empty=True, finite=True):
     if finite:
         check_finite(X, name)
     return X
+
+
+def _numeric_frame(X):
+    """A pandas DataFrame whose columns are all numeric, nullable extension dtypes included
+    (``Float32``, ``Float64``, ``Int64``, ``boolean``): its values as a float array (float32
+    when every column is float32; missing values become NaN, which the finiteness check
+    names). Anything else is returned as it is."""
+    if not (type(X).__module__.startswith("pandas") and hasattr(X, "dtypes")
+            and getattr(X, "ndim", 0) == 2):
+        return X
+    kinds = []
+    for dt in X.dtypes:
+        nd = getattr(dt, "numpy_dtype", dt)
+        if not isinstance(nd, np.dtype) or nd.kind not in "biuf":
+            return X                      # a non-numeric column: np.asarray names it
+        kinds.append(nd)
+    if all(isinstance(dt, np.dtype) for dt in X.dtypes):
+        return X                          # plain NumPy columns: np.asarray keeps the dtype
+    target = np.float32 if kinds and all(k == np.float32 for k in kinds) else np.float64
+    return X.to_numpy(dtype=target, na_value=np.nan)
 
 
 def row_sqnorms(X):

@@ -667,9 +667,20 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             if self.mass_constrained is True:
                 raise ValueError("solver='gradient' has no mass-constrained prior; use "
                                  "mass_constrained=False or 'auto'")
-            if not isinstance(self.gradient_steps, numbers.Integral) or self.gradient_steps < 1:
-                raise ValueError(f"gradient_steps must be a positive integer; got "
-                                 f"{self.gradient_steps!r}")
+            gs = self.gradient_steps
+            if not isinstance(gs, numbers.Integral) or isinstance(gs, bool) or gs < 1:
+                raise ValueError(f"gradient_steps must be a positive integer; got {gs!r}")
+            # the solver's numbers, named by their parameter before any pass over the data
+            for name, lo, none_ok in (("learning_rate", "> 0", False),
+                                      ("separation_weight", None, False),
+                                      ("phi_margin", "> 0", True), ("phi_eps", "> 0", True)):
+                v = getattr(self, name)
+                if v is None and none_ok:
+                    continue
+                if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or \
+                        not math.isfinite(float(v)) or (lo and not float(v) > 0):
+                    raise ValueError(f"{name} must be a finite number{' ' + lo if lo else ''}"
+                                     f"; got {v!r}")
         if self.backend not in (None, "cpu", "cuda", "dask"):
             raise ValueError(f"backend must be None, 'cpu', 'cuda' or 'dask'; got {self.backend!r}")
         return rc

@@ -146,3 +146,47 @@ def test_zeros_is_two_sided_identity(p):
         for f in FIELDS:
             assert np.array_equal(getattr(r, f), getattr(m, f)), f
         assert (r.temperature, r.responsibilities, r.metric) == (T, resp, metric)
+
+
+def test_float32_rows_far_from_the_origin_keep_float64_centers_until_centered():
+    """Centers (float64, e.g. from Moments.finalize) are measured from the rows' mean before
+    they are rounded to the rows' float32: rounding them at their own magnitude (1e-3 at
+    1e4) first put responsibilities 3e-3 off the float64 answer."""
+    rng = np.random.default_rng(4)
+    X32 = (1e4 + rng.normal(size=(400, 5))).astype(np.float32)
+    C = X32[:4].astype(np.float64) + 0.1 + rng.normal(size=(4, 5)) * 0.3
+    X64 = X32.astype(np.float64)
+    r32, r64 = fa.responsibilities(X32, C, 0.5), fa.responsibilities(X64, C, 0.5)
+    assert r32.dtype == np.float32
+    assert np.abs(r32 - r64).max() < 1e-5
+    m32, m64 = fa.moments(X32, C, 0.5), fa.moments(X64, C, 0.5)
+    assert np.abs(m32.N - m64.N).max() < 1e-5 * m64.N.max()
+    assert abs(m32.free_energy - m64.free_energy) < 1e-5 * abs(m64.free_energy)
+    with pytest.raises(ValueError, match="beyond the range of X's dtype float32"):
+        fa.moments(X32, np.full((2, 5), 1e39), 0.5)
+
+
+def test_moments_refuse_weights_that_sum_to_infinity():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(1000, 3))
+    with pytest.raises(ValueError, match="weights sum to infinity"):
+        fa.moments(X, X[:2], 1.0, weights=np.full(1000, 1e306))
+    m = fa.moments(X, X[:2], 1.0, weights=np.full(1000, 1e300))    # large but finite: fine
+    assert np.isfinite(m.free_energy) and np.isfinite(m.S).all()
+
+
+@pytest.mark.parametrize("dtype", ["Float64", "Float32", "Int64"])
+def test_functions_take_pandas_nullable_frames(dtype):
+    pd = pytest.importorskip("pandas")
+    rng = np.random.default_rng(1)
+    X = np.round(rng.normal(size=(60, 3)) * 4)
+    C = X[:3]
+    df = pd.DataFrame(X).astype(dtype)
+    r = fa.responsibilities(df, C, 2.0)
+    assert r.dtype == (np.float32 if dtype == "Float32" else np.float64)
+    np.testing.assert_allclose(r, fa.responsibilities(X, C, 2.0), atol=1e-6)
+    m = fa.moments(df, C, 2.0)
+    np.testing.assert_allclose(m.N, fa.moments(X, C, 2.0).N, rtol=1e-6)
+    df.iloc[5, 1] = pd.NA
+    with pytest.raises(ValueError, match="NaN .*row 5, column 1"):
+        fa.moments(df, C, 2.0)
