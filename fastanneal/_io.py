@@ -118,8 +118,13 @@ def read_table(path, fmt=None, string_columns=()):
         if fmt in ("csv", "tsv"):
             import pyarrow.csv as pacsv
             _check_utf8(p)
-            parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
-                                       newlines_in_values=True)
+            # TSV is linear (each line a row, each tab a separator, quotes are text: how
+            # query logs are exported by cut, Hive and warehouse dumps; a phrase query
+            # '"iphone 15 case' must not open a quoted cell that swallows the lines up to the
+            # next quote); CSV is quoted as usual
+            parse = (pacsv.ParseOptions(delimiter="\t", quote_char=False,
+                                        newlines_in_values=False) if fmt == "tsv" else
+                     pacsv.ParseOptions(delimiter=",", newlines_in_values=True))
             # every column is read as text: the output keeps each cell as it was written
             # ("007" stays "007", "1.50" stays "1.50"); numbers are parsed where needed
             with pacsv.open_csv(str(p), parse_options=parse) as reader:
@@ -623,6 +628,31 @@ def _csv_ready(table):
     return pa.table(cols, names=table.column_names)
 
 
+def _tsv_cells(col):
+    """A column as linear-TSV cells: text as it is (quotes included), null as empty; only
+    a cell holding a tab or a line break -- which linear TSV cannot hold -- is written
+    CSV-quoted (the one lossless choice; such data is better written as CSV or Parquet)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        col = pc.cast(col, pa.string())
+    bad = pc.fill_null(pc.match_substring_regex(col, "[\t\n\r]"), False)
+    if pc.any(bad).as_py():
+        quoted = pc.binary_join_element_wise(
+            pa.scalar('"', col.type), pc.replace_substring(col, '"', '""'),
+            pa.scalar('"', col.type), pa.scalar("", col.type))
+        col = pc.if_else(bad, quoted, col)
+    return pc.fill_null(col, "")
+
+
+def _tsv_lines(cols, n):
+    """``n`` rows of the columns ``cols`` as linear-TSV lines (bytes)."""
+    if n == 0:
+        return b""
+    cells = [_tsv_cells(c) for c in cols]
+    lines = pc.binary_join_element_wise(*cells, "\t") if len(cells) > 1 else cells[0]
+    return ("\n".join(lines.to_pylist()) + "\n").encode("utf-8")
+
+
 def _json_value(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -660,13 +690,19 @@ class TableWriter:
         self._f = None
 
     def write(self, table):
-        if self.fmt in ("csv", "tsv"):
+        if self.fmt == "tsv":
+            t = _csv_ready(table)
+            if self._f is None:
+                self._f = open(self.path, "wb")
+                self._f.write(_tsv_lines([pa.array([c], pa.string()) for c in t.column_names],
+                                         1))
+            self._f.write(_tsv_lines([t.column(c) for c in t.column_names], t.num_rows))
+        elif self.fmt == "csv":
             import pyarrow.csv as pacsv
             t = _csv_ready(table)
             if self._w is None:
                 self._schema = t.schema
-                self._w = pacsv.CSVWriter(self.path, t.schema, write_options=pacsv.WriteOptions(
-                    delimiter="\t" if self.fmt == "tsv" else ","))
+                self._w = pacsv.CSVWriter(self.path, t.schema)
             self._w.write_table(t.cast(self._schema) if t.schema != self._schema else t)
         elif self.fmt == "parquet":
             import pyarrow.parquet as pq

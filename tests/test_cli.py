@@ -60,8 +60,11 @@ def write_any(table, path):
                               for v in col.to_pylist()]
             else:
                 cols[name] = col
-        pacsv.write_csv(pa.table(cols), path,
-                        write_options=pacsv.WriteOptions(delimiter="\t" if ext == ".tsv" else ","))
+        if ext == ".tsv":            # linear TSV (no quoting), as query logs are exported
+            from fastanneal._io import write_table as _write
+            _write(pa.table(cols), path)
+        else:
+            pacsv.write_csv(pa.table(cols), path)
     elif ext == ".jsonl":
         with open(path, "w", encoding="utf-8") as f:
             for row in table.to_pylist():
@@ -77,7 +80,7 @@ def read_any(path):
         return pq.read_table(path)
     if path.suffix in (".csv", ".tsv"):
         return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(
-            delimiter="\t" if path.suffix == ".tsv" else ","),
+            delimiter="\t", quote_char=False) if path.suffix == ".tsv" else None,
             convert_options=pacsv.ConvertOptions(column_types={"id": pa.string()}))
     import pyarrow.json as pajson
     return pajson.read_json(path)

@@ -851,3 +851,47 @@ def test_a_scheduler_without_workers_is_one_line_before_reading(tmp_path, inp):
                           "FASTANNEAL_WORKER_TIMEOUT")
     assert "reading" not in p.stderr
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_tsv_is_linear_quotes_are_text_and_no_row_is_merged(capsys, tmp_path):
+    """A TSV query log with phrase searches: a query that starts with a double quote must
+    not open a quoted cell (it swallowed the lines up to the next quote: 3 rows lost and
+    one row clustered with another's embedding, exit 0), and quotes come back as written."""
+    rng = np.random.default_rng(0)
+    n = 60
+    X = rng.normal(size=(n, 4)) + np.repeat(np.eye(4)[:2] * 6, n // 2, axis=0)
+    queries = [f"query {i}" for i in range(n)]
+    queries[31], queries[34], queries[40] = '"iphone 15 case', 'tv 55"', '"best laptops" 2024'
+    lines = ["id\tquery\temb"] + [
+        f"r{i}\t{q}\t[{', '.join(repr(float(v)) for v in X[i])}]" for i, q in enumerate(queries)]
+    src = tmp_path / "log.tsv"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out.tsv"
+    rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb",
+                     "--id-column", "id", "--k", 2, "-q")
+    assert rc == 0, err
+    body = out.read_text(encoding="utf-8").splitlines()
+    head = body[0].split("\t")
+    rows = [ln.split("\t") for ln in body[1:]]
+    assert len(rows) == n
+    ids = [r[head.index("id")] for r in rows]
+    got = [r[head.index("query")] for r in rows]
+    assert ids == [f"r{i}" for i in range(n)]
+    assert got == queries                                   # quotes are text, verbatim
+    lab = np.array([int(r[head.index("cluster")]) for r in rows])
+    assert len(set(lab[:30])) == 1 and len(set(lab[30:])) == 1 and lab[0] != lab[59]
+
+
+def test_tsv_output_quotes_only_cells_that_linear_tsv_cannot_hold(tmp_path):
+    from fastanneal._io import read_table, write_table
+    t = pa.table({"q": ['a "b"', "tab\there", "line\nbreak", None, "plain"],
+                  "x": [1.5, 2.0, None, 4.0, -0.25]})
+    p = tmp_path / "o.tsv"
+    write_table(t, p)
+    text = p.read_text(encoding="utf-8")
+    assert text.startswith('q\tx\na "b"\t1.5\n"tab\there"\t2\n"line\nbreak"\t\n\t4\nplain\t-0.25')
+    t2 = pa.table({"q": ['a "b"', '"open', 'close"', "plain"], "x": ["007", "1", "2", "3"]})
+    write_table(t2, p)
+    back = read_table(p)                  # read back: linear TSV, every cell as written
+    assert back.column("q").to_pylist() == t2.column("q").to_pylist()
+    assert back.column("x").to_pylist() == ["007", "1", "2", "3"]
