@@ -59,7 +59,10 @@ def _unit(M):
 
 
 def assignments(est, X, block_entries=1 << 21, runner_up=False):
-    """``(labels, probability, margin, cosine_to_center)`` computed blockwise: the soft
+    """``(labels, probability, margin, centrality)`` computed blockwise (``centrality``: the
+    row's cosine to its center with the cosine metric, minus its squared distance to it
+    with the Euclidean one -- higher is more central either way; the cosine about the
+    origin says nothing about Euclidean rows away from it); the soft
     responsibility of the assigned cluster (``predict_proba``'s default) never needs the
     full N x K matrix; with a probability temperature it comes from the same distance pass
     as the labels (:func:`fastanneal._moments.label_rows`). ``runner_up``: also the second-nearest center of every row
@@ -85,20 +88,22 @@ def assignments(est, X, block_entries=1 << 21, runner_up=False):
     cos = np.empty(n, dtype=np.float64)
     second = np.empty(n, dtype=np.int64)
     Cu = _unit(C)
+    euclid = est.metric != "cosine"
     for s in range(0, n, block):
         Xb = X[s:s + block]
         if fused:
-            lab, _, mar, sec, p = label_rows(Xb, C, est.probability_temperature_, logp,
-                                             est.metric)
+            lab, dmin, mar, sec, p = label_rows(Xb, C, est.probability_temperature_, logp,
+                                                est.metric)
             prob[s:s + block] = p
         else:
-            lab, _, mar, sec = assign(Xb, C, est.metric, return_second=True)
+            lab, dmin, mar, sec = assign(Xb, C, est.metric, return_second=True)
             P = est.predict_proba(Xb)
             prob[s:s + block] = P[np.arange(lab.shape[0]), lab]
         labels[s:s + block] = lab
         second[s:s + block] = sec
         margin[s:s + block] = mar if K > 1 else np.inf
-        cos[s:s + block] = np.einsum("ij,ij->i", _unit(Xb), Cu[lab])
+        cos[s:s + block] = (-np.asarray(dmin, dtype=np.float64) if euclid else
+                            np.einsum("ij,ij->i", _unit(Xb), Cu[lab]))
     if K == 1:
         margin[:] = np.nan
     if runner_up:

@@ -120,7 +120,7 @@ class QueryClusters:
     def cluster_info(self):
         """The cluster table (``pyarrow.Table``), largest cluster first: cluster, size,
         weight, share, label (c-TF-IDF terms), central_query, representative_queries,
-        cohesion (mean cosine to the center), terms, central_row (the central query's row,
+        cohesion (mean cosine to the center; Euclidean metric: minus the mean squared distance), terms, central_row (the central query's row,
         counted from 1 like a line of the input; ``assignments()["row"]`` counts from 0)
         and central_id (with ``ids``)."""
         self._check()

@@ -565,8 +565,11 @@ def build_report(title, summary, trace, clusters, centers, metric="cosine",
     parts.append(f'<h2 id="clusters-h">Clusters ({K:,})</h2>')
     parts.append('<p class="muted">Largest first. <b>label</b>: the most distinctive terms '
                  "of the cluster (class-based TF-IDF); <b>representative queries</b>: distinct "
-                 "members closest to the center; <b>cohesion</b>: mean cosine of the members to "
-                 "the center (1 = identical); <b>nearest clusters</b>: the most similar other "
+                 "members closest to the center; <b>cohesion</b>: "
+                 + ("mean cosine of the members to the center (1 = identical)" if
+                    metric == "cosine" else "minus the mean squared distance of the members "
+                    "to the center (0 = identical; higher is tighter)")
+                 + "; <b>nearest clusters</b>: the most similar other "
                  "clusters. Click a heading to sort; the search box filters on every cell "
                  "(link to a search with <code>#q=word</code>).</p>")
     parts.append('<input type="search" id="cluster-search" class="search" '
