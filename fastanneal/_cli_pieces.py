@@ -176,7 +176,8 @@ def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads=N
         ids = t.column(id_col).to_numpy(zero_copy_only=False) if id_col else None
         summ.add(r0, lab, p, mar, sec, cos, w, texts, ids)
         if truth is not None:
-            truth.update(zip(t.column(truth_col).to_pylist(), lab.tolist()))
+            truth.update((a, b) for a, b in zip(t.column(truth_col).to_pylist(),
+                                                lab.tolist()) if a is not None)
     return PieceLabels(summ, truth, (labels, prob, margin, ru))
 
 

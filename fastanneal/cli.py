@@ -718,7 +718,12 @@ def run_cluster(args, console):
                 if name in out.column_names:
                     out = out.drop_columns([name])
                 out = out.append_column(name, pa.array(values))
-        ari = adjusted_rand_index(truth, results["cluster"]) if truth is not None else None
+        ari = None
+        if truth is not None:
+            # over the rows that carry a truth label (a missing one is no class)
+            keep = [i for i, t in enumerate(truth) if t is not None]
+            ari = adjusted_rand_index([truth[i] for i in keep],
+                                      np.asarray(results["cluster"])[keep])
         if stream and args.truth_column:
             from ._cli_results import adjusted_rand_index_from_counts
             ari = adjusted_rand_index_from_counts(lab.truth)

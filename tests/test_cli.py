@@ -826,3 +826,28 @@ def test_dask_route_error_is_one_line_in_a_real_process(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "fastanneal: error: cannot cluster: X contains infinity in chunk 1 (rows 41-80); "
         "first at row 78, column 0"], r.stderr
+
+
+@pytest.mark.parametrize("memory_limit", [None, "1K"])
+def test_truth_column_with_missing_labels_scores_the_labelled_rows(capsys, tmp_path,
+                                                                  memory_limit):
+    """An unlabelled row (a null in --truth-column) is left out of the ARI on both routes
+    (in memory it ended the run with 'unexpected TypeError' after the fit)."""
+    rng = np.random.default_rng(0)
+    lab = np.arange(90) % 3
+    X = (rng.normal(size=(3, 8))[lab] * 5 + rng.normal(size=(90, 8))).astype(np.float32)
+    truth = [f"intent{v}" for v in lab]
+    truth[7] = None
+    truth[8] = "intent0"              # a wrong label: the ARI is below 1 if it is counted
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"query": [f"q{i}" for i in range(90)], "truth": truth,
+                             "emb": pa.array(list(X), type=pa.list_(pa.float32()))}), src)
+    extra = [] if memory_limit is None else ["--memory-limit", memory_limit]
+    rc, out, err = run(capsys, "cluster", src, "-o", tmp_path / "o.parquet", "--k", 3,
+                       "--embedding-column", "emb", "--truth-column", "truth", *extra)
+    assert rc == 0, err
+    keep = [i for i, t in enumerate(truth) if t is not None]
+    ref = adjusted_rand_index([truth[i] for i in keep], lab[keep])
+    assert 0.9 < ref < 1.0
+    line = next(ln for ln in (out + err).splitlines() if "ARI" in ln)
+    assert f"{ref:.3f}" in line, line
