@@ -887,18 +887,25 @@ def move_statistics(ctx, st, C, W, S):
     st.n_iter += 1
     Np, Nm = m2.hard_counts[:K], m2.hard_counts[K:]
     Sp, Sm = m2.hard_sums[:K], m2.hard_sums[K:]
-    gain = (cell_value(Np, _sq(Sp), metric) + cell_value(Nm, _sq(Sm), metric)
-            - cell_value(Np + Nm, _sq(Sp + Sm), metric))
+    # the cell values in units of the total weight (|S|^2 of weighted sums overflowed for
+    # weights near 1e150 and underflowed near 1e-200: no move was ever proposed, although
+    # only the weights' ratios matter), scaled back at the end
+    c = float(np.sum(W))
+    c = c if math.isfinite(c) and c > 0 else 1.0
+    np_, nm_, sp_, sm_ = Np / c, Nm / c, Sp / c, Sm / c
+    gain = c * (cell_value(np_, _sq(sp_), metric) + cell_value(nm_, _sq(sm_), metric)
+                - cell_value(np_ + nm_, _sq(sp_ + sm_), metric))
     gain[~((Np > 0) & (Nm > 0))] = 0.0
     # merge costs of all pairs: |S_r + S_l|^2 from the Gram matrix of the cell sums
-    G = S @ S.T
+    Sc, Wc = S / c, W / c
+    G = Sc @ Sc.T
     sq = np.diag(G).copy()
-    f = cell_value(W, sq, metric)
-    cost = f[:, None] + f[None, :] - cell_value(W[:, None] + W[None, :],
+    f = cell_value(Wc, sq, metric)
+    cost = f[:, None] + f[None, :] - cell_value(Wc[:, None] + Wc[None, :],
                                                 sq[:, None] + sq[None, :] + 2.0 * G, metric)
     np.fill_diagonal(cost, np.inf)
     partner = np.argmin(cost, axis=1)
-    merge = np.maximum(cost[np.arange(K), partner], 0.0)
+    merge = c * np.maximum(cost[np.arange(K), partner], 0.0)
     return MoveStats(gain, Np, Sp, Nm, Sm, merge, partner, V)
 
 

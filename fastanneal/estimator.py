@@ -296,7 +296,10 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         "Probabilities that mean something"). At the final annealing temperature the soft
         rule is nearly hard (about 1.0 on every row) and says nothing about which rows are
         ambiguous; at ``T_p`` the row with the median margin gets about 0.98 (1 / (1 + e^-4)) against its
-        runner-up, and rows on a border between clusters get about 0.5.
+        runner-up, and rows on a border between clusters get about 0.5. The masses weigh
+        in: a border row next to a much larger cluster can be most probable there although
+        :meth:`predict` (the nearest center) names the other, so ``argmax`` of this and
+        ``predict`` may differ on such rows.
         ``temperature="final"`` or a number: the fit's own rule (``responsibilities``, with
         the masses as prior when ``mass_constrained``) at the final annealing temperature or
         at that temperature.
@@ -344,8 +347,12 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         """``probability_temperature_`` from a sample of the fitted rows (after the fit;
         ``centers`` in the source's frame)."""
         Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
+        T = float(self.temperature_)
+        # no positive margin (K = 1, all rows on borders) and no positive final temperature
+        # (rows without spread: the critical schedule's T_c is 0): any T gives the same
+        # probabilities there (one cluster, or rows with equal distances)
         self.probability_temperature_ = probability_temperature(
-            Xs, ws, centers, self.metric, fallback=self.temperature_)
+            Xs, ws, centers, self.metric, fallback=T if math.isfinite(T) and T > 0 else 1.0)
 
     def _set_centers(self, C, origin, dtype):
         """``cluster_centers_`` (the data's frame, ``dtype``) from the fit's centers ``C``

@@ -413,12 +413,13 @@ def _clusters_table(rows, labels, near_idx, near_score, metric):
 
 
 def _ambiguous_table(amb, labels):
-    th = "".join(f"<th>{t}</th>" for t in ("row", "query", "cluster", "runner-up",
+    th = "".join(f"<th>{t}</th>" for t in ("row (from 1)", "query", "cluster", "runner-up",
                                             "probability", "margin"))
     body = []
     for a in amb:
         q = a.get("query")
-        body.append("<tr>" + _num_td(a["row"]) + f"<td>{_e(_short(q, 90))}</td>"
+        # rows count from 1, as central_row and every message of the command do
+        body.append("<tr>" + _num_td(a["row"] + 1) + f"<td>{_e(_short(q, 90))}</td>"
                     + f"<td>{_cluster_ref(a['cluster'], labels)}</td>"
                     + f"<td>{_cluster_ref(a['runner_up'], labels)}</td>"
                     + _num_td(a["probability"]) + _num_td(a.get("margin")) + "</tr>")

@@ -447,3 +447,18 @@ def test_minibatch_seeding_budget_and_row_weight(monkeypatch):
     seed_runs = [c for ph, c in caps if ph == "polish"]
     assert seed_runs == [em.SEED_LLOYD_PASSES]          # only with reallocate=True
     np.testing.assert_allclose(row_weights, [w.sum() / len(w)] * 2, rtol=1e-12)
+
+
+def test_reallocation_moves_do_not_depend_on_the_weights_scale():
+    """Only the weights' ratios matter: the move statistics work in units of the total
+    weight (|S_k|^2 of weighted sums overflowed near 1e150 and underflowed near 1e-200, so
+    no move was proposed and the fit ended 7 % higher)."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((3000, 5)) + rng.integers(0, 6, (3000, 1)) * 1.5
+    w = rng.pareto(1.5, 3000) + 0.1
+    base = AnnealedKMeans(6, random_state=0).fit(X, sample_weight=w)
+    assert base.n_reallocations_ >= 1
+    for e in (-200, 150):
+        km = AnnealedKMeans(6, random_state=0).fit(X, sample_weight=w * 10.0 ** e)
+        assert km.n_reallocations_ == base.n_reallocations_, e
+        np.testing.assert_allclose(km.cluster_centers_, base.cluster_centers_, atol=1e-9)

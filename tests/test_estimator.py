@@ -755,3 +755,15 @@ def test_auto_start_ignores_cells_of_one_point(metric):
         b = AnnealedKMeans(3, metric=metric, init=init[:3], random_state=0).fit(B[:-1])
     Ta, Tb = a.trace_.as_dict()["temperature"][0], b.trace_.as_dict()["temperature"][0]
     assert Ta == pytest.approx(Tb, rel=0.05) and Ta > 1e-3 * a.critical_temperature_
+
+
+@pytest.mark.parametrize("X", [np.ones((10, 4)), np.arange(4.0)[None, :]])
+def test_one_cluster_of_rows_without_spread_fits_on_every_schedule(X):
+    """K = 1 on identical rows or a single row: the critical schedule's final temperature
+    is 0, and the probability temperature fell back to it ('no positive margin to choose
+    the probability temperature from', an internal message)."""
+    for schedule in ("geometric", "critical"):
+        km = AnnealedKMeans(1, schedule=schedule, random_state=0).fit(X)
+        np.testing.assert_array_equal(km.labels_, 0)
+        np.testing.assert_allclose(km.predict_proba(X), 1.0)
+        assert km.probability_temperature_ > 0

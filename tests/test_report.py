@@ -174,6 +174,9 @@ def test_report_lists_ambiguous_queries_and_neighbours(fitted):
     p = check_structure(text, 5)
     assert p.rows["ambiguous"] == 2 and "Ambiguous queries" in p.h2
     assert "&lt;b&gt;tie&lt;/b&gt;" in text
+    amb_html = text[text.index('<table id="ambiguous"'):]
+    # rows count from 1 in the report, as central_row and the command's messages do
+    assert "row (from 1)" in amb_html and ">5</td>" in amb_html and ">4</td>" not in amb_html
     idx, _ = nearest_clusters(est.cluster_centers_, "cosine", 3)
     row0 = text[text.index('<tr id="c0">'):text.index("</tr>", text.index('<tr id="c0">'))]
     for j in idx[0]:
