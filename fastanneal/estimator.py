@@ -454,7 +454,9 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         ``"auto"``: K chosen in ``k_min..k_max`` from the phase transitions (the finest
         natural level: a plateau of the number of effective clusters in log T; see
         :func:`fastanneal.suggest_k`), then the fit continues from that state;
-        ``n_clusters_`` and ``k_suggestion_`` say what was chosen and why.
+        ``n_clusters_`` and ``k_suggestion_`` say what was chosen and why. The path is
+        its own schedule: ``init``, ``n_init``, ``schedule``, ``n_steps``,
+        ``temperature_start`` and ``mass_constrained`` do not apply there.
     k_max : int or None, default=None
         The most clusters ``n_clusters="auto"`` considers (required there; the path's cost
         grows with it).
@@ -1244,7 +1246,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     batches_per_step : int or None
         Updates per temperature; default ``ceil(n_epochs * batches per epoch / n_steps)``.
     n_epochs : float, default=1.0
-        Passes over the data during annealing (when ``batches_per_step`` is None).
+        Passes over the data during annealing (when ``batches_per_step`` is None), at least
+        one batch per temperature step: on data smaller than ``n_steps`` batches the
+        annealing reads more than ``n_epochs`` passes (lower ``n_steps`` or ``batch_size``).
     learning_decay, learning_offset : float, default 0.6 and 1.0
         ``eta_t = (t + learning_offset) ** -learning_decay``; ``learning_decay`` in (0.5, 1].
     polish_passes : int, default=1
