@@ -612,7 +612,10 @@ def neutralize_formulas(col):
     return pc.if_else(risky, quoted, col)
 
 
-def _csv_ready(table):
+def _csv_ready(table, verbatim=()):
+    """``table`` as text-file columns: vectors and structs as JSON-like strings, binary as
+    hex, and spreadsheet formulas neutralised except in the ``verbatim`` columns (ids: an
+    output must join back to its input)."""
     cols = []
     for name in table.column_names:
         col = table.column(name)
@@ -624,7 +627,7 @@ def _csv_ready(table):
             col = pa.array([None if v is None else v.hex() for v in col.to_pylist()], pa.string())
         elif pa.types.is_dictionary(t):
             col = pc.cast(col, t.value_type)
-        cols.append(neutralize_formulas(col))
+        cols.append(col if name in verbatim else neutralize_formulas(col))
     return pa.table(cols, names=table.column_names)
 
 
@@ -681,9 +684,10 @@ class TableWriter:
     (zstd) or JSON-lines file. Not atomic: callers write into a temporary path from
     :class:`OutputSet`."""
 
-    def __init__(self, path, fmt=None):
+    def __init__(self, path, fmt=None, verbatim=()):
         self.path = str(path)
         self.fmt = fmt or output_format(path)
+        self.verbatim = frozenset(c for c in verbatim if c)
         if self.fmt not in ("csv", "tsv", "parquet", "jsonl"):  # pragma: no cover
             raise InputError(f"unknown output format {self.fmt}")
         self._w = None
@@ -691,7 +695,7 @@ class TableWriter:
 
     def write(self, table):
         if self.fmt == "tsv":
-            t = _csv_ready(table)
+            t = _csv_ready(table, self.verbatim)
             if self._f is None:
                 self._f = open(self.path, "wb")
                 self._f.write(_tsv_lines([pa.array([c], pa.string()) for c in t.column_names],
@@ -699,7 +703,7 @@ class TableWriter:
             self._f.write(_tsv_lines([t.column(c) for c in t.column_names], t.num_rows))
         elif self.fmt == "csv":
             import pyarrow.csv as pacsv
-            t = _csv_ready(table)
+            t = _csv_ready(table, self.verbatim)
             if self._w is None:
                 self._schema = t.schema
                 self._w = pacsv.CSVWriter(self.path, t.schema)
@@ -730,8 +734,9 @@ class TableWriter:
         return False
 
 
-def write_table(table, path, fmt=None):
+def write_table(table, path, fmt=None, verbatim=()):
     """Write ``table`` to ``path`` in ``fmt`` (default: from the extension), not atomically:
-    callers write into a temporary path from :class:`OutputSet`."""
-    with TableWriter(path, fmt) as w:
+    callers write into a temporary path from :class:`OutputSet`. ``verbatim``: columns whose
+    text is written as it is in CSV / TSV (no formula guard: ids)."""
+    with TableWriter(path, fmt, verbatim) as w:
         w.write(table)

@@ -734,18 +734,19 @@ def run_cluster(args, console):
         t0 = time.perf_counter()
         try:
             with console.stage("writing", total=n) as st, OutputSet() as outs:
+                ids_verbatim = (args.id_column,)     # ids join the output to the input
                 if log is None:
-                    write_table(out, outs.temp_for(output), fmt)
+                    write_table(out, outs.temp_for(output), fmt, ids_verbatim)
                     st.update(n)
                 elif stream:
                     from ._cli_pieces import write_log
                     keep = log.output_columns(args.drop_columns, results)
-                    with TableWriter(outs.temp_for(output), fmt) as wr:
+                    with TableWriter(outs.temp_for(output), fmt, ids_verbatim) as wr:
                         write_log(log, lab, keep, wr, output, client, st)
                 else:
-                    with TableWriter(outs.temp_for(output), fmt) as wr:
+                    with TableWriter(outs.temp_for(output), fmt, ids_verbatim) as wr:
                         log.write(wr, set(args.drop_columns), results, st)
-                write_table(ctab, outs.temp_for(clusters_path), "csv")
+                write_table(ctab, outs.temp_for(clusters_path), "csv", ("central_id",))
                 if report:
                     from .report import build_report
                     summary = summary_items(args, n, D, K, fit, timings, ari, est)

@@ -161,8 +161,8 @@ class QueryClusters:
         ext = {"csv": ".csv", "tsv": ".tsv", "parquet": ".parquet", "jsonl": ".jsonl"}[fmt]
         side = sidecar(path, "clusters", ext)
         with OutputSet() as outs:
-            write_table(self.assignments(), outs.temp_for(path), fmt)
-            write_table(self._clusters, outs.temp_for(side), fmt)
+            write_table(self.assignments(), outs.temp_for(path), fmt, ("id",))
+            write_table(self._clusters, outs.temp_for(side), fmt, ("central_id",))
             outs.commit()
         return path, side
 

@@ -895,3 +895,31 @@ def test_tsv_output_quotes_only_cells_that_linear_tsv_cannot_hold(tmp_path):
     back = read_table(p)                  # read back: linear TSV, every cell as written
     assert back.column("q").to_pylist() == t2.column("q").to_pylist()
     assert back.column("x").to_pylist() == ["007", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("ext", [".csv", ".tsv"])
+@pytest.mark.parametrize("memory_limit", [None, "1K"])
+def test_ids_are_written_verbatim_so_outputs_join_back(capsys, tmp_path, ext, memory_limit):
+    """The formula guard leaves the id column (and central_id) alone: '-a0' came back as
+    "'-a0", so a join of the output to its input by id silently lost those rows."""
+    rng = np.random.default_rng(0)
+    n = 40
+    X = (rng.normal(size=(n, 4)) + np.repeat(np.eye(4)[:2] * 6, n // 2, axis=0)
+         ).astype(np.float32)
+    ids = [("-a", "+33 ", "@u", "=x")[i % 4] + str(i) for i in range(n)]
+    table = pa.table({"id": ids, "query": ids,
+                      "emb": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), 4)})
+    src = tmp_path / "q.parquet"
+    pq.write_table(table, src)
+    out = tmp_path / f"r{ext}"
+    extra = [] if memory_limit is None else ["--memory-limit", memory_limit]
+    rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb",
+                     "--id-column", "id", "--text-column", "query", "--k", 2, "-q", *extra)
+    assert rc == 0, err
+    back = read_any(out)
+    assert [str(v) for v in back.column("id").to_pylist()] == ids
+    assert all(q.startswith("'") for q in back.column("query").to_pylist())   # still guarded
+    ctab = pacsv.read_csv(out.with_name(out.stem + ".clusters.csv"),
+                          convert_options=pacsv.ConvertOptions(
+                              column_types={"central_id": pa.string()}))
+    assert set(ctab.column("central_id").to_pylist()) <= set(ids)
