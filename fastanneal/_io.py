@@ -358,6 +358,9 @@ def check_ids(table, name, path, row0=0, unique=True):
         raise InputError(f"{path}: id column {name!r} has type {t}; ids must be single values "
                          "(numbers or strings)")
     first = _first_null(col)
+    if first is None and pa.types.is_floating(t):
+        nan = np.flatnonzero(pc.fill_null(pc.is_nan(col), False).to_numpy(zero_copy_only=False))
+        first = int(nan[0]) if nan.size else None      # NaN != NaN: no id, as a null
     if first is not None:
         raise InputError(f"{path}: id column {name!r} has a missing value at row "
                          f"{row0 + first + 1}")
@@ -372,6 +375,7 @@ def check_ids(table, name, path, row0=0, unique=True):
                 raise InputError(f"{path}: duplicate id {v!r} in column {name!r} (rows "
                                  f"{seen[v] + 1} and {i + 1})")
             seen[v] = i
+        raise InputError(f"{path}: id column {name!r} holds duplicate ids")   # (not found)
 
 
 # --------------------------------------------------------------------------- writing

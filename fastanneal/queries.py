@@ -1,5 +1,7 @@
 """Labelled clusters of a query log from Python: what ``fastanneal cluster`` writes, as one
 object (``fastanneal.QueryClusters``)."""
+import math
+
 import numpy as np
 
 __all__ = ["QueryClusters"]
@@ -89,6 +91,9 @@ class QueryClusters:
             ids = list(ids)
             if len(ids) != n:
                 raise ValueError(f"{len(ids)} ids for {n} rows")
+            for i, v in enumerate(ids):
+                if v is None or (isinstance(v, float) and math.isnan(v)):
+                    raise ValueError(f"ids have a missing value ({v!r}) at row {i}")
             if len(set(ids)) != n:
                 raise ValueError("ids are not unique")
         w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)

@@ -923,3 +923,15 @@ def test_ids_are_written_verbatim_so_outputs_join_back(capsys, tmp_path, ext, me
                           convert_options=pacsv.ConvertOptions(
                               column_types={"central_id": pa.string()}))
     assert set(ctab.column("central_id").to_pylist()) <= set(ids)
+
+
+def test_nan_and_none_ids_are_missing_values(tmp_path):
+    """NaN != NaN let two NaN ids through the duplicate check; QueryClusters took None."""
+    from fastanneal._io import check_ids
+    t = pa.table({"id": [1.0, float("nan"), 3.0, float("nan")]})
+    with pytest.raises(InputError, match="missing value at row 2"):
+        check_ids(t, "id", "f.parquet")
+    X = np.random.default_rng(0).normal(size=(6, 3))
+    for bad in ([1, 2, None, 4, 5, 6], [1.0, 2.0, float("nan"), 4.0, 5.0, 6.0]):
+        with pytest.raises(ValueError, match="ids have a missing value .* at row 2"):
+            fastanneal.QueryClusters(2).fit(embeddings=X, ids=bad)
