@@ -231,6 +231,12 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 v = v.tolist()
             elif isinstance(v, (np.random.Generator, np.random.RandomState)):
                 v = repr(v)        # a live generator: no reproducible key, best effort
+            elif k == "schedule" and not isinstance(v, str):
+                # a schedule object by its class and settings, the same in every process
+                # (the default repr of a plain protocol object holds its memory address:
+                # a new process never found its checkpoint)
+                from .schedules import callable_key
+                v = callable_key(v)
             out[k] = v
         return dict(out, estimator=type(self).__name__)
 

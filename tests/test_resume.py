@@ -572,3 +572,23 @@ def test_cuda_backend_resumes_to_the_same_result(tmp_path, monkeypatch):
     est = fit_without_bad_file_warning(make(ck), X)
     assert est.checkpoint_info_["resumed_from"] == 2
     assert_same_fit(est, ref)
+
+
+def test_protocol_schedule_objects_key_checkpoints_by_class_and_settings():
+    """A schedule written to the protocol (not a Schedule subclass) keyed checkpoints by its
+    default repr, which holds its memory address: a new process never resumed its fit."""
+    from fastanneal._checkpoint import params_key
+
+    class Halving:
+        n_steps = 8
+
+        def __init__(self, factor=0.5):
+            self.factor = factor
+
+        def next_temperature(self, state):
+            return None if state.step + 1 >= self.n_steps else state.T * self.factor
+
+    def key(s):
+        return params_key("data", fa.AnnealedKMeans(5, schedule=s)._fit_params())
+    assert key(Halving()) == key(Halving())             # two objects, one setting
+    assert key(Halving(0.5)) != key(Halving(0.7))
