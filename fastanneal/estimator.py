@@ -1083,9 +1083,11 @@ def _seeding_weights(ws):
     return (np.asarray(ws) > 0).astype(np.float64)
 
 
-def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None):
+def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None, refine_init=True):
     """Seeds, ``T_start``, ``T_end``, ``T_c`` and the scale of a mini-batch fit from an
-    in-memory sample (validated rows; unit rows for cosine; measured from ``origin``)."""
+    in-memory sample (validated rows; unit rows for cosine; measured from ``origin``).
+    ``refine_init=False``: an ``init`` array is used as given (``partial_fit``'s first
+    batch is no sample of the data to refine it on)."""
     src = InMemorySource(Xs, ws, metric)
     if not src.total_weight > 0:
         raise ValueError("the seeding sample carries no weight")
@@ -1094,10 +1096,14 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None):
         raise ValueError("all rows of the seeding sample are identical: more than one "
                          "cluster is undefined")
     T_c = critical_temperature(src, stats.mean, rng)
-    realloc = getattr(est, "reallocate", False) and K > 1 and isinstance(est.init, str)
+    # seeds given as an array are refined like k-means++ ones (as AnnealedKMeans re-allocates
+    # from any start): a poor init ended 70 % higher than the same init's full fit
+    realloc = (getattr(est, "reallocate", False) and K > 1
+               and (refine_init or isinstance(est.init, str)))
+    kpp_small = realloc and isinstance(est.init, str)
     C = initial_centers(_init_in_frame(est.init, origin), src, K, rng, stats.mean_c,
                         sample_rows=Xs.shape[0],
-                        kpp_rows=KPP_ROWS_PER_CLUSTER * K if realloc else None)
+                        kpp_rows=KPP_ROWS_PER_CLUSTER * K if kpp_small else None)
     C = E._project(C, metric)
     if realloc:
         C = _reallocated_seeds(src, C, rng, stats.scale)
@@ -1141,7 +1147,7 @@ class _PartialFit:
         # the first batch's mean is the origin of every batch (rows far from it: centered)
         Xc, self.origin = est._centered(X, w)
         self.C, self.T_start, self.T_end, self.T_c, self.scale = _seed_from_sample(
-            est, Xc, w, int(K), self.metric, self.rng, self.origin)
+            est, Xc, w, int(K), self.metric, self.rng, self.origin, refine_init=False)
         mc = est.mass_constrained
         self._setup(est, sched, False if mc == "auto" else bool(mc), X.dtype)
 
@@ -1262,7 +1268,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     prefetch : int, default=1
         Dask input: batches read ahead while the current one is reduced (0: none).
     reallocate : bool, default=True
-        Seed with k-means++ on 20 rows per cluster of the in-memory seeding sample, then
+        Seed with k-means++ on 20 rows per cluster of the in-memory seeding sample (or
+        from ``init`` when it is an array), then
         refine the seeds on the whole sample with Lloyd and the phase-transition
         re-allocation moves (``docs/theory.md`` section 6.7) before the stochastic EM (a
         full-data re-allocation would cost full passes out of core). The running moments
@@ -1514,9 +1521,13 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         T_final = result.temperature
         logp = running.log_prior(K) if self.mass_constrained else None
         # ---------------------------------------------------------- final pass
+        inertia = None
         if isinstance(stream, ArrayStream):
             mf = full.moments(C, T_final, rc, logp, hard_sums=False)
-            self.labels_ = full.labels(C)
+            # the labels' own distances give inertia_ (= -score(X), as AnnealedKMeans; the
+            # soft pass's GEMM-form distances differ in the last bits: up to 3e-6 relative)
+            self.labels_, dmin, _ = full.assign(C)
+            inertia = float(full.w @ np.asarray(dmin, dtype=np.float64))
             self.labels_path_ = None
         else:
             mf, self.labels_path_ = stream.final_pass(C, T_final, rc, logp, labels_path,
@@ -1529,7 +1540,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                           "the data may hold fewer points that can be told apart, or a "
                           "larger polish_passes may fill them", AnnealingWarning, stacklevel=3)
         self.cluster_weights_ = counts / counts.sum()
-        self.inertia_ = float(mf.hard_distortion)
+        self.inertia_ = float(mf.hard_distortion) if inertia is None else inertia
         self.free_energy_ = float(mf.free_energy)
         self.soft_distortion_ = float(mf.soft_distortion)
         self.hardening_gap_ = float(mf.soft_distortion - mf.hard_distortion)

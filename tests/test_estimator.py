@@ -767,3 +767,21 @@ def test_one_cluster_of_rows_without_spread_fits_on_every_schedule(X):
         np.testing.assert_array_equal(km.labels_, 0)
         np.testing.assert_allclose(km.predict_proba(X), 1.0)
         assert km.probability_temperature_ > 0
+
+
+def test_minibatch_inertia_is_minus_the_score_and_array_inits_are_refined():
+    """inertia_ of an in-memory mini-batch fit comes from the labels' own distances, so it
+    equals -score(X) (the soft pass's GEMM-form distances were up to 3e-6 off); an init
+    array is refined on the seeding sample like k-means++ seeds (it ended 70 % higher)."""
+    from fastanneal import MiniBatchAnnealedKMeans
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((1000, 4)) + rng.integers(0, 5, (1000, 1)) * 3.0
+    ref = MiniBatchAnnealedKMeans(5, random_state=0).fit(X)
+    bad = MiniBatchAnnealedKMeans(5, init=X[:5], random_state=0).fit(X)
+    assert bad.inertia_ <= ref.inertia_ * (1 + 1e-9)
+    y = rng.integers(0, 20, 4000)
+    Xf = ((rng.standard_normal((20, 64)) * 0.3)[y] + rng.standard_normal((4000, 64)) * 0.1
+          + 5.0).astype(np.float32)
+    for metric in ("euclidean", "cosine"):
+        km = MiniBatchAnnealedKMeans(20, metric=metric, random_state=0).fit(Xf)
+        assert km.inertia_ == pytest.approx(-km.score(Xf), rel=1e-12)

@@ -1,11 +1,12 @@
-"""scikit-learn's common estimator checks on :class:`AnnealedKMeans` (issue 3, item 5).
+"""scikit-learn's common estimator checks on :class:`AnnealedKMeans` (issue 3, item 5) and
+:class:`MiniBatchAnnealedKMeans`.
 
 Small settings keep the ~55 checks fast (most of the time is loading the cached Numba
 kernels for each new array type: float32, read-only memmaps).
 """
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from fastanneal import AnnealedKMeans
+from fastanneal import AnnealedKMeans, MiniBatchAnnealedKMeans
 
 # Each expected failure was read and judged; none hides a defect of the estimator.
 EXPECTED_FAILED_CHECKS = {
@@ -27,7 +28,8 @@ def _expected_failed_checks(estimator):
 
 
 @parametrize_with_checks(
-    [AnnealedKMeans(n_clusters=3, random_state=0, n_steps=5, max_iter=3)],
+    [AnnealedKMeans(n_clusters=3, random_state=0, n_steps=5, max_iter=3),
+     MiniBatchAnnealedKMeans(n_clusters=3, random_state=0, n_steps=5)],
     expected_failed_checks=_expected_failed_checks,
 )
 def test_sklearn_compatible(estimator, check):
