@@ -40,10 +40,18 @@ def params_key(data_key, params):
 
 
 def resolve_path(path):
-    """``PATH.npz`` is the file; any other path is a folder holding ``anneal.npz``."""
+    """``PATH.npz`` is the file; any other path is a folder holding ``anneal.npz`` (an
+    existing file there is an error when the fit sets up its checkpoint, not at the first
+    save)."""
     p = Path(os.fspath(path))
     if p.suffix == ".npz":
+        if p.is_dir():
+            raise ValueError(f"checkpoint={os.fspath(path)!r} is a folder; a checkpoint file "
+                             "ends in .npz")
         return p
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"checkpoint={os.fspath(path)!r} is an existing file: give a folder "
+                         "(it will hold anneal.npz) or a path ending in .npz")
     return p / FILE_NAME
 
 
@@ -94,7 +102,9 @@ class Checkpoint:
                 data = {k: z[k] for k in z.files}
             meta = json.loads(str(data.pop("meta")))
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            return self._bad(f"unreadable ({type(e).__name__}: {e})")
+            # (numpy's own text for a non-zip file offers to load it "unsafely": not that)
+            return self._bad(f"not a fastanneal checkpoint (.npz) or damaged "
+                             f"({type(e).__name__})")
         if not isinstance(meta, dict) or meta.get("version") != VERSION:
             return self._bad("written by another version of fastanneal")
         if meta.get("key") != self.key:

@@ -592,3 +592,21 @@ def test_protocol_schedule_objects_key_checkpoints_by_class_and_settings():
         return params_key("data", fa.AnnealedKMeans(5, schedule=s)._fit_params())
     assert key(Halving()) == key(Halving())             # two objects, one setting
     assert key(Halving(0.5)) != key(Halving(0.7))
+
+
+def test_checkpoint_path_and_file_faults_are_named(tmp_path):
+    """A checkpoint path that is an existing plain file fails before the annealing, naming
+    the parameter (it failed at the first save with NotADirectoryError on a temporary name);
+    a damaged file is 'not a fastanneal checkpoint', not numpy's offer to load it
+    unsafely."""
+    from fastanneal._checkpoint import CheckpointWarning
+    X = np.random.default_rng(0).normal(size=(300, 3))
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="checkpoint=.*is an existing file"):
+        fa.AnnealedKMeans(3, checkpoint=f, random_state=0).fit(X)
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"garbage, not a zip")
+    with pytest.warns(CheckpointWarning, match="not a fastanneal checkpoint") as rec:
+        fa.AnnealedKMeans(3, checkpoint=bad, random_state=0).fit(X)
+    assert not any("unsafely" in str(w.message) for w in rec)
