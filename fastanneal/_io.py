@@ -308,6 +308,7 @@ def weight_vector(table, name, path, row0=0, whole=True):
     col = require_column(table, name, path, "weight column")
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
+        col = pc.utf8_trim_whitespace(col)          # " 5" from a hand-made CSV is 5
         try:
             col = pc.cast(col, pa.float64())
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -316,6 +317,8 @@ def weight_vector(table, name, path, row0=0, whole=True):
                     raise InputError(f"{path}: weight column {name!r} has a missing value at "
                                      f"row {row0 + i + 1}") from None
                 try:
+                    if "_" in v:            # Python's float() takes "1_000"; Arrow does not
+                        raise ValueError(v)
                     float(v)
                 except ValueError:
                     raise InputError(f"{path}: weight column {name!r} is not numeric (row "

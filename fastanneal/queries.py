@@ -77,7 +77,8 @@ class QueryClusters:
             try:
                 encode = _load_embedder()
             except InputError as e:
-                raise ImportError(str(e)) from None
+                raise ImportError(str(e).replace("with --embedding-column",
+                                                 "as embeddings=")) from None
             distinct, inverse = distinct_texts(texts)     # each distinct text embedded once
             embeddings = _embed_chunks(encode, distinct, bool(self.params.get("progress")))
             embeddings = embeddings[inverse]

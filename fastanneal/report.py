@@ -76,7 +76,8 @@ document.querySelectorAll('input.search').forEach(function(inp){
  inp.addEventListener('input',function(){filter(table,inp.value,count);});});
 var h=location.hash.replace(/^#/,'');if(h.indexOf('=')<0)return;
 var p={};h.split('&').forEach(function(kv){var i=kv.indexOf('=');
- if(i>0)p[kv.slice(0,i)]=decodeURIComponent(kv.slice(i+1).replace(/\+/g,' '));});
+ if(i>0){var v=kv.slice(i+1).replace(/\+/g,' ');
+  try{v=decodeURIComponent(v);}catch(e){}p[kv.slice(0,i)]=v;}});
 var table=document.getElementById('clusters');if(!table)return;
 if(p.sort){var desc=p.sort.charAt(0)==='-',key=desc?p.sort.slice(1):p.sort;
  Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th,i){
@@ -392,7 +393,7 @@ def _clusters_table(rows, labels, near_idx, near_score, metric):
                          else f"{100 * float(r['share']):.1f}%")]
         terms = r.get("terms") or ""
         lab = r.get("label") or ""
-        cells.append(f'<td><span class="label">{_e(lab)}</span>'
+        cells.append(f'<td><span class="label">{_e(_short(lab, 120))}</span>'
                      + (f'<br><span class="terms">{_e(_short(terms, 120))}</span>'
                         if terms and terms != lab else "") + "</td>")
         if has_reps or has_central:

@@ -935,3 +935,11 @@ def test_nan_and_none_ids_are_missing_values(tmp_path):
     for bad in ([1, 2, None, 4, 5, 6], [1.0, 2.0, float("nan"), 4.0, 5.0, 6.0]):
         with pytest.raises(ValueError, match="ids have a missing value .* at row 2"):
             fastanneal.QueryClusters(2).fit(embeddings=X, ids=bad)
+
+
+def test_weight_cells_with_spaces_are_numbers_and_bad_ones_are_named():
+    from fastanneal._io import weight_vector
+    t = pa.table({"w": [" 5", "2 ", "1.5"]})
+    np.testing.assert_array_equal(weight_vector(t, "w", "f.csv"), [5.0, 2.0, 1.5])
+    with pytest.raises(InputError, match=r"not numeric \(row 2: '1_000'\)"):
+        weight_vector(pa.table({"w": ["1", "1_000", "2"]}), "w", "f.csv")

@@ -287,6 +287,10 @@ def test_report_search_and_sort_run_in_chromium(cli_report):
     coh = [float(cells[5]) for _, _, cells in dom.rows]
     assert coh == sorted(coh, reverse=True)
     assert 'data-key="cohesion" scope="col" aria-sort="descending"' in r.stdout
+    # a bare '%' (not valid percent-encoding) is searched as typed: the script used to stop
+    # on decodeURIComponent's URIError and show every row
+    r = _chromium(["--dump-dom", uri + "#q=100%"])
+    assert "showing 0 of 6" in r.stdout, r.stderr[-2000:]
 
 
 def test_report_with_the_choose_k_evidence(fitted):
