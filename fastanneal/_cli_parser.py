@@ -54,11 +54,11 @@ def _add_cluster_options(p, demo=False):
         p._action_groups.insert(0, p._action_groups.pop())
     if not demo:
         req.add_argument("input", nargs="?", metavar="INPUT",
-                         help="queries: .csv / .tsv (optionally .gz), .parquet (file or "
-                              "dataset folder) or .jsonl")
+                         help="queries: .csv / .tsv (optionally .gz / .bz2 / .zst), .parquet "
+                              "(file or dataset folder) or .jsonl")
     req.add_argument("-o", "--output", metavar="OUTPUT",
                    help=("folder for the demo outputs (default ./fastanneal-demo/) or a .csv / "
-                         ".parquet / .jsonl file" if demo else
+                         ".tsv / .parquet / .jsonl file" if demo else
                          "the input rows with cluster, probability, margin and runner_up "
                          "added; the format "
                          "follows the extension (.csv, .tsv, .parquet, .jsonl). The cluster table "

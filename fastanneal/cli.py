@@ -336,6 +336,9 @@ def fit_result(est, args, console, caught):
 # =========================================================================== commands
 #: ``demo -o PATH`` with one of these suffixes is a file; any other PATH is a folder.
 DEMO_FILE_SUFFIXES = (".csv", ".tsv", ".parquet", ".pq", ".jsonl", ".ndjson")
+#: Suffixes of files the demo cannot write: ``-o res.json`` is a mistake, not a folder name.
+NOT_OUTPUT_SUFFIXES = (".json", ".txt", ".tab", ".xlsx", ".xls", ".html", ".htm", ".gz",
+                       ".bz2", ".zst", ".zip", ".npz", ".npy", ".pkl", ".feather", ".arrow")
 
 
 def _resolve_output(args, console):
@@ -345,6 +348,10 @@ def _resolve_output(args, console):
         p = Path(out)
         if p.suffix.lower() in DEMO_FILE_SUFFIXES:
             return p, p.parent, p.parent
+        if p.suffix.lower() in NOT_OUTPUT_SUFFIXES and not p.is_dir():
+            raise CLIError(f"cannot write the demo to {out}: {p.suffix} is not an output "
+                           "format (.csv, .tsv, .parquet, .jsonl); give one of those or a "
+                           "folder")
         if p.exists() and not p.is_dir():
             raise CLIError(f"cannot write the demo to {out}: it is a file, not a folder")
         return p / "queries.csv", p, p

@@ -774,6 +774,14 @@ def test_demo_into_a_folder_with_a_dot_in_its_name(capsys, tmp_path):
         "queries.clusters.csv", "queries.csv", "report.html"]
 
 
+def test_demo_to_a_file_of_another_format_is_refused(capsys, tmp_path):
+    """`demo -o res.json` made a folder named res.json."""
+    rc, out, err = run(capsys, "demo", "-o", tmp_path / "res.json", "-q")
+    assert rc == 2
+    assert ".json is not an output format" in err
+    assert not (tmp_path / "res.json").exists()
+
+
 def _bad_value_log(path, n, row, value, row_group_size):
     """A Parquet log of ``make_table(n)`` whose row ``row`` (from 0) has ``value`` first."""
     import pyarrow as pa
