@@ -360,6 +360,13 @@ def fit_stream(log, args, console):
         except ParquetReadError as e:
             raise CLIError(f"cannot read {e}") from None
         except ValueError as e:
+            # a bad value found by the chunk check: named as the in-memory route names it
+            # (the file, the column and the row), not as the library's "X ... in chunk 5"
+            m = re.match(r"X contains (NaN|infinity) in chunk \d+ \(rows [^)]*\); first at "
+                         r"row (\d+), column \d+$", str(e))
+            if m:
+                raise CLIError(f"{log.path}: embedding column {args.embedding_column!r} "
+                               f"contains {m.group(1)} at row {m.group(2)}") from None
             raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
     if suggestion is not None:
         est.n_clusters_, est.k_suggestion_ = int(suggestion.best), suggestion

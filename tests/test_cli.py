@@ -812,6 +812,8 @@ def test_dask_route_counts_rows_as_the_other_routes(capfd, dirs):
             assert_one_line_error(rc, err, "NaN", "row 212")
             assert "Compute Failed" not in err
             msgs[backend] = err.strip().splitlines()[-1]
+            # every route names the file and the column, as the in-memory route does
+            assert f"{inp}: embedding column 'emb' contains NaN at row 212" in msgs[backend]
         if len(msgs) == 2:
             assert msgs["cpu"] == msgs["dask"]
         no_output(o)
@@ -832,8 +834,8 @@ def test_dask_route_error_is_one_line_in_a_real_process(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
-        "fastanneal: error: cannot cluster: X contains infinity in chunk 1 (rows 41-80); "
-        "first at row 78, column 0"], r.stderr
+        f"fastanneal: error: {inp}: embedding column 'emb' contains infinity at row 78"
+    ], r.stderr
 
 
 @pytest.mark.parametrize("memory_limit", [None, "1K"])
