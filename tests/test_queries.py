@@ -94,7 +94,8 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
     amb = html[html.index('id="ambiguous"'):]
     amb = amb[:amb.index("</table>")]
     worst = int(np.argmin(qc.probability_))
-    assert f'data-v="{float(worst)!r}"' in amb.split("</tr>")[1]          # first data row
+    # first data row; the report counts rows from 1 (as central_row)
+    assert f'data-v="{float(worst + 1)!r}"' in amb.split("</tr>")[1]
     assert f'href="#c{qc.runner_up_[worst]}"' in amb.split("</tr>")[1]
     with pytest.raises(ValueError, match="texts, embeddings"):
         fastanneal.QueryClusters(2).fit()
