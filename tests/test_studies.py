@@ -130,3 +130,20 @@ def test_gpu_table_renders_the_committed_gpu_check_json():
     bench = (Path(render_md.__file__).resolve().parents[1] / "BENCHMARKS.md").read_text()
     block = bench.split("<!-- BEGIN gpu_check -->\n")[1].split("\n<!-- END gpu_check -->")[0]
     assert block == md
+
+
+def test_variant_study_parses_variants_and_restores_the_engine():
+    """``study_variants``: upper-case names are engine constants (restored after the fit),
+    others estimator parameters; the variant really reaches the fit."""
+    import study_variants as sv
+    from fastanneal import _engine
+    consts, params = sv.parse_variant("SETTLE_TOL=0.0001, max_iter=2,polish=False")
+    assert consts == {"SETTLE_TOL": 0.0001} and params == {"max_iter": 2, "polish": False}
+    with pytest.raises(SystemExit):
+        sv.parse_variant("NO_SUCH_CONSTANT=1")
+    X = np.random.default_rng(0).normal(size=(200, 2))
+    before = _engine.SETTLE_TOL
+    m1, _ = sv.fit(X, 3, 0, "euclidean", {"SETTLE_TOL": -1.0}, {"max_iter": 1})
+    assert _engine.SETTLE_TOL == before
+    m2, _ = sv.fit(X, 3, 0, "euclidean", {}, {})
+    assert m1.n_iter_ != m2.n_iter_
