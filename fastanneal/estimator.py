@@ -425,7 +425,9 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         on an unfitted estimator seeds (k-means++) and sets the start temperature and scale
         from its batch; on a fitted one (after ``fit``) it continues from the fitted centers
         at the final temperature, the fit counting as the rows it saw (as scikit-learn's
-        ``MiniBatchKMeans.partial_fit`` continues from ``fit``)."""
+        ``MiniBatchKMeans.partial_fit`` continues from ``fit``). The schedule must be
+        "geometric", "linear" or "constant" (one temperature a call: the critical and
+        adaptive schedules decide their next temperature from full passes)."""
         first = not hasattr(self, "_partial_state")
         fitted = first and hasattr(self, "cluster_centers_")
         X = self._validate_X(X, reset=first and not fitted)
@@ -1246,7 +1248,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     ----------
     n_clusters, metric, responsibilities, n_steps, init, temperature_start, temperature_end_ratio, auto_start_fraction, random_state, tol, verbose, checkpoint
         As :class:`AnnealedKMeans` (``schedule`` one of "geometric", "linear", "constant",
-        "adaptive"; ``mass_constrained`` a bool). Seeding (k-means++, ``T_start="auto"``,
+        "adaptive" for ``fit``; ``partial_fit``, one temperature a call, takes the first
+        three; ``mass_constrained`` a bool). Seeding (k-means++, ``T_start="auto"``,
         ``T_c``) uses an in-memory sample of ``init_size`` rows (from random chunks), its
         rows unweighted (heavy-tailed weights would let a few sampled rows take the seeds;
         the weighted objective is annealed over all rows: ``docs/theory.md`` section 6.3).
