@@ -58,6 +58,16 @@ def objective(X, m, metric):
     return float(f(X, m.labels_))
 
 
+def overlap_2d(ds):
+    """Overlapping 2-D clusters, data set ``ds`` (8 Gaussians, means 2.5 N(0, 1), 150 rows
+    each; the data of tests/test_stop_when_hard.py): the annealing path has plateaus
+    followed by late transitions. ``(X, true labels)``."""
+    g = np.random.default_rng(100 + ds)
+    M = 2.5 * g.standard_normal((8, 2))
+    X = np.concatenate([m + g.standard_normal((150, 2)) for m in M])
+    return X, np.repeat(np.arange(8), 150)
+
+
 def run(name, X, K, metric, seeds, truth=None, centers=None):
     from sklearn.metrics import adjusted_rand_score
     rows = []
@@ -77,6 +87,17 @@ def run(name, X, K, metric, seeds, truth=None, centers=None):
     return rows
 
 
+def variant_means(s, R, v):
+    """Into the summary ``s``: the mean passes, seconds, ARI and the fits with CI = 0 of
+    variant ``v`` over the seed records ``R``."""
+    s[f"passes_{v}"] = float(np.mean([r[v]["passes"] for r in R]))
+    s[f"seconds_{v}"] = float(np.mean([r[v]["seconds"] for r in R]))
+    if "ari" in R[0][v]:
+        s[f"ari_{v}"] = float(np.mean([r[v]["ari"] for r in R]))
+    if "ci" in R[0][v]:
+        s[f"ci0_{v}"] = int(sum(r[v]["ci"] == 0 for r in R))
+
+
 def summarize(rows):
     out = []
     for ds in dict.fromkeys(r["dataset"] for r in rows):
@@ -88,12 +109,7 @@ def summarize(rows):
              "better_1e4": int((rel < 1 - 1e-4).sum()),
              "settled": len(st), "settled_step": float(np.median(st)) if st else None}
         for v in ("off", "on"):
-            s[f"passes_{v}"] = float(np.mean([r[v]["passes"] for r in R]))
-            s[f"seconds_{v}"] = float(np.mean([r[v]["seconds"] for r in R]))
-            if "ari" in R[0][v]:
-                s[f"ari_{v}"] = float(np.mean([r[v]["ari"] for r in R]))
-            if "ci" in R[0][v]:
-                s[f"ci0_{v}"] = int(sum(r[v]["ci"] == 0 for r in R))
+            variant_means(s, R, v)
         s["time_ratio"] = s["seconds_on"] / s["seconds_off"]
         out.append(s)
     return out
@@ -124,14 +140,9 @@ def main(argv=None):
                         truth=y)
     else:
         print(f"skipping CLINC150: {_study.CLINC} not found")
-    # overlapping 2-D clusters (8 Gaussians, means 2.5 N(0, 1), 150 rows each; the data of
-    # tests/test_stop_when_hard.py): the annealing path has plateaus followed by late
-    # transitions. --overlap-sets data sets, two fit seeds each (small fits)
+    # --overlap-sets data sets, two fit seeds each (small fits)
     for ds in range(args.overlap_sets):
-        g = np.random.default_rng(100 + ds)
-        M = 2.5 * g.standard_normal((8, 2))
-        X = np.concatenate([m + g.standard_normal((150, 2)) for m in M])
-        y = np.repeat(np.arange(8), 150)
+        X, y = overlap_2d(ds)
         rows += run("overlap-2d", X, 8, "euclidean", [0, 1], truth=y)
     for name in ka.SETS:
         per_seed = []

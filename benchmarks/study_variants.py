@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 
 import _known_answers as ka  # noqa: E402
 import _study  # noqa: E402
-from study_settle import objective  # noqa: E402
+from study_settle import objective, overlap_2d, variant_means  # noqa: E402
 
 import fastanneal as fa  # noqa: E402
 from fastanneal import _engine  # noqa: E402
@@ -99,12 +99,7 @@ def summarize(rows, names):
         R = [r for r in rows if r["dataset"] == ds]
         s = {"dataset": ds, "seeds": len(R)}
         for v in names:
-            s[f"passes_{v}"] = float(np.mean([r[v]["passes"] for r in R]))
-            s[f"seconds_{v}"] = float(np.mean([r[v]["seconds"] for r in R]))
-            if "ari" in R[0][v]:
-                s[f"ari_{v}"] = float(np.mean([r[v]["ari"] for r in R]))
-            if "ci" in R[0][v]:
-                s[f"ci0_{v}"] = int(sum(r[v]["ci"] == 0 for r in R))
+            variant_means(s, R, v)
             if v != "base":
                 rel = np.array([r[v]["objective"] / r["base"]["objective"] for r in R])
                 s[f"obj_rel_median_{v}"] = float(np.median(rel))
@@ -156,12 +151,8 @@ def main(argv=None):
                         variants, truth=y)
     else:
         print(f"skipping CLINC150: {_study.CLINC} not found")
-    # overlapping 2-D clusters (the data of study_settle.py / tests/test_stop_when_hard.py)
-    for ds in range(args.overlap_sets):
-        g = np.random.default_rng(100 + ds)
-        M = 2.5 * g.standard_normal((8, 2))
-        X = np.concatenate([m + g.standard_normal((150, 2)) for m in M])
-        y = np.repeat(np.arange(8), 150)
+    for ds in range(args.overlap_sets):              # overlapping 2-D clusters
+        X, y = overlap_2d(ds)
         rows += run("overlap-2d", X, 8, "euclidean", [0, 1], variants, truth=y)
     for name in filter(None, args.known_answers.split(",")):
         for seed in seeds:
