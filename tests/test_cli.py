@@ -440,9 +440,10 @@ def test_failure_while_writing_leaves_nothing(capsys, dirs, monkeypatch, src, fa
     calls = {"n": 0}
     real = cli.write_table
 
-    def second_fails(table, path, fmt=None):
+    def second_fails(table, path, fmt=None, verbatim=()):
         calls["n"] += 1
-        return real(table, path, fmt) if calls["n"] < fail_at else broken(table, path, fmt)
+        return (real(table, path, fmt, verbatim) if calls["n"] < fail_at
+                else broken(table, path, fmt))
     monkeypatch.setattr(cli, "write_table", second_fails)
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
                      "emb", "-q")
