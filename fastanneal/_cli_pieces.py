@@ -150,7 +150,7 @@ def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads=N
     (``nthreads``: the kernels' threads on a Dask worker; ``prefetch``: blocks decoded
     ahead in a background thread; ``into``: a :class:`PieceLabels` whose summary and truth
     counts the rows are added to, in row order, instead of new ones)."""
-    from ._cli_results import ClusterSummary, assignments
+    from ._cli_results import ClusterSummary, assignments, truth_missing
     if nthreads is not None:
         from .dask._chunks import set_threads
         set_threads(nthreads)
@@ -177,7 +177,7 @@ def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads=N
         summ.add(r0, lab, p, mar, sec, cos, w, texts, ids)
         if truth is not None:
             truth.update((a, b) for a, b in zip(t.column(truth_col).to_pylist(),
-                                                lab.tolist()) if a is not None)
+                                                lab.tolist()) if not truth_missing(a))
     return PieceLabels(summ, truth, (labels, prob, margin, ru))
 
 

@@ -2,8 +2,14 @@
 probability, margin), the labelled cluster table, the adjusted Rand index and the summary."""
 import numpy as np
 
-__all__ = ["adjusted_rand_index", "adjusted_rand_index_from_counts", "assignments", "summary_items", "print_summary",
+__all__ = ["truth_missing", "adjusted_rand_index", "adjusted_rand_index_from_counts", "assignments", "summary_items", "print_summary",
            "label_clusters", "Labelled", "ClusterSummary"]
+
+
+def truth_missing(v):
+    """A truth label that is no label: null, or an empty / blank text (CSV cells are read as
+    text: an unlabelled row is '')."""
+    return v is None or (isinstance(v, str) and not v.strip())
 
 
 def adjusted_rand_index(a, b):

@@ -122,9 +122,14 @@ def read_table(path, fmt=None, string_columns=()):
             # query logs are exported by cut, Hive and warehouse dumps; a phrase query
             # '"iphone 15 case' must not open a quoted cell that swallows the lines up to the
             # next quote); CSV is quoted as usual
-            parse = (pacsv.ParseOptions(delimiter="\t", quote_char=False,
-                                        newlines_in_values=False) if fmt == "tsv" else
-                     pacsv.ParseOptions(delimiter=",", newlines_in_values=True))
+            # (a TSV whose header cells are all double-quoted was written by a CSV writer
+            # with a tab delimiter -- Arrow's, or fastanneal's before TSV was linear: quoted)
+            if fmt == "tsv" and not _tsv_is_quoted(p):
+                parse = pacsv.ParseOptions(delimiter="\t", quote_char=False,
+                                           newlines_in_values=False)
+            else:
+                parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
+                                           newlines_in_values=True)
             # every column is read as text: the output keeps each cell as it was written
             # ("007" stays "007", "1.50" stays "1.50"); numbers are parsed where needed
             with pacsv.open_csv(str(p), parse_options=parse) as reader:
@@ -638,29 +643,48 @@ def _csv_ready(table, verbatim=()):
     return pa.table(cols, names=table.column_names)
 
 
-def _tsv_cells(col):
-    """A column as linear-TSV cells: text as it is (quotes included), null as empty; only
-    a cell holding a tab or a line break -- which linear TSV cannot hold -- is written
-    CSV-quoted (the one lossless choice; such data is better written as CSV or Parquet)."""
+def _tsv_cells(col, name, row0):
+    """A column as linear-TSV cells (``large_string``: one type for the join): text as it
+    is (quotes included), null as empty. A cell holding a tab or a line break is an error
+    naming its column and row (``row0``: rows written before): linear TSV cannot hold one,
+    and a quoted cell would be a file that no linear reader -- ours included -- reads."""
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-        col = pc.cast(col, pa.string())
+    col = pc.cast(col, pa.large_string())
     bad = pc.fill_null(pc.match_substring_regex(col, "[\t\n\r]"), False)
     if pc.any(bad).as_py():
-        quoted = pc.binary_join_element_wise(
-            pa.scalar('"', col.type), pc.replace_substring(col, '"', '""'),
-            pa.scalar('"', col.type), pa.scalar("", col.type))
-        col = pc.if_else(bad, quoted, col)
+        i = int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
+        raise InputError(f"column {name!r}, row {row0 + i + 1}: a tab or line break, which a "
+                         "TSV file cannot hold (each line is a row, each tab a separator); "
+                         "write the output as .csv or .parquet")
     return pc.fill_null(col, "")
 
 
-def _tsv_lines(cols, n):
-    """``n`` rows of the columns ``cols`` as linear-TSV lines (bytes)."""
-    if n == 0:
-        return b""
-    cells = [_tsv_cells(c) for c in cols]
-    lines = pc.binary_join_element_wise(*cells, "\t") if len(cells) > 1 else cells[0]
-    return ("\n".join(lines.to_pylist()) + "\n").encode("utf-8")
+def _write_tsv_lines(f, names, cols, n, row0=0, rows=1 << 16):
+    """``n`` rows of the columns ``cols`` (named ``names``) as linear-TSV lines into the
+    binary file ``f``, built in Arrow ``rows`` at a time (no Python object per row)."""
+    cells = [_tsv_cells(c, nm, row0) for nm, c in zip(names, cols)]
+    empty, tab = pa.scalar("", pa.large_string()), pa.scalar("\t", pa.large_string())
+    for s in range(0, n, rows):
+        # a trailing empty cell gives every line a final tab, which becomes its newline
+        part = [c.slice(s, rows) for c in cells] + [empty]
+        lines = pc.utf8_replace_slice(pc.binary_join_element_wise(*part, tab), -1, 2 ** 31,
+                                      "\n")
+        offs = np.frombuffer(lines.buffers()[1], np.int64)[lines.offset:
+                                                            lines.offset + len(lines) + 1]
+        f.write(memoryview(lines.buffers()[2])[int(offs[0]):int(offs[-1])])
+
+
+def _tsv_is_quoted(path):
+    """True when every cell of the file's first line is wrapped in double quotes: a TSV
+    written by a CSV writer with a tab delimiter (Arrow's, and fastanneal's before TSV was
+    linear), read as quoted; any other TSV is linear."""
+    with pa.input_stream(str(path), compression="detect") as f:
+        head = f.read(1 << 16)
+    line = head.split(b"\n", 1)[0].rstrip(b"\r")
+    if line.startswith(codecs.BOM_UTF8):
+        line = line[len(codecs.BOM_UTF8):]
+    cells = line.split(b"\t")
+    return bool(line) and all(len(c) >= 2 and c[:1] == b'"' and c[-1:] == b'"' for c in cells)
 
 
 def _json_value(v):
@@ -703,11 +727,15 @@ class TableWriter:
     def write(self, table):
         if self.fmt == "tsv":
             t = _csv_ready(table, self.verbatim)
+            names = t.column_names
             if self._f is None:
                 self._f = open(self.path, "wb")
-                self._f.write(_tsv_lines([pa.array([c], pa.string()) for c in t.column_names],
-                                         1))
-            self._f.write(_tsv_lines([t.column(c) for c in t.column_names], t.num_rows))
+                self._rows = 0
+                _write_tsv_lines(self._f, ["(header)"] * len(names),
+                                 [pa.array([c]) for c in names], 1 if names else 0)
+            _write_tsv_lines(self._f, names, [t.column(c) for c in names], t.num_rows,
+                             self._rows)
+            self._rows += t.num_rows
         elif self.fmt == "csv":
             import pyarrow.csv as pacsv
             t = _csv_ready(table, self.verbatim)

@@ -629,6 +629,11 @@ def run_cluster(args, console):
             if args.truth_column not in table.column_names:
                 raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
             truth = table.column(args.truth_column).to_pylist()
+            from ._cli_results import truth_missing
+            if sum(not truth_missing(t) for t in truth) < 2:
+                raise CLIError(f"{src}: truth column {args.truth_column!r} has fewer than 2 "
+                               "labelled rows (null or empty cells carry no label): no ARI "
+                               "to compute")
         auto = args.k == "auto"
         K = int(args.k_max) if auto else int(args.k)
         flag = "--k-max" if auto else "--k"
@@ -728,12 +733,17 @@ def run_cluster(args, console):
         ari = None
         if truth is not None:
             # over the rows that carry a truth label (a missing one is no class)
-            keep = [i for i, t in enumerate(truth) if t is not None]
+            from ._cli_results import truth_missing
+            keep = [i for i, t in enumerate(truth) if not truth_missing(t)]
             ari = adjusted_rand_index([truth[i] for i in keep],
                                       np.asarray(results["cluster"])[keep])
         if stream and args.truth_column:
             from ._cli_results import adjusted_rand_index_from_counts
-            ari = adjusted_rand_index_from_counts(lab.truth)
+            if sum(lab.truth.values()) >= 2:
+                ari = adjusted_rand_index_from_counts(lab.truth)
+            else:
+                console.note(f"warning: truth column {args.truth_column!r}: fewer than 2 "
+                             "labelled rows (null or empty cells carry no label); no ARI")
         timings["assign"] = time.perf_counter() - t0
         if log is not None:
             X = table = texts = None       # the writing pass reads the input again

@@ -862,3 +862,22 @@ def test_truth_column_with_missing_labels_scores_the_labelled_rows(capsys, tmp_p
     assert 0.9 < ref < 1.0
     line = next(ln for ln in (out + err).splitlines() if "ARI" in ln)
     assert f"{ref:.3f}" in line, line
+    # CSV cells are text: an unlabelled row is an empty cell, no class either
+    csv = tmp_path / "t.csv"
+    write_any(pa.table({"query": [f"q{i}" for i in range(90)],
+                        "truth": ["" if t is None else t for t in truth],
+                        "emb": pa.array(list(X), type=pa.list_(pa.float32()))}), csv)
+    rc, out, err = run(capsys, "cluster", csv, "-o", tmp_path / "o2.csv", "--k", 3,
+                       "--embedding-column", "emb", "--truth-column", "truth", *extra)
+    assert rc == 0, err
+    line = next(ln for ln in (out + err).splitlines() if "ARI" in ln)
+    assert f"{ref:.3f}" in line, line
+    # no labelled row: no ARI (it printed a perfect 1.000)
+    none = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"query": [f"q{i}" for i in range(90)],
+                             "truth": pa.array([None] * 90, pa.string()),
+                             "emb": pa.array(list(X), type=pa.list_(pa.float32()))}), none)
+    rc, out, err = run(capsys, "cluster", none, "-o", tmp_path / "o3.parquet", "--k", 3,
+                       "--embedding-column", "emb", "--truth-column", "truth", *extra)
+    assert "fewer than 2 labelled rows" in err
+    assert "ARI" not in out

@@ -605,10 +605,13 @@ HOSTILE = ["=HYPERLINK(\"http://x\",\"click\")", "+cmd|' /C calc'!A0", "-2+3", "
 
 @pytest.mark.parametrize("ext", [".csv", ".tsv", ".parquet"])
 def test_spreadsheet_formulas_are_neutralised(capsys, tmp_path, ext):
-    n = len(HOSTILE) * 6
+    # (a TSV cannot hold a tab or a line break: those cells are refused there, see
+    # test_tsv_output_is_linear_and_refuses_what_tsv_cannot_hold)
+    hostile = [h for h in HOSTILE if ext != ".tsv" or not any(c in h for c in "\t\r\n")]
+    n = len(hostile) * 6
     rng = np.random.default_rng(0)
     X = rng.normal(size=(n, 3)).astype(np.float32)
-    queries = [HOSTILE[i % len(HOSTILE)] for i in range(n)]
+    queries = [hostile[i % len(hostile)] for i in range(n)]
     table = pa.table({"query": queries, "note": queries,
                       "emb": pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), 3)})
     src = tmp_path / "q.parquet"
@@ -617,7 +620,7 @@ def test_spreadsheet_formulas_are_neutralised(capsys, tmp_path, ext):
     rc, _, err = run(capsys, "cluster", src, "-o", out, "--embedding-column", "emb", "--k", n,
                      "-q")
     assert rc == 0, err
-    dangerous = {q for q in HOSTILE if q[0] in "=+-@\t\r" and q not in ("-1.5", "+3e-4")}
+    dangerous = {q for q in hostile if q[0] in "=+-@\t\r" and q not in ("-1.5", "+3e-4")}
     if ext == ".parquet":
         got = pq.read_table(out).column("note").to_pylist()
         assert got == queries                    # a typed format keeps the text verbatim
@@ -882,19 +885,32 @@ def test_tsv_is_linear_quotes_are_text_and_no_row_is_merged(capsys, tmp_path):
     assert len(set(lab[:30])) == 1 and len(set(lab[30:])) == 1 and lab[0] != lab[59]
 
 
-def test_tsv_output_quotes_only_cells_that_linear_tsv_cannot_hold(tmp_path):
+def test_tsv_output_is_linear_and_refuses_what_tsv_cannot_hold(tmp_path):
+    """TSV outputs: text as it is (quotes included), one line a row, every column type (a
+    large_string column -- polars' default -- crashed the join); a cell holding a tab or a
+    line break is refused with its column and row (a quoted cell made a file that the
+    linear reader, ours included, cannot read back). Quoted TSVs (every header cell in
+    double quotes: Arrow's CSV writer with a tab delimiter) are still read as quoted."""
     from fastanneal._io import read_table, write_table
-    t = pa.table({"q": ['a "b"', "tab\there", "line\nbreak", None, "plain"],
-                  "x": [1.5, 2.0, None, 4.0, -0.25]})
+    t = pa.table({"q": pa.array(['a "b"', '"open', None, "plain"], pa.large_string()),
+                  "x": [1.5, 2.0, None, -0.25],
+                  "c": pa.array(["u", "v", "u", "v"]).dictionary_encode(),
+                  "n": pa.chunked_array([[1, 2], [3, 4]])})
     p = tmp_path / "o.tsv"
     write_table(t, p)
-    text = p.read_text(encoding="utf-8")
-    assert text.startswith('q\tx\na "b"\t1.5\n"tab\there"\t2\n"line\nbreak"\t\n\t4\nplain\t-0.25')
-    t2 = pa.table({"q": ['a "b"', '"open', 'close"', "plain"], "x": ["007", "1", "2", "3"]})
-    write_table(t2, p)
-    back = read_table(p)                  # read back: linear TSV, every cell as written
-    assert back.column("q").to_pylist() == t2.column("q").to_pylist()
-    assert back.column("x").to_pylist() == ["007", "1", "2", "3"]
+    assert p.read_bytes() == (b'q\tx\tc\tn\na "b"\t1.5\tu\t1\n"open\t2\tv\t2\n'
+                              b'\t\tu\t3\nplain\t-0.25\tv\t4\n')
+    back = read_table(p)
+    assert back.column("q").to_pylist() == ['a "b"', '"open', "", "plain"]
+    assert back.column("n").to_pylist() == ["1", "2", "3", "4"]
+    for cell in ("tab\there", "line\nbreak", "cr\rhere"):
+        bad = pa.table({"id": ["a", "b", "c"], "q": ["ok", "ok", cell]})
+        with pytest.raises(InputError, match="column 'q', row 3: a tab or line break"):
+            write_table(bad, tmp_path / "bad.tsv")
+    quoted = tmp_path / "quoted.tsv"             # every cell quoted, as Arrow writes TSV
+    pacsv.write_csv(pa.table({"q": ['say "hi"', "two\tparts"], "x": ["1", "2"]}), quoted,
+                    write_options=pacsv.WriteOptions(delimiter="\t"))
+    assert read_table(quoted).column("q").to_pylist() == ['say "hi"', "two\tparts"]
 
 
 @pytest.mark.parametrize("ext", [".csv", ".tsv"])
