@@ -27,8 +27,11 @@ in the calling thread); BLAS (``np.dot``) runs inside them: the caller pins it t
 Unlike the moments passes, the number of row ranges here does not follow the thread count
 (:func:`grad_ranges`): the gradient solver's Adam steps amplify a change in the last bit of
 a sum about tenfold every ten steps, so a per-thread association of the sums made its fits
-depend on the thread count (up to 10 % of the labels); with a fixed association they are
-bit-identical for any number of threads.
+depend on the thread count (up to 10 % of the labels); with a fixed association the
+gradient sums are bit-identical for any number of threads (a fit can still differ: its start
+temperature and scale come from the moment passes, whose ranges follow the threads). The
+price: at most ``GRAD_RANGES`` threads share a pass, fewer at very large ``K x D`` (the memory
+cap of :func:`grad_ranges`; K = 5,000, D = 1,024: 3 on the backward pass).
 """
 import math
 
@@ -125,7 +128,8 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
 #: Row ranges of the gradient passes, whatever the number of threads (each range its own
 #: partial sums, added in range order) ...
 GRAD_RANGES = 16
-#: ... fewer when their per-range sums would take more than this many bytes in all
+#: ... fewer when their per-range sums would take more than this many bytes in all (one
+#: range at least, whatever it takes; the ranges also bound the threads of a pass)
 GRAD_ACC_BYTES = 1 << 28
 
 
@@ -163,16 +167,16 @@ def _grad_forward_ranges(X, w, Ct, csq, T, metric, resp, block, sort_max, accN, 
     n, D = X.shape
     K = Ct.shape[1]
     nch = accN.shape[0]
+    Xb = np.empty((block, D))        # scratch of this call's ranges (one allocation)
+    xsq = np.empty(block)
+    P = np.empty((block, K))
+    G = np.empty((block, K))
+    Sb = np.empty((K, D))
+    cand = np.empty(K)
+    cidx = np.empty(K, np.int64)
     for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
-        Xb = np.empty((block, D))
-        xsq = np.empty(block)
-        P = np.empty((block, K))
-        G = np.empty((block, K))
-        Sb = np.empty((K, D))
-        cand = np.empty(K)
-        cidx = np.empty(K, np.int64)
         for b0 in range(r0, r1, block):
             m = min(b0 + block, r1) - b0
             _load_block(X, b0, m, Xb, xsq)
@@ -236,22 +240,22 @@ def _grad_backward_ranges(X, w, B, Bt, csq, musq, gmu, N, invW, lam, T, metric, 
     entmax = resp == RESP_ENTMAX15
     twoT = 2.0 / T
     want_gx = gX.shape[0] == n and n > 0    # a 0-row gX: sums only (the solver's pass)
+    Xb = np.empty((block, D))        # scratch of this call's ranges (one allocation)
+    xsq = np.empty(block)
+    P = np.empty((block, K3))
+    G = np.empty((block, K))
+    Cf = np.empty((block, K3))
+    GG = np.empty((block, K2))
+    diag = np.empty(block)
+    out = np.empty((block, D))
+    Ab = np.empty((K2, D))
+    ta = np.empty(K)
+    tb = np.empty(K)
+    cand = np.empty(K)
+    cidx = np.empty(K, np.int64)
     for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
-        Xb = np.empty((block, D))
-        xsq = np.empty(block)
-        P = np.empty((block, K3))
-        G = np.empty((block, K))
-        Cf = np.empty((block, K3))
-        GG = np.empty((block, K2))
-        diag = np.empty(block)
-        out = np.empty((block, D))
-        Ab = np.empty((K2, D))
-        ta = np.empty(K)
-        tb = np.empty(K)
-        cand = np.empty(K)
-        cidx = np.empty(K, np.int64)
         for b0 in range(r0, r1, block):
             m = min(b0 + block, r1) - b0
             _load_block(X, b0, m, Xb, xsq)

@@ -235,8 +235,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 # a schedule object by its class and settings, the same in every process
                 # (the default repr of a plain protocol object holds its memory address:
                 # a new process never found its checkpoint)
-                from .schedules import callable_key
-                v = callable_key(v)
+                from .schedules import schedule_key
+                v = schedule_key(v)
             out[k] = v
         return dict(out, estimator=type(self).__name__)
 

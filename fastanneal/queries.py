@@ -1,10 +1,19 @@
 """Labelled clusters of a query log from Python: what ``fastanneal cluster`` writes, as one
 object (``fastanneal.QueryClusters``)."""
-import math
-
 import numpy as np
 
 __all__ = ["QueryClusters"]
+
+
+def _missing(v):
+    """None, NaN of any float type, NaT, pandas' NA: no id (a value unequal to itself, or
+    one whose comparison has no truth value)."""
+    if v is None:
+        return True
+    try:
+        return bool(v != v)
+    except TypeError:               # pandas.NA: its comparisons are NA
+        return True
 
 
 class QueryClusters:
@@ -93,7 +102,7 @@ class QueryClusters:
             if len(ids) != n:
                 raise ValueError(f"{len(ids)} ids for {n} rows")
             for i, v in enumerate(ids):
-                if v is None or (isinstance(v, float) and math.isnan(v)):
+                if _missing(v):
                     raise ValueError(f"ids have a missing value ({v!r}) at row {i}")
             if len(set(ids)) != n:
                 raise ValueError("ids are not unique")

@@ -76,6 +76,36 @@ def callable_key(f):
 
 
 
+def schedule_key(s):
+    """The checkpoint key of a schedule object, the same in every process and for every
+    run of the object: a :class:`Schedule` (or any class with its own ``__repr__``) by its
+    repr (``Schedule``'s leaves out the ``T_*`` run state); an object written to the
+    protocol by its class and settings -- its attributes (``__slots__`` too) except
+    ``T_*`` and ``_*`` ones (run state), arrays by a hash of their bytes (a repr elides
+    long arrays), callables by :func:`callable_key`."""
+    if type(s).__repr__ is not object.__repr__:
+        return repr(s)
+    names = list(getattr(s, "__dict__", {}))
+    for cls in type(s).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    attrs = {}
+    for k in names:
+        if k.startswith(("T_", "_")) or k in attrs or not hasattr(s, k):
+            continue
+        v = getattr(s, k)
+        if hasattr(v, "__array__") and not isinstance(v, (numbers.Number, str)):
+            import numpy as np
+            a = np.ascontiguousarray(v)
+            attrs[k] = (f"array{a.dtype}{a.shape}:"
+                        f"{hashlib.sha256(a.tobytes()).hexdigest()[:16]}")
+        elif callable(v):
+            attrs[k] = callable_key(v)
+        else:
+            attrs[k] = _const_key(v)
+    return f"{type(s).__module__}.{type(s).__qualname__}{sorted(attrs.items())}"
+
+
 @dataclass
 class ScheduleState:
     """What the engine knows after finishing the temperature ``T`` (step ``step``)."""

@@ -948,7 +948,10 @@ def test_nan_and_none_ids_are_missing_values(tmp_path):
     with pytest.raises(InputError, match="missing value at row 2"):
         check_ids(t, "id", "f.parquet")
     X = np.random.default_rng(0).normal(size=(6, 3))
-    for bad in ([1, 2, None, 4, 5, 6], [1.0, 2.0, float("nan"), 4.0, 5.0, 6.0]):
+    pd = pytest.importorskip("pandas")
+    for bad in ([1, 2, None, 4, 5, 6], [1.0, 2.0, float("nan"), 4.0, 5.0, 6.0],
+                list(np.array([1, 2, np.nan, 4, 5, 6], np.float32)), [1, 2, pd.NA, 4, 5, 6],
+                [1, 2, np.datetime64("NaT"), 4, 5, 6]):
         with pytest.raises(ValueError, match="ids have a missing value .* at row 2"):
             fastanneal.QueryClusters(2).fit(embeddings=X, ids=bad)
 

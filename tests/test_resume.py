@@ -592,6 +592,35 @@ def test_protocol_schedule_objects_key_checkpoints_by_class_and_settings():
         return params_key("data", fa.AnnealedKMeans(5, schedule=s)._fit_params())
     assert key(Halving()) == key(Halving())             # two objects, one setting
     assert key(Halving(0.5)) != key(Halving(0.7))
+    run = Halving()
+    k0 = key(run)
+    run.T_start, run._calls = 1.0, 3                    # run state: not a setting
+    assert key(run) == k0
+
+    class Slotted:
+        __slots__ = ("factor",)
+
+        def __init__(self, factor):
+            self.factor = factor
+
+        def next_temperature(self, state):
+            return None
+    assert key(Slotted(0.5)) != key(Slotted(0.9))
+
+    class Table:
+        def __init__(self, temps):
+            self.temps = temps
+
+        def next_temperature(self, state):
+            return None
+    a = np.linspace(1.0, 0.01, 2000)
+    b = a.copy()
+    b[1000] += 1e-9                                     # a repr elides the middle
+    assert key(Table(a)) != key(Table(b)) and key(Table(a)) == key(Table(a.copy()))
+    # Schedule subclasses keep the key they always had (their repr): old checkpoints resume
+    from fastanneal.schedules import GeometricSchedule
+    assert fa.AnnealedKMeans(5, schedule=GeometricSchedule(8))._fit_params()["schedule"] \
+        == repr(GeometricSchedule(8))
 
 
 def test_checkpoint_path_and_file_faults_are_named(tmp_path):

@@ -237,3 +237,21 @@ def test_light_passes_stay_in_the_calling_thread_below_their_threshold(spy, n, t
     compute_moments(X, w, X[:3], 1.0, 0, 0, None, False)
     assert light == ([2, 2, 2] if threaded else [1, 1, 1])
     assert spy[0][0] == 2                               # the moments pass of that shape splits
+
+
+def test_run_groups_covers_every_range_once_and_grad_ranges_follow_the_shape():
+    seen = []
+    lock = threading.Lock()
+
+    def fn(tag, t0, t1):
+        with lock:
+            seen.extend(range(t0, t1))
+    for nch, nthreads in ((3, 2), (1, 4), (16, 2), (5, 5), (7, 1)):
+        seen.clear()
+        _pool.run_groups(fn, ("x",), nch, nthreads)
+        assert sorted(seen) == list(range(nch)), (nch, nthreads)
+    from fastanneal import _grad_kernels as G
+    assert G.grad_ranges(10_000, 256, 20, 64) == G.GRAD_RANGES           # shape only
+    assert G.grad_ranges(300, 256, 20, 64) == 2                          # no more than blocks
+    big = G.grad_ranges(10 ** 6, 256, 10_000, 1024)                      # the memory cap
+    assert big == max(1, G.GRAD_ACC_BYTES // (8 * 10_000 * 1024))
