@@ -576,8 +576,8 @@ def _signalled_during_the_write(tmp_path, inp, sig):
 import os, signal, sys
 from fastanneal import cli
 real = cli.write_table
-def dying(table, path, fmt=None):
-    real(table, path, fmt)
+def dying(table, path, fmt=None, verbatim=()):
+    real(table, path, fmt, verbatim)
     os.kill(os.getpid(), {int(sig)})
 cli.write_table = dying
 sys.exit(cli.main({[ 'cluster', str(src), '-o', str(out), '--embedding-column', 'emb',
