@@ -53,6 +53,7 @@ def verbose_logging(verbose):
         log.setLevel(old_level)
         log.propagate = old_prop
 
+RESP_ENTMAX15 = 1
 RESP_HARD = 2
 #: Clusters with soft mass at most this fraction of the total weight are empty (relocated):
 #: one threshold for float32 and float64, at float32's resolution.
@@ -648,7 +649,8 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
             sstate = ScheduleState(step=st.step - st.phase_step0, T=T, T_start=st.T_start,
                                    T_end=st.T_end, entropy=ent, grad_norm=res.grad_norm,
                                    n_distinct=K - n_coinc, n_clusters=K,
-                                   extra={"scale": ctx.scale})
+                                   extra={"scale": ctx.scale,
+                                          "entropy_max": entropy_max(cfg.resp, K)})
             T = checked_temperature(schedule, schedule.next_temperature(sstate),
                                     st.step - st.phase_step0)
             st.schedule_state = schedule_state_dict(schedule)
@@ -674,6 +676,18 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
             hook(st)
         if delay > 0:
             time.sleep(delay)
+
+
+def entropy_max(resp, K):
+    """The largest mean assignment entropy of the rule ``resp`` with ``K`` clusters (all
+    centers at one point): ``log K`` (Shannon, softmax), ``4/3 (1 - K^-1/2)`` (Tsallis-1.5,
+    entmax-1.5: what its records' entropy is); schedules that feed back on the entropy
+    compare it on this scale (``ScheduleState.extra["entropy_max"]``)."""
+    if K <= 1:
+        return 0.0
+    if resp == RESP_ENTMAX15:
+        return (4.0 / 3.0) * (1.0 - K ** -0.5)
+    return math.log(K)
 
 
 def checked_temperature(schedule, T, step):
@@ -766,10 +780,22 @@ class _OneStep:
 
 
 # ---------------------------------------------------------------------------- schedules
+def _schedule_attrs(schedule):
+    """A schedule's attributes: its ``__dict__`` and its ``__slots__`` (set ones)."""
+    out = dict(getattr(schedule, "__dict__", {}))
+    for cls in type(schedule).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for k in ([slots] if isinstance(slots, str) else slots):
+            if k not in out and k not in ("__dict__", "__weakref__") and hasattr(schedule, k):
+                out[k] = getattr(schedule, k)
+    return out
+
+
 def schedule_state_dict(schedule):
-    """JSON-able internal state of a schedule (its public and private attributes)."""
+    """JSON-able internal state of a schedule (its public and private attributes,
+    ``__slots__`` included)."""
     out = {}
-    for k, v in vars(schedule).items():
+    for k, v in _schedule_attrs(schedule).items():
         if callable(v):
             continue
         out[k] = _jsonable(v)

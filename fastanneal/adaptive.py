@@ -9,8 +9,9 @@ with the gradient solver, the separation-gradient norm ``g_t``. The next tempera
 clamped to ``[T_min, T_max]``, where
 
 * ``H*(t)`` is a reference entropy that falls linearly from ``log K`` (uniform
-  responsibilities) at ``t = 0`` to ``H_end`` (default 0: hard) at the last step
-  ``t = n_steps - 1``;
+  responsibilities; entmax-1.5: ``4/3 (1 - K^-1/2)``, the largest Tsallis-1.5 entropy, in
+  which its fits report the entropy) at ``t = 0`` to ``H_end`` (default 0: hard) at the
+  last step ``t = n_steps - 1``;
 * ``sigma_H(t)`` is the running standard deviation of the entropies seen so far (all steps,
   Welford), floored at ``sigma_floor * log K`` so that the first steps (one or two samples,
   standard deviation ~ 0) do not divide by ~ 0;
@@ -159,7 +160,14 @@ class AdaptiveSchedule(Schedule):
         H = float(state.entropy)
         g = float(state.grad_norm)
         K = int(state.n_clusters)
-        log_K = math.log(K) if K > 1 else 0.0
+        # the reference starts at the largest entropy of the fit's own rule (log K for
+        # softmax; entmax-1.5's Tsallis entropy tops out at 4/3 (1 - K^-1/2): against log K
+        # its entropy always looked too cold and the schedule heated to its upper clamp)
+        extra = getattr(state, "extra", None)
+        log_K = (extra.get("entropy_max") if isinstance(extra, dict) else None)
+        if log_K is None:
+            log_K = math.log(K) if K > 1 else 0.0
+        log_K = float(log_K)
         # running statistics (they include the current step)
         if math.isfinite(H):
             self._n_H += 1

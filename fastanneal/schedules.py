@@ -135,8 +135,10 @@ class Schedule:
         raise NotImplementedError
 
     def __repr__(self):
+        # settings only: T_* and _* attributes are run state (a schedule object re-used
+        # after an interrupted fit must find its checkpoint under the same key)
         args = ", ".join(f"{k}={callable_key(v) if callable(v) else repr(v)}"
-                         for k, v in vars(self).items() if not k.startswith("T_"))
+                         for k, v in vars(self).items() if not k.startswith(("T_", "_")))
         return f"{type(self).__name__}({args})"
 
 

@@ -377,3 +377,23 @@ def test_adaptive_reference_must_return_a_finite_entropy():
     s = AdaptiveSchedule(n_steps=4, reference=lambda t, n, log_k: math.nan)
     with pytest.raises(ValueError, match="reference.*returned nan"):
         AnnealedKMeans(4, schedule=s, stop_when_hard=False, random_state=0).fit(X)
+
+
+def test_adaptive_reference_is_on_the_entropy_scale_of_the_rule():
+    """entmax-1.5 fits report a Tsallis-1.5 entropy (at most 4/3 (1 - K^-1/2)); measured
+    against a reference from log K it always looked too cold, and the schedule heated to
+    its upper clamp (T 1.02 -> 495) and ended hotter than it started."""
+    import warnings
+    from fastanneal import AdaptiveSchedule, AnnealedKMeans
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(2000, 5))
+    X[:, 0] *= 3
+    s = AdaptiveSchedule(n_steps=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = AnnealedKMeans(8, random_state=0, schedule=s, responsibilities="entmax15",
+                           stop_when_hard=False).fit(X)
+    assert s.history_[0]["H_ref"] == pytest.approx(4 / 3 * (1 - 8 ** -0.5))
+    T_max = s.bounds()[1]
+    assert max(r["T"] for r in s.history_) < 0.5 * T_max
+    assert m.temperature_ < 1.5 * m.temperature_start_

@@ -639,3 +639,34 @@ def test_checkpoint_path_and_file_faults_are_named(tmp_path):
     with pytest.warns(CheckpointWarning, match="not a fastanneal checkpoint") as rec:
         fa.AnnealedKMeans(3, checkpoint=bad, random_state=0).fit(X)
     assert not any("unsafely" in str(w.message) for w in rec)
+
+
+def test_schedule_run_state_and_slots_do_not_break_fits_or_keys():
+    """A Schedule subclass keeps its checkpoint key after a fit (its _* run state is not a
+    setting); a protocol schedule with __slots__ fits (vars() of it crashed every fit)."""
+    from fastanneal.schedules import Schedule
+
+    class Counting(Schedule):
+        def __init__(self, n_steps=6):
+            self.n_steps = n_steps
+
+        def next_temperature(self, state):
+            self._calls = getattr(self, "_calls", 0) + 1
+            return None if state.step + 1 >= self.n_steps else state.T * 0.7
+
+    class Slotted:
+        __slots__ = ("n_steps",)
+
+        def __init__(self, n_steps=6):
+            self.n_steps = n_steps
+
+        def next_temperature(self, state):
+            return None if state.step + 1 >= self.n_steps else state.T * 0.7
+    X = np.random.default_rng(0).normal(size=(400, 3))
+    s = Counting()
+    before = fa.AnnealedKMeans(4, schedule=s)._fit_params()["schedule"]
+    fa.AnnealedKMeans(4, schedule=s, random_state=0, stop_when_hard=False).fit(X)
+    assert s._calls >= 1
+    assert fa.AnnealedKMeans(4, schedule=s)._fit_params()["schedule"] == before
+    km = fa.AnnealedKMeans(4, schedule=Slotted(), random_state=0).fit(X)
+    assert km.n_steps_ >= 1
