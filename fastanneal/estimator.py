@@ -1075,6 +1075,31 @@ KPP_ROWS_PER_CLUSTER = 20
 SEED_LLOYD_PASSES = 20
 
 
+def _check_labels_path(labels_path, X):
+    """``labels_path`` must not be the input, hold it or lie inside it: with
+    ``overwrite=True`` the labels folder replaced the input file (deleted, then the final
+    pass failed reading it), and label files inside an input folder became part of its
+    dataset."""
+    from ._parquet import ParquetStream
+    if isinstance(X, ParquetStream):
+        inputs = [getattr(X.data, "path", None)]
+    elif isinstance(X, (str, os.PathLike)):
+        inputs = [X]
+    elif isinstance(X, (list, tuple)) and X and all(isinstance(p, (str, os.PathLike))
+                                                     for p in X):
+        inputs = list(X)
+    else:
+        return
+    lp = os.path.realpath(os.fspath(labels_path))
+    for p in inputs:
+        if p is None:
+            continue
+        rp = os.path.realpath(os.fspath(p))
+        if lp == rp or rp.startswith(lp + os.sep) or lp.startswith(rp + os.sep):
+            raise ValueError(f"labels_path={os.fspath(labels_path)!r} is the input {p!r}, "
+                             "holds it or lies inside it: give another folder")
+
+
 def _seeding_weights(ws):
     """The weights a mini-batch fit seeds with: 1 for every row of the sample that carries
     weight. The seeds come from where the rows are, not from their weights: a uniform
@@ -1383,6 +1408,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         rc = self._check_params()
         K = int(self.n_clusters)
         metric = metric_code(self.metric)
+        if labels_path is not None:
+            _check_labels_path(labels_path, X)
         if labels_path is not None and os.path.exists(labels_path) and not overwrite:
             raise FileExistsError(f"{labels_path} exists; pass overwrite=True to replace it")
         rng = self._rng()

@@ -539,3 +539,23 @@ def test_out_of_core_read_error_is_one_line(tmp_path, capsys):
     assert rc == 2 and "Traceback" not in err, err
     assert "bad.parquet" in err and "checksum" in err.lower(), err
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_labels_path_may_not_touch_the_input(tmp_path):
+    """labels_path = the input with overwrite=True replaced the input file by the labels
+    folder (the input deleted, then the final pass failed reading it); labels written
+    inside an input folder became part of its dataset."""
+    p = tmp_path / "log.parquet"
+    make_log(p, n=600, row_group=300)
+    before = p.read_bytes()
+    est = MiniBatchAnnealedKMeans(3, random_state=0, n_steps=3)
+    with pytest.raises(ValueError, match="is the input .*holds it or lies inside it"):
+        est.fit(open_parquet(p, column="emb"), labels_path=p, overwrite=True)
+    assert p.is_file() and p.read_bytes() == before
+    d = tmp_path / "ds"
+    d.mkdir()
+    make_log(d / "a.parquet", n=600, row_group=300)
+    for lp in (d / "labels", tmp_path):             # inside the input, or holding it
+        with pytest.raises(ValueError, match="holds it or lies inside it"):
+            est.fit(open_parquet(d, column="emb"), labels_path=lp, overwrite=True)
+    assert sorted(x.name for x in d.iterdir()) == ["a.parquet"]
