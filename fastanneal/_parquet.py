@@ -335,7 +335,15 @@ class ParquetStream(_passes_base()):
         ch = prepare_chunk(x, w, i, row0, self.metric, self.dtype, origin=self.origin,
                            row_base=self.row_base)
         if self.id is not None:
-            ch.ids = table.column(self.id).to_numpy()
+            # Arrow, in the dataset's type: through NumPy a null made one row group's int64
+            # ids float64 (large ids rounded) and decimals changed precision per file, so the
+            # labels folder's files no longer shared a schema
+            ids = table.column(self.id).combine_chunks()
+            if ids.null_count:
+                j = int(np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))[0])
+                raise ValueError(f"id column {self.id!r} has a missing value at row "
+                                 f"{row0 + self.row_base + j} ({where})")
+            ch.ids = ids
         return ch
 
     def _piece(self, p):

@@ -559,3 +559,28 @@ def test_labels_path_may_not_touch_the_input(tmp_path):
         with pytest.raises(ValueError, match="holds it or lies inside it"):
             est.fit(open_parquet(d, column="emb"), labels_path=lp, overwrite=True)
     assert sorted(x.name for x in d.iterdir()) == ["a.parquet"]
+
+
+def test_labels_keep_the_ids_type_and_refuse_missing_ids(tmp_path):
+    """Ids went through NumPy per row group: a null made that row group's int64 ids float64
+    (2^60 + i rounded), decimals changed precision per file; the labels folder's files then
+    did not share a schema. Now the ids keep the dataset's Arrow type; a null id is refused
+    with its row, as the command does."""
+    import decimal
+    X, _, _ = make_log(tmp_path / "x.parquet", n=2000, row_group=500)
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), X.shape[1])
+    for ids in (pa.array(np.arange(2000, dtype=np.int64) + 2 ** 60),
+                pa.array([decimal.Decimal(i) / 100 for i in range(2000)],
+                         type=pa.decimal128(10, 2))):
+        p = tmp_path / "ids.parquet"
+        pq.write_table(pa.table({"emb": emb, "id": ids}), p, row_group_size=500)
+        out = tmp_path / "labels"
+        MiniBatchAnnealedKMeans(4, random_state=0, n_steps=3).fit(
+            open_parquet(p, column="emb", id="id"), labels_path=out, overwrite=True)
+        back = pq.read_table(out)
+        assert back["id"].type == ids.type and back["id"].to_pylist() == ids.to_pylist()
+    bad = pa.array([None if i == 1234 else i for i in range(2000)], type=pa.int64())
+    pq.write_table(pa.table({"emb": emb, "id": bad}), p, row_group_size=500)
+    with pytest.raises(ValueError, match="id column 'id' has a missing value at row 1234"):
+        MiniBatchAnnealedKMeans(4, random_state=0, n_steps=3).fit(
+            open_parquet(p, column="emb", id="id"), labels_path=tmp_path / "l2")

@@ -293,10 +293,11 @@ def write_label_part(out_dir, index, row0, labels, ids=None):
     n = labels.shape[0]
     cols = {"row": pa.array(np.arange(row0, row0 + n, dtype=np.int64))}
     if ids is not None:
-        ids = np.asarray(ids)
-        if ids.shape[0] != n:
-            raise ValueError(f"ids of chunk {index} have {ids.shape[0]} entries for {n} rows")
-        cols["id"] = pa.array(ids)
+        if not isinstance(ids, (pa.Array, pa.ChunkedArray)):    # (Arrow: kept as typed)
+            ids = pa.array(np.asarray(ids))
+        if len(ids) != n:
+            raise ValueError(f"ids of chunk {index} have {len(ids)} entries for {n} rows")
+        cols["id"] = ids
     cols["label"] = pa.array(labels.astype(np.int32, copy=False))
     path = os.path.join(out_dir, f"part-{index:06d}.parquet")
     tmp = path + ".inprogress"
