@@ -152,7 +152,11 @@ def read_table(path, fmt=None, string_columns=()):
                 fmt_opts = ds.ParquetFileFormat(
                     default_fragment_scan_options=ds.ParquetFragmentScanOptions(
                         page_checksum_verification=True))
-                table = ds.dataset(str(p), format=fmt_opts, partitioning="hive").to_table()
+                from ._parquet import _widest_schema
+                dset = ds.dataset(str(p), format=fmt_opts, partitioning="hive")
+                # every file read in the widest type of each column (as out of core)
+                table = ds.dataset(str(p), format=fmt_opts, partitioning="hive",
+                                   schema=_widest_schema(dset)).to_table()
             else:
                 # page checksums (written by e.g. write_page_checksum=True) are verified
                 table = pq.read_table(str(p), page_checksum_verification=True)

@@ -144,6 +144,24 @@ def _scan_format():
         pre_buffer=False))
 
 
+def _widest_schema(dataset):
+    """The dataset's schema with each column in the widest type of its files (int32 in one
+    file and int64 in another: int64; float32 and float64 embeddings: float64), so that
+    every row group reads without loss: the first file's schema alone failed on a later
+    file's larger ids after the whole fit, and narrowed its float64 embeddings. Types that
+    do not unify (a text column that is a number elsewhere) keep the first file's, whose
+    reads then fail naming the file."""
+    import pyarrow as pa
+    base = dataset.schema
+    try:
+        unified = pa.unify_schemas([f.physical_schema for f in dataset.get_fragments()],
+                                   promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
+        return base
+    fields = [unified.field(f.name) if f.name in unified.names else f for f in base]
+    return pa.schema(fields, metadata=base.metadata)
+
+
 class ParquetDataset:
     """A Parquet file, or a folder of them (hive ``key=value`` folders become columns; names
     starting with ``.`` or ``_`` are skipped), as its row groups in the order in which
@@ -155,7 +173,10 @@ class ParquetDataset:
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such file or folder")
         self.dataset = ds.dataset(self.path, format=_scan_format(), partitioning="hive")
-        self.schema = self.dataset.schema
+        self.schema = _widest_schema(self.dataset)
+        if not self.schema.equals(self.dataset.schema):
+            self.dataset = ds.dataset(self.path, format=_scan_format(), partitioning="hive",
+                                      schema=self.schema)
         self.pieces = []
         rows = []
         for frag in self.dataset.get_fragments():

@@ -584,3 +584,30 @@ def test_labels_keep_the_ids_type_and_refuse_missing_ids(tmp_path):
     with pytest.raises(ValueError, match="id column 'id' has a missing value at row 1234"):
         MiniBatchAnnealedKMeans(4, random_state=0, n_steps=3).fit(
             open_parquet(p, column="emb", id="id"), labels_path=tmp_path / "l2")
+
+
+@pytest.mark.parametrize("memory_limit", [None, "1K"])
+def test_a_folder_whose_files_differ_in_column_types_reads_in_the_widest(capsys, tmp_path,
+                                                                         memory_limit):
+    """int32 ids in one file, int64 ids above 2^31 in the next; float32 embeddings, then
+    float64: every row is read in the widest type (out of core the write failed after the
+    whole fit, in memory the read; float64 embeddings were narrowed to float32)."""
+    rng = np.random.default_rng(0)
+    X = np.repeat(rng.normal(size=(4, 8)) * 6, 100, axis=0) + rng.normal(size=(400, 8))
+    X[:, 0] += 1e-9 * np.arange(400)               # digits float32 cannot hold
+    d = tmp_path / "mixed"
+    d.mkdir()
+    pq.write_table(pa.table({"embedding": pa.FixedSizeListArray.from_arrays(
+        pa.array(X[:200].astype(np.float32).ravel()), 8),
+        "id": pa.array(np.arange(200, dtype=np.int32))}), d / "a.parquet")
+    pq.write_table(pa.table({"embedding": pa.FixedSizeListArray.from_arrays(
+        pa.array(X[200:].ravel()), 8),
+        "id": pa.array(np.arange(200, 400, dtype=np.int64) + 3_000_000_000)}), d / "b.parquet")
+    out = tmp_path / "out.parquet"
+    extra = [] if memory_limit is None else ["--memory-limit", memory_limit]
+    rc = main(["cluster", str(d), "-o", str(out), "--embedding-column", "embedding",
+               "--id-column", "id", "--k", "4", "-q", *extra])
+    assert rc == 0, capsys.readouterr().err
+    o = pq.read_table(out)
+    assert o["id"].to_pylist() == list(range(200)) + list(range(3_000_000_200, 3_000_000_400))
+    np.testing.assert_array_equal(np.array(o["embedding"].to_pylist()[200:]), X[200:])
