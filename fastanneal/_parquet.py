@@ -5,6 +5,7 @@ a background thread while the current one is reduced) and :class:`ParquetStream`
 source that :class:`fastanneal.MiniBatchAnnealedKMeans` anneals over out of core
 (:func:`fastanneal.open_parquet`). The per-chunk work (validation, moments, labels) is the
 same code as on the Dask workers (:mod:`fastanneal.dask._chunks`)."""
+import hashlib
 import math
 import os
 import queue
@@ -454,8 +455,11 @@ class ParquetStream(_passes_base()):
     def fingerprint(self):
         files = sorted({f.path for f in self.data.pieces})
         stamp = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+        # the chunking decides the batches, so the fit: a checkpoint of another chunk_rows
+        # resumed into a fit equal to neither
+        chunks = hashlib.sha256(np.asarray(self.chunk_rows, np.int64).tobytes()).hexdigest()
         return (f"parquet:{stamp}:{self.column}:{self.weight}:{self.metric}:{self.n_rows}:"
-                f"{self.dtype}")
+                f"{self.dtype}:chunks={chunks[:16]}")
 
     def sample(self, n_target, rng, min_chunks=8):
         """About ``n_target`` random rows from at least ``min_chunks`` random row groups."""

@@ -611,3 +611,11 @@ def test_a_folder_whose_files_differ_in_column_types_reads_in_the_widest(capsys,
     o = pq.read_table(out)
     assert o["id"].to_pylist() == list(range(200)) + list(range(3_000_000_200, 3_000_000_400))
     np.testing.assert_array_equal(np.array(o["embedding"].to_pylist()[200:]), X[200:])
+
+
+def test_the_chunking_is_part_of_the_checkpoint_key(tmp_path):
+    p = tmp_path / "log.parquet"
+    make_log(p, n=1200, row_group=600)
+    a = open_parquet(p, column="emb", chunk_rows=400).fingerprint()
+    assert a == open_parquet(p, column="emb", chunk_rows=400).fingerprint()
+    assert a != open_parquet(p, column="emb", chunk_rows=300).fingerprint()
