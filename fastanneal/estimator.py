@@ -794,6 +794,15 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         t0 = time.perf_counter() if _t0 is None else _t0
         check_source(source)
         rc = self._check_params(source.n_rows)
+        sm = getattr(source, "metric", None)
+        if isinstance(sm, (bool, np.bool_)) or sm not in (0, 1):
+            raise ValueError(f"the source's metric must be 0 (Euclidean) or 1 (cosine: unit "
+                             f"rows); got {sm!r}")
+        if int(sm) != metric_code(self.metric):
+            raise ValueError(f"the source's metric ({'cosine' if sm == 1 else 'euclidean'}) "
+                             f"is not the estimator's metric={self.metric!r}: the fit would "
+                             "measure the rows with one and project the centers with the "
+                             "other")
         # rows measured from an origin (the in-memory route centers rows far from it)
         origin = getattr(source, "origin", None)
         auto = isinstance(self.n_clusters, str)

@@ -78,7 +78,8 @@ class QueryClusters:
         if texts is None and embeddings is None:
             raise ValueError("give texts, embeddings or both")
         if texts is not None:
-            texts = [None if t is None else str(t) for t in texts]
+            # a missing text (None, NaN, pd.NA) stays missing: not the query "nan"
+            texts = [None if _missing(t) else str(t) for t in texts]
         if embeddings is None:
             from .cli import _load_embedder, distinct_texts
             if any(t is None for t in texts):

@@ -187,3 +187,18 @@ def test_euclidean_central_queries_and_cohesion_follow_the_clustered_distance():
         np.testing.assert_allclose(r["cohesion"], -d.mean(), rtol=1e-6)
         order = [f"c{lab[i]} row{i}" for i in m[np.argsort(d)][:len(r["representative_queries"])]]
         assert r["representative_queries"] == order
+
+
+def test_missing_texts_stay_missing():
+    """A NaN or pd.NA text became the query 'nan' / '<NA>' (a cluster labelled 'nan')."""
+    pd = pytest.importorskip("pandas")
+    rng = np.random.default_rng(0)
+    X = np.repeat(rng.normal(size=(2, 6)) * 5, 30, axis=0) + rng.normal(size=(60, 6))
+    texts = [f"alpha query {i}" for i in range(30)] + [f"beta query {i}" for i in range(30)]
+    texts[3], texts[40] = float("nan"), pd.NA
+    qc = fastanneal.QueryClusters(2, random_state=0).fit(texts=texts, embeddings=X)
+    info = qc.cluster_info().to_pylist()
+    words = " ".join(str(r["label"]) + " " + " ".join(r["representative_queries"]) for r in info)
+    assert "nan" not in words.split() and "<NA>" not in words
+    q = qc.assignments().column("query").to_pylist()
+    assert q[3] is None and q[40] is None and q[0] == "alpha query 0"
