@@ -881,3 +881,14 @@ def test_truth_column_with_missing_labels_scores_the_labelled_rows(capsys, tmp_p
                        "--embedding-column", "emb", "--truth-column", "truth", *extra)
     assert "fewer than 2 labelled rows" in err
     assert "ARI" not in out
+
+
+def test_tokens_keep_combining_marks_and_one_apostrophe():
+    """Indic vowel signs, Arabic harakat and Thai vowels are combining marks, which a
+    [^\\W_] class drops: Hindi queries gave no token (an empty cluster label) and Thai words
+    broke apart; a decomposed 'café' is the composed one; "don’t" is the stop word "don't"."""
+    assert tokenize("हिन्दी भाषा सीखें") == ["हिन्दी", "भाषा", "सीखें"]
+    assert tokenize("เรียน ภาษา") == ["เรียน", "ภาษา"]
+    assert tokenize("cafe\u0301 menu") == tokenize("caf\u00e9 menu") == ["caf\u00e9", "menu"]
+    assert tokenize("don’t stop what’s new") == ["stop", "new"]
+    assert tokenize("play the next song") == ["play", "next", "song"]
