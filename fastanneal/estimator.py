@@ -793,6 +793,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             self._forget_fit()
         t0 = time.perf_counter() if _t0 is None else _t0
         check_source(source)
+        if not type(source).__module__.startswith("fastanneal"):
+            # a user-written source: its results are checked as they come back
+            from ._protocol import CheckedSource
+            source = CheckedSource(source)
         rc = self._check_params(source.n_rows)
         sm = getattr(source, "metric", None)
         if isinstance(sm, (bool, np.bool_)) or sm not in (0, 1):

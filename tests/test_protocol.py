@@ -621,3 +621,33 @@ def test_fit_source_refuses_a_metric_other_than_the_estimators():
     src.metric = "cosine"
     with pytest.raises(ValueError, match="must be 0 .Euclidean. or 1"):
         fa.AnnealedKMeans(3, random_state=0).fit_source(src)
+
+
+def test_a_user_source_that_breaks_the_protocol_is_named():
+    """A user's source is checked as its results come back (CheckedSource): a wrong shape
+    was a NumPy broadcast error deep in the engine, a NaN objective read 'all rows are
+    identical', a covariance of the wrong shape silently gave another T_c."""
+    from fastanneal._protocol import SourceError
+    from fastanneal._sources import InMemorySource
+    X = np.random.default_rng(0).normal(size=(300, 4))
+
+    class User:                       # a user's source: the in-memory one, re-exported
+        def __init__(self, **bad):
+            self._s = InMemorySource(np.ascontiguousarray(X), np.ones(300), 0)
+            self._bad = bad
+
+        def __getattr__(self, name):
+            if name in self._bad:
+                return self._bad[name]
+            return getattr(self._s, name)
+    fa.AnnealedKMeans(3, random_state=0).fit_source(User())            # conforms: fits
+    cases = [
+        (dict(covariance=lambda mean: np.eye(2)), "covariance returned the covariance of "
+                                                   "shape .2, 2.; expected .4, 4."),
+        (dict(mean=lambda: np.full(4, np.nan)), "mean returned the mean with non-finite"),
+        (dict(total_weight=float("nan")), "total_weight is nan"),
+        (dict(n_features=3), "mean returned the mean of shape .4,.; expected .3,."),
+    ]
+    for bad, msg in cases:
+        with pytest.raises(SourceError, match="User." + msg):
+            fa.AnnealedKMeans(3, random_state=0).fit_source(User(**bad))
