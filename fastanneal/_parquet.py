@@ -240,7 +240,9 @@ def open_parquet(path, column="embedding", weight=None, id=None, *, metric="eucl
     dtype : numpy dtype or None
         None: float32 for float16/float32 values, float64 otherwise.
     chunk_rows : int
-        Rows per mini-batch update (``batch_size`` of the estimator rounds to whole chunks).
+        Rows per mini-batch update (``batch_size`` of the estimator rounds to whole chunks):
+        row groups are cut into chunks of at most this many rows, and a batch takes several
+        chunks where the row groups are smaller (about ``chunk_rows`` rows a batch).
     prefetch : int
         Row groups decoded ahead in a background thread (0: none).
     device : {None, "cpu", "cuda"}
@@ -310,6 +312,7 @@ class ParquetStream(_passes_base()):
         self.prefetch_depth = 1 if prefetch else 0
         self._depth = int(max(0, prefetch))
         c = max(1, int(chunk_rows))
+        self.target_rows = c                 # (row groups smaller than it: batches of several)
         self.chunks = []                     # (piece, local start, local stop)
         for p, r in enumerate(data.piece_rows):
             for a in range(0, int(r), c):
