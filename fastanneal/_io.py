@@ -486,8 +486,10 @@ def temp_folder(final):
     of interrupted runs are removed first."""
     final = Path(final)
     clean_stale_temps(final)
-    return Path(tempfile.mkdtemp(prefix=temp_prefix(final), suffix=".tmpdir",
-                                 dir=final.parent or "."))
+    p = Path(tempfile.mkdtemp(prefix=temp_prefix(final), suffix=".tmpdir",
+                              dir=final.parent or "."))
+    os.chmod(p, 0o777 & ~_umask())      # as os.mkdir would make it (mkdtemp's is 0700)
+    return p
 
 
 def _tmp_path(final):

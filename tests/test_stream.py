@@ -634,3 +634,14 @@ def test_small_row_groups_make_batches_of_about_chunk_rows(tmp_path):
     km = MiniBatchAnnealedKMeans(6, random_state=0, n_steps=4).fit(
         open_parquet(big, column="emb", chunk_rows=1024))
     assert km.batch_chunks_ == 1                          # chunks already of chunk_rows
+
+
+def test_the_labels_folder_gets_the_permissions_of_a_plain_folder(tmp_path):
+    import os
+    p = tmp_path / "log.parquet"
+    make_log(p, n=600, row_group=300)
+    out = tmp_path / "labels"
+    MiniBatchAnnealedKMeans(3, random_state=0, n_steps=3).fit(
+        open_parquet(p, column="emb"), labels_path=out)
+    os.mkdir(tmp_path / "plain")
+    assert (out.stat().st_mode & 0o777) == ((tmp_path / "plain").stat().st_mode & 0o777)
