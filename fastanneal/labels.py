@@ -95,6 +95,16 @@ class TermCounts:
         if len(texts) != n:
             raise ValueError(f"{len(texts)} texts but {n} labels")
         w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+        if w.shape != (n,):
+            raise ValueError(f"{w.shape[0] if w.ndim == 1 else w.shape} weights but {n} labels")
+        if n and (labels.min() < 0 or labels.max() >= self.n_clusters):
+            bad = int(np.flatnonzero((labels < 0) | (labels >= self.n_clusters))[0])
+            raise ValueError(f"label {int(labels[bad])} at row {bad} is not a cluster of "
+                             f"0..{self.n_clusters - 1}")   # (-1 counted in the last one)
+        if not np.isfinite(w).all() or (w < 0).any():
+            bad = int(np.flatnonzero(~np.isfinite(w) | (w < 0))[0])
+            raise ValueError(f"weight {float(w[bad])!r} at row {bad}: weights must be finite "
+                             "and >= 0")
         lo, hi = self.ngram_range
         cache = self._cache
         if len(cache) > self.CACHE:

@@ -892,3 +892,18 @@ def test_tokens_keep_combining_marks_and_one_apostrophe():
     assert tokenize("cafe\u0301 menu") == tokenize("caf\u00e9 menu") == ["caf\u00e9", "menu"]
     assert tokenize("don’t stop what’s new") == ["stop", "new"]
     assert tokenize("play the next song") == ["play", "next", "song"]
+
+
+def test_term_counts_refuse_labels_and_weights_they_cannot_count():
+    """A label of -1 was counted in the last cluster (negative indexing), a label >= K was
+    a bare IndexError, NaN weights were counted (NaN <= 0 is False)."""
+    from fastanneal.labels import TermCounts
+    tc = TermCounts(3)
+    with pytest.raises(ValueError, match="label -1 at row 1 is not a cluster of 0..2"):
+        tc.add(["a b", "c d"], [0, -1])
+    with pytest.raises(ValueError, match="label 3 at row 0"):
+        tc.add(["a b"], [3])
+    with pytest.raises(ValueError, match="weight nan at row 1"):
+        tc.add(["alpha beta", "gamma delta"], [0, 1], [1.0, float("nan")])
+    tc.add(["alpha beta", "gamma delta"], [0, 2], [1.0, 0.0])        # zero weight: skipped
+    assert tc.per_class[0]["alpha"] == 1.0 and not tc.per_class[2]
