@@ -32,18 +32,26 @@ def centroid_index(found, true):
     return max(orphans(found, true), orphans(true, found))
 
 
+def _recorded(monkeypatch, module, name, record):
+    """Wrap ``module.name`` so that every call's ``(result, args, kwargs)`` goes through
+    ``record``, which returns what to keep (a list of it is returned) or None."""
+    kept = []
+    orig = getattr(module, name)
+
+    def spy(*a, **k):
+        out = orig(*a, **k)
+        item = record(out, a, k)
+        if item is not None:
+            kept.extend(item)
+        return out
+    monkeypatch.setattr(module, name, spy)
+    return kept
+
+
 @pytest.fixture
 def seeds_of_the_fit(monkeypatch):
     """Records the k-means++ seeds the fit draws."""
-    seen = []
-    orig = seeding.kmeans_plusplus
-
-    def rec(*a, **k):
-        C = orig(*a, **k)
-        seen.append(C.copy())
-        return C
-    monkeypatch.setattr(seeding, "kmeans_plusplus", rec)
-    return seen
+    return _recorded(monkeypatch, seeding, "kmeans_plusplus", lambda C, a, k: [C.copy()])
 
 
 @pytest.mark.parametrize("seed", [1, 8, 11])
@@ -132,16 +140,8 @@ def overlapping(seed=7, n=120, k=15, d=8, sep=1.6):
 def near_break_even_moves(monkeypatch):
     """The near-break-even moves the fits of a test propose (``propose_moves(slack=)``)."""
     from fastanneal import _engine as E
-    proposed = []
-    orig = E.propose_moves
-
-    def spy(*a, **k):
-        batch = orig(*a, **k)
-        if k.get("slack") is not None:
-            proposed.extend(batch)
-        return batch
-    monkeypatch.setattr(E, "propose_moves", spy)
-    return proposed
+    return _recorded(monkeypatch, E, "propose_moves",
+                     lambda batch, a, k: batch if k.get("slack") is not None else None)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
