@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ._trace import Trace
-from .schedules import ScheduleState
+from .schedules import ScheduleState, schedule_attrs
 
 log = logging.getLogger("fastanneal")
 
@@ -780,22 +780,11 @@ class _OneStep:
 
 
 # ---------------------------------------------------------------------------- schedules
-def _schedule_attrs(schedule):
-    """A schedule's attributes: its ``__dict__`` and its ``__slots__`` (set ones)."""
-    out = dict(getattr(schedule, "__dict__", {}))
-    for cls in type(schedule).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for k in ([slots] if isinstance(slots, str) else slots):
-            if k not in out and k not in ("__dict__", "__weakref__") and hasattr(schedule, k):
-                out[k] = getattr(schedule, k)
-    return out
-
-
 def schedule_state_dict(schedule):
     """JSON-able internal state of a schedule (its public and private attributes,
     ``__slots__`` included)."""
     out = {}
-    for k, v in _schedule_attrs(schedule).items():
+    for k, v in schedule_attrs(schedule).items():
         if callable(v):
             continue
         out[k] = _jsonable(v)

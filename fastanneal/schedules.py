@@ -76,6 +76,18 @@ def callable_key(f):
 
 
 
+def schedule_attrs(s):
+    """A schedule object's attributes: its ``__dict__`` and its set ``__slots__`` (the
+    state a checkpoint saves, and what its key is made of)."""
+    out = dict(getattr(s, "__dict__", {}))
+    for cls in type(s).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for k in ([slots] if isinstance(slots, str) else slots):
+            if k not in out and k not in ("__dict__", "__weakref__") and hasattr(s, k):
+                out[k] = getattr(s, k)
+    return out
+
+
 def schedule_key(s):
     """The checkpoint key of a schedule object, the same in every process and for every
     run of the object: a :class:`Schedule` (or any class with its own ``__repr__``) by its
@@ -85,15 +97,10 @@ def schedule_key(s):
     long arrays), callables by :func:`callable_key`."""
     if type(s).__repr__ is not object.__repr__:
         return repr(s)
-    names = list(getattr(s, "__dict__", {}))
-    for cls in type(s).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
     attrs = {}
-    for k in names:
-        if k.startswith(("T_", "_")) or k in attrs or not hasattr(s, k):
+    for k, v in schedule_attrs(s).items():
+        if k.startswith(("T_", "_")):
             continue
-        v = getattr(s, k)
         if hasattr(v, "__array__") and not isinstance(v, (numbers.Number, str)):
             import numpy as np
             a = np.ascontiguousarray(v)
