@@ -391,6 +391,28 @@ def check_ids(table, name, path, row0=0, unique=True):
 
 
 # --------------------------------------------------------------------------- writing
+def _real(p):
+    """The absolute path with every symlink and ``..`` resolved (parts that do not exist yet
+    are kept as written)."""
+    return Path(os.path.realpath(os.path.abspath(os.fspath(p))))
+
+
+def same_file(a, b):
+    """``a`` and ``b`` are one file (through symlinks, ``..``, hard links, bind mounts)."""
+    if _real(a) == _real(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def path_inside(child, folder):
+    """``child`` is ``folder`` or lies below it (symlinks resolved)."""
+    rc, rf = _real(child), _real(folder)
+    return rc == rf or rf in rc.parents
+
+
 def check_writable(path, create_parent=False):
     """Fail early (before any work) when ``path`` cannot be written: missing or non-folder
     parent, a folder in the way, or no permission (tried with a real temporary file)."""

@@ -27,7 +27,8 @@ import numpy as np
 
 from ._io import (InputError, OutputSet, TableWriter, atomic_save_npy, atomic_write_bytes,
                   check_ids, check_writable, embedding_matrix, input_format, output_format,
-                  read_table, sidecar, text_list, weight_vector, write_table)
+                  path_inside, read_table, same_file, sidecar, text_list, weight_vector,
+                  write_table)
 
 from ._cli_parser import build_parser  # noqa: E402
 from ._cli_results import (adjusted_rand_index, assignments,  # noqa: E402,F401
@@ -382,26 +383,6 @@ def _make_folder(p, not_a_folder, cannot, created=None):
         created.extend(reversed(new))
 
 
-def _real(p):
-    """The absolute path with every symlink and ``..`` resolved (parts that do not exist yet
-    are kept as written)."""
-    return Path(os.path.realpath(os.path.abspath(os.fspath(p))))
-
-
-def _same_file(a, b):
-    if _real(a) == _real(b):
-        return True
-    try:
-        return os.path.samefile(a, b)        # hard links, bind mounts
-    except OSError:
-        return False
-
-
-def _inside(child, folder):
-    rc, rf = _real(child), _real(folder)
-    return rc == rf or rf in rc.parents
-
-
 def check_paths(inputs, outputs, folders=()):
     """Refuse (``CLIError``, before anything is read or written) any output that would touch
     an input: an output file that is an input file (through symlinks, hard links or relative
@@ -411,18 +392,18 @@ def check_paths(inputs, outputs, folders=()):
     for what_i, i in inputs:
         i_dir = Path(i).is_dir()
         for what_o, o in outputs:
-            if (i_dir and _inside(o, i)) or (not i_dir and _same_file(o, i)):
+            if (i_dir and path_inside(o, i)) or (not i_dir and same_file(o, i)):
                 where = "inside the input folder" if i_dir else "the input file"
                 raise CLIError(f"{what_o} {o} is {where} {i} ({what_i}): refusing to "
                                "overwrite the input; choose another output path")
         for what_f, f in folders:
-            if _inside(i, f) or (i_dir and _inside(f, i)):
+            if path_inside(i, f) or (i_dir and path_inside(f, i)):
                 raise CLIError(f"{what_f} {f} and the input {i} ({what_i}) overlap: the "
                                "checkpoint folder must not hold the input or lie inside it")
     for a in range(len(outputs)):
         for b in range(a + 1, len(outputs)):
             (wa, pa_), (wb, pb) = outputs[a], outputs[b]
-            if _same_file(pa_, pb):
+            if same_file(pa_, pb):
                 raise CLIError(f"{wa} and {wb} are the same file {pa_}; give them different "
                                "paths")
 

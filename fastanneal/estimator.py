@@ -1103,12 +1103,12 @@ def _check_labels_path(labels_path, X):
         inputs = list(X)
     else:
         return
-    lp = os.path.realpath(os.fspath(labels_path))
+    from ._io import path_inside, same_file
     for p in inputs:
         if p is None:
             continue
-        rp = os.path.realpath(os.fspath(p))
-        if lp == rp or rp.startswith(lp + os.sep) or lp.startswith(rp + os.sep):
+        if (same_file(labels_path, p) or path_inside(p, labels_path)
+                or path_inside(labels_path, p)):
             raise ValueError(f"labels_path={os.fspath(labels_path)!r} is the input {p!r}, "
                              "holds it or lies inside it: give another folder")
 
