@@ -342,6 +342,7 @@ def fit_stream(log, args, console):
     if args.checkpoint:
         kw["checkpoint"] = args.checkpoint
     from ._parquet import ParquetReadError
+    from .dask._chunks import NonFiniteRows
     # the fit's passes: on the Dask workers (each reads its own row groups) or in this process
     if args.backend == "dask":
         kw["scheduler"] = args._dask_scheduler
@@ -359,14 +360,12 @@ def fit_stream(log, args, console):
             est.fit(data)
         except ParquetReadError as e:
             raise CLIError(f"cannot read {e}") from None
+        except NonFiniteRows as e:
+            # named as the in-memory route names it (the file, the column and the row), not
+            # as the library's "X ... in chunk 5"
+            raise CLIError(f"{log.path}: embedding column {args.embedding_column!r} "
+                           f"contains {e.kind} at row {e.row}") from None
         except ValueError as e:
-            # a bad value found by the chunk check: named as the in-memory route names it
-            # (the file, the column and the row), not as the library's "X ... in chunk 5"
-            m = re.match(r"X contains (NaN|infinity) in chunk \d+ \(rows [^)]*\); first at "
-                         r"row (\d+), column \d+$", str(e))
-            if m:
-                raise CLIError(f"{log.path}: embedding column {args.embedding_column!r} "
-                               f"contains {m.group(1)} at row {m.group(2)}") from None
             raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
     if suggestion is not None:
         est.n_clusters_, est.k_suggestion_ = int(suggestion.best), suggestion

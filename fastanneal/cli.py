@@ -611,7 +611,9 @@ def run_cluster(args, console):
                 raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
             truth = table.column(args.truth_column).to_pylist()
             from ._cli_results import truth_missing
-            if sum(not truth_missing(t) for t in truth) < 2:
+            # the rows that carry a truth label (a missing one is no class)
+            labelled = [i for i, t in enumerate(truth) if not truth_missing(t)]
+            if len(labelled) < 2:
                 raise CLIError(f"{src}: truth column {args.truth_column!r} has fewer than 2 "
                                "labelled rows (null or empty cells carry no label): no ARI "
                                "to compute")
@@ -713,11 +715,8 @@ def run_cluster(args, console):
                 out = out.append_column(name, pa.array(values))
         ari = None
         if truth is not None:
-            # over the rows that carry a truth label (a missing one is no class)
-            from ._cli_results import truth_missing
-            keep = [i for i, t in enumerate(truth) if not truth_missing(t)]
-            ari = adjusted_rand_index([truth[i] for i in keep],
-                                      np.asarray(results["cluster"])[keep])
+            ari = adjusted_rand_index([truth[i] for i in labelled],
+                                      np.asarray(results["cluster"])[labelled])
         if stream and args.truth_column:
             from ._cli_results import adjusted_rand_index_from_counts
             if sum(lab.truth.values()) >= 2:

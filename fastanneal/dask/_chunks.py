@@ -73,6 +73,19 @@ def set_threads(nthreads):
     return n
 
 
+class NonFiniteRows(ValueError):
+    """A chunk's rows hold NaN or infinity: ``kind`` ("NaN" / "infinity") and the first
+    such ``row`` (numbered as the message numbers it), for callers that name the row in
+    their own terms (the command: its file and column). Pickles (Dask ships it back)."""
+
+    def __init__(self, message, kind, row):
+        super().__init__(message, kind, row)
+        self.kind, self.row = kind, row
+
+    def __str__(self):
+        return str(self.args[0])
+
+
 def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_base=0,
                   expect=None):
     """Validate one chunk (finite, non-negative weights, non-zero rows for cosine; with
@@ -101,8 +114,9 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_b
     if n and not np.isfinite(x).all():
         bad = np.argwhere(~np.isfinite(x))[0]
         kind = "NaN" if np.isnan(x[tuple(bad)]) else "infinity"
-        raise ValueError(f"{name} contains {kind} in {where}; first at row "
-                         f"{r0 + int(bad[0])}, column {int(bad[1])}")
+        raise NonFiniteRows(f"{name} contains {kind} in {where}; first at row "
+                            f"{r0 + int(bad[0])}, column {int(bad[1])}", kind,
+                            r0 + int(bad[0]))
     if w is None:
         w = np.ones(n, dtype=np.float64)
     else:
