@@ -155,8 +155,11 @@ def read_table(path, fmt=None, string_columns=()):
                 from ._parquet import _widest_schema
                 dset = ds.dataset(str(p), format=fmt_opts, partitioning="hive")
                 # every file read in the widest type of each column (as out of core)
-                table = ds.dataset(str(p), format=fmt_opts, partitioning="hive",
-                                   schema=_widest_schema(dset)).to_table()
+                wide = _widest_schema(dset)
+                if not wide.equals(dset.schema):
+                    dset = ds.dataset(str(p), format=fmt_opts, partitioning="hive",
+                                      schema=wide)
+                table = dset.to_table()
             else:
                 # page checksums (written by e.g. write_page_checksum=True) are verified
                 table = pq.read_table(str(p), page_checksum_verification=True)

@@ -28,7 +28,7 @@ def _token_re():
     signs and viramas of Indic scripts, Arabic harakat, Thai vowels: without them
     Hindi queries gave no token at all and Thai words broke apart) and inner apostrophes
     or hyphens. Python's ``re`` has no ``\\p{M}``: the marks of the Basic Multilingual
-    Plane are gathered once, on the first call (about 30 ms)."""
+    Plane are gathered once, on the first call (a few ms)."""
     global _TOKEN
     if _TOKEN is None:
         import unicodedata
