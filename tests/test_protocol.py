@@ -623,7 +623,7 @@ def test_fit_source_refuses_a_metric_other_than_the_estimators():
         fa.AnnealedKMeans(3, random_state=0).fit_source(src)
 
 
-def test_a_user_source_that_breaks_the_protocol_is_named():
+def test_a_user_source_that_breaks_the_protocol_is_named(tmp_path):
     """A user's source is checked as its results come back (CheckedSource): a wrong shape
     was a NumPy broadcast error deep in the engine, a NaN objective read 'all rows are
     identical', a covariance of the wrong shape silently gave another T_c."""
@@ -648,6 +648,22 @@ def test_a_user_source_that_breaks_the_protocol_is_named():
         (dict(total_weight=float("nan")), "total_weight is nan"),
         (dict(n_features=3), "mean returned the mean of shape .4,.; expected .3,."),
     ]
+    good = User()
+    from dataclasses import replace
+
+    def wrong_S(C, T, *a, **k):
+        m = good.moments(C, T, *a, **k)
+        return replace(m, S=m.S[:, :2])
+    nan_eigs = lambda C, *a, **k: (                                        # noqa: E731
+        (np.full(len(C), np.nan), np.zeros(np.shape(C))) if k.get("return_vectors")
+        else np.full(len(C), np.nan))
+    cases += [(dict(moments=wrong_S),
+               r"moments returned S of shape .\d+, 2.; expected .\d+, 4."),
+              (dict(cluster_top_eigenvalues=nan_eigs),
+               "cluster_top_eigenvalues returned eigenvalues with non-finite")]
     for bad, msg in cases:
         with pytest.raises(SourceError, match="User." + msg):
             fa.AnnealedKMeans(3, random_state=0).fit_source(User(**bad))
+    with pytest.raises(SourceError, match="User.fingerprint returned int; expected a str"):
+        fa.AnnealedKMeans(3, random_state=0, checkpoint=tmp_path / "ck").fit_source(
+            User(fingerprint=lambda: 5))
