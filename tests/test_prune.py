@@ -238,3 +238,75 @@ def test_rows_that_cannot_prune_skip_their_own_distance():
     src.moments(C * (1 + 1e-9), 0.0, 2)
     assert src._bounds.pruned > 0.9 * len(X)
     assert src._bounds.own_distances >= src._bounds.pruned
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("metric", [0, 1])
+def test_pair_distances_against_float64_numpy(dtype, metric):
+    """The vectorised own/mover distances of a pruned pass (``_kernels._pair_distances``):
+    the kernel's formula (cosine ``2 - 2 x.c``, clipped at 0) in float64, to 1e-12 of the
+    squared norms involved, at D that is not a multiple of the vector width, and for no
+    pair at all (a block where no row may prune)."""
+    from fastanneal._kernels import _pair_distances
+    rng = np.random.default_rng(31 + metric)
+    for D in (1, 3, 13, 384):
+        X = rng.standard_normal((50, D))
+        C = rng.standard_normal((7, D))
+        if metric == 1:
+            X /= np.linalg.norm(X, axis=1, keepdims=True)
+            C /= np.linalg.norm(C, axis=1, keepdims=True)
+        X, C = X.astype(dtype), C.astype(dtype)
+        rows = rng.integers(0, 50, 40)
+        cols = rng.integers(0, 7, 40)
+        rows[0], cols[0] = 3, 2
+        if metric == 1:
+            C[2] = X[3]                      # a row on its center: 2 - 2 x.c clipped at 0
+        out = np.full(45, -1.0)
+        _pair_distances(X, C, rows, cols, 40, metric, out)
+        Xd, Cd = X.astype(np.float64)[rows], C.astype(np.float64)[cols]
+        ref = (2.0 - 2.0 * (Xd * Cd).sum(1)) if metric == 1 else ((Xd - Cd) ** 2).sum(1)
+        ref = np.maximum(ref, 0.0)
+        scale = float((Xd ** 2).sum(1).max() + (Cd ** 2).sum(1).max())
+        assert np.abs(out[:40] - ref).max() <= 1e-12 * scale * D
+        assert (out[:40] >= 0).all() and (out[40:] == -1.0).all()
+        _pair_distances(X, C, rows, cols, 0, metric, out)     # n = 0: nothing written
+        assert (out[40:] == -1.0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("metric", [0, 1])
+def test_a_reallocation_trial_of_three_movers_equals_the_unpruned_pass(dtype, metric):
+    """A re-allocation move jumps three centers at once (split ``s`` into two halves,
+    merge ``r`` into ``l``): their distances are computed exactly for every row that
+    might prune, some rows' nearest center becomes one of them (those take the full
+    path), and the pass still equals the unpruned one while most rows stay pruned."""
+    rng = np.random.default_rng(41 + metric + 2 * (dtype == np.float32))
+    X, w, K = _data(rng, dtype, metric, n=4000)
+    src = InMemorySource(X, w, metric)
+    C = X[:K].astype(np.float64)
+    for _ in range(6):                                  # settle: bounds for these centers
+        m = src.moments(C, 0.0, 2, None, hard_sums=True)
+        C = np.where(m.N[:, None] > 0, m.S / np.maximum(m.N, 1e-300)[:, None], C)
+        if metric == 1:
+            C /= np.linalg.norm(C, axis=1, keepdims=True)
+    C2 = C.copy()
+    s, r, l = 0, 1, 2
+    lab = src._bounds.lab
+    cell = X[lab == s].astype(np.float64)
+    v = np.linalg.svd(cell - cell.mean(0), full_matrices=False)[2][0]
+    side = (cell - cell.mean(0)) @ v > 0
+    C2[s], C2[r] = cell[side].mean(0), cell[~side].mean(0)
+    C2[l] = (m.S[r] + m.S[l]) / (m.N[r] + m.N[l])
+    if metric == 1:
+        C2 /= np.linalg.norm(C2, axis=1, keepdims=True)
+    a = src.moments(C2, 0.0, 2, None, hard_sums=True)
+    b = compute_moments(X, w, C2, 0.0, metric, 2, None, True)
+    np.testing.assert_array_equal(
+        src._bounds.lab, fastanneal.assign(X, C2.astype(dtype), ("euclidean", "cosine")[
+            metric])[0])
+    np.testing.assert_allclose(a.hard_counts, b.hard_counts, rtol=1e-12)
+    for name in ("N", "S", "hard_sums", "hard_distortion"):
+        _close(getattr(a, name), getattr(b, name), dtype, name)
+    moved = np.isin(src._bounds.lab, (s, r, l)).sum()
+    assert moved > 100                        # rows did change to the moved centers
+    assert src._bounds.pruned > 0.5 * len(X)  # and the others stayed pruned
