@@ -278,6 +278,10 @@ def _softmax_rows(G, rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, Z, KF, P,
         for k in range(K):
             PBi[k] = (KFi[k] - _MAGIC_BITS + 1023) << 52
         # PB (the bits just written, as float64) is 2^kf
+        # the sums in a loop that only reads: a loop that also stores into a scratch vector
+        # is vectorised behind a run-time check that the vectors lie apart, and falls back
+        # to the sequential (differently rounded) sum when the heap placed them within 256
+        # bytes of each other -- results then depended on where the allocator put them
         s = 0.0
         sed = 0.0
         sez = 0.0
@@ -290,10 +294,10 @@ def _softmax_rows(G, rows, ns, zmaxs, wb, logp, use_prior, T, log_eps, Z, KF, P,
             s += e
             sed += e * np.float64(G[i, k])
             sez += e * z if keep else 0.0          # z may be -inf (log p_k = -inf)
-            P[k] = e
         sc = wb[i] / s
         for k in range(K):
-            r = P[k] * sc
+            # (e once more: storing it above is what brought the run-time check in)
+            r = (P[k] * PB[k] if Z[k] >= log_eps else 0.0) * sc
             G[i, k] = r
             Nacc[k] += r
         d1 = out[i, R_D1]
@@ -783,19 +787,21 @@ def _matvec_ranges(X, w, labels, mu, V, acc, t0, t1):
     memory-light pass latency-bound: 2-3x slower); no ``nnan``/``ninf``."""
     n, D = X.shape
     nch = acc.shape[0]
-    diff = np.empty(D)
     for t in range(t0, t1):
         r0 = t * n // nch
         r1 = (t + 1) * n // nch
         for i in range(r0, r1):
             k = labels[i]
             s = 0.0
+            # (a loop that only reads: storing x - mu into a scratch vector here made the
+            # vectorised sum depend on a run-time check of where the heap put that vector,
+            # with a sequential fallback rounded differently: the auto start temperature
+            # changed in its last bit in about one process in ten)
             for j in range(D):
-                diff[j] = np.float64(X[i, j]) - mu[k, j]
-                s += diff[j] * V[k, j]
+                s += (np.float64(X[i, j]) - mu[k, j]) * V[k, j]
             s *= w[i]
             for j in range(D):
-                acc[t, k, j] += s * diff[j]
+                acc[t, k, j] += s * (np.float64(X[i, j]) - mu[k, j])
 
 
 def row_sqnorms_kernel(X, out, nth):

@@ -1007,7 +1007,8 @@ def test_softmax_exp_accuracy_follows_the_rows_precision(dtype, bound):
     responsibilities are stored); e^0 = 1 exactly in both. Read through a two-column block:
     the row's first entry is the largest logit (z = 0), the second ``z``, so the written
     responsibility is ``e^z / (1 + e^z)``, compared in float64 before the block's rounding
-    (the kernel's scratch ``P`` holds ``e^z`` after the call)."""
+    (after the call the kernel's scratch holds ``e^z`` as mantissa ``P`` times power of
+    two ``PB``, for the entries at or above the drop threshold ``Z >= log_eps``)."""
     from fastanneal import _kernels as K_
     z = np.concatenate([-np.linspace(0.0, 36.0, 4001), -np.geomspace(1e-9, 1.0, 200)])
     n = z.size
@@ -1020,11 +1021,11 @@ def test_softmax_exp_accuracy_follows_the_rows_precision(dtype, bound):
     got = np.empty(n)
     Z, KF, P, PB = (np.empty(2) for _ in range(4))
     out = np.zeros((n, 7))
-    for i in range(n):          # row by row: P holds the row's e^z after each call
+    for i in range(n):          # row by row: P * PB is the row's e^z after each call
         K_._softmax_rows(G, rows[i:i + 1], 1, np.zeros(1), np.ones(n), np.zeros(2), False,
                          T, log_eps, Z, KF, P, PB, np.zeros(2), out)
-        assert P[0] == 1.0                                  # e^0, exactly
-        got[i] = P[1]
+        assert P[0] * PB[0] == 1.0 and Z[0] == 0.0          # e^0, exactly
+        got[i] = P[1] * PB[1] if Z[1] >= log_eps else 0.0
     want = np.exp(zq)
     keep = zq >= log_eps                     # below the drop threshold the entry is zero
     assert np.all(got[~keep] == 0.0)
@@ -1032,3 +1033,50 @@ def test_softmax_exp_accuracy_follows_the_rows_precision(dtype, bound):
     assert rel.max() < bound, rel.max()
     if dtype == np.float32:      # the cheaper polynomial is really in use (not degree 13)
         assert rel.max() > 1e-12
+
+
+def test_vectorised_sums_do_not_depend_on_where_the_heap_put_a_scratch_vector():
+    """Reproducibility: every kernel compiled with re-association (``fastmath``) lets LLVM
+    vectorise its float64 sums. A loop that both sums and stores into a scratch vector is
+    vectorised behind a run-time check that the vectors lie apart (256 bytes in the IR of
+    these kernels on this machine), with
+    the sequential loop -- rounded differently -- as fallback: the result then depended on
+    where the allocator put the scratch vector (``temperature_start_`` changed in its last
+    bit in about one process in ten). No sum of these kernels may be fed by such a check:
+    their LLVM IR (compiled afresh, uncached) has no float64 phi with a ``vector.memcheck``
+    predecessor."""
+    import re
+
+    import numba
+
+    from fastanneal import _kernels as K_
+    rng = np.random.default_rng(0)
+    X32 = rng.standard_normal((50, 6)).astype(np.float32)
+    X64 = X32.astype(np.float64)
+    K = 7
+    G = rng.random((4, K)).astype(np.float32)
+    calls = {
+        "_softmax_rows": (G, np.arange(4), 4, np.zeros(4), np.ones(4), np.zeros(K), False,
+                          1.0, -16.6, np.empty(K), np.empty(K), np.empty(K), np.empty(K),
+                          np.zeros(K), np.zeros((4, 8))),
+        "_matvec_ranges": (X64, np.ones(50), np.zeros(50, np.int64), np.zeros((1, 6)),
+                           np.ones((1, 6)), np.zeros((1, 2, 6)), 0, 1),
+        "_pair_distances": (X32, X32[:3].copy(), np.arange(5), np.zeros(5, np.int64), 5, 1,
+                            np.zeros(5)),
+        "_sqnorm_ranges": (X32, np.zeros(50), 1, 0, 1),
+        "_sqnorm": (X32, 3),
+    }
+    found = set()
+    for name in dir(K_):
+        f = getattr(K_, name)
+        if isinstance(f, numba.core.registry.CPUDispatcher) and f.targetoptions.get("fastmath"):
+            found.add(name)
+    assert found == set(calls), found       # a new fastmath kernel: add its call here
+    for name, args in calls.items():
+        f = getattr(K_, name)
+        fresh = numba.njit(fastmath=f.targetoptions["fastmath"], nogil=True)(f.py_func)
+        fresh(*args)
+        ir = "\n".join(fresh.inspect_llvm(sig) for sig in fresh.signatures)
+        fed = [line for line in ir.splitlines() if " phi double" in line and "memcheck" in line]
+        assert not fed, (name, fed[:3])
+        assert re.search(r"fadd reassoc", ir), name     # (and the sums are re-associated)
