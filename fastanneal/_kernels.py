@@ -1045,7 +1045,7 @@ def _pruned_ranges(X, w, C, csq, coff, logp, use_prior, T, metric, resp, block, 
                     need += T * (maxlogp - logp[a])
                 # lower bound of the distance to every other center that is not a mover
                 lo = lb[i] - (dnm2 if a == top_nm else dnm)
-                if lo <= 0.0:
+                if not lo > 0.0:            # (a NaN bound takes the full path, unmeasured)
                     continue
                 # a lower bound of the own distance without computing it (the last exact
                 # one, ub minus its rounding widening, minus the center's move): a row that

@@ -75,6 +75,10 @@ def test_ranges_on_pool_threads_equal_one_range(monkeypatch, spy):
                 r["m", resp] = compute_moments(X, w, C, 0.7, 0, resp, None, True)
             src = InMemorySource(X, w, 0)
             r["pruned"] = [src.moments(C * s, T) for s, T in ((1.0, 0.05), (1.01, 0.02))]
+            # hard passes with hard sums (their pruned rows go to the hard sums only, the
+            # soft sums are copied from them after the ranges are added up)
+            r["pruned"] += [src.moments(C * s, 0.0, 2, None, True) for s in (1.0, 1.001)]
+            assert src._bounds.pruned > 0
             r["assign"] = fa.assign(X, C, return_second=True)
             r["resp"] = fa.responsibilities(X, C, 0.3)
             r["dist"] = fa.pairwise_distances(X, C)
