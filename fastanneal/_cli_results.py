@@ -364,13 +364,20 @@ def summary_items(args, n, D, K, fit, timings, ari, est):
     m = fit.meta
     kdesc = str(K)
     sug = getattr(est, "k_suggestion_", None)
+    schedule = f"{args.schedule}, {args.steps} steps"
     if sug is not None:
-        kdesc = (f"{K} (auto: finest natural level among 2..{sug.k_max}; next: "
+        rule = ("finest natural level" if len(getattr(sug, "levels", ())) else
+                "widest plateau (no natural level)")
+        kdesc = (f"{K} (auto: {rule} among 2..{sug.k_max}; next: "
                  + ", ".join(str(k) for k in sug.ranking[1:4])
                  + ("" if sug.supported else "; no clear plateau: weak evidence") + ")")
+        from .estimator import MiniBatchAnnealedKMeans
+        schedule = (f"K chosen by the phase-transition path on a sample of the rows; then "
+                    f"{schedule} over mini-batches (out of core)"
+                    if isinstance(est, MiniBatchAnnealedKMeans) else
+                    "phase-transition path (critical), continued for the chosen K")
     items = [("rows", f"{n:,}"), ("dimensions", str(D)), ("clusters (K)", kdesc),
-             ("metric", args.metric), ("schedule", f"{args.schedule}, {args.steps} steps" if sug is None else
-                          "phase-transition path (critical), continued for the chosen K"),
+             ("metric", args.metric), ("schedule", schedule),
              ("responsibilities", args.responsibilities), ("seed", str(args.seed)),
              ("T start / final", f"{m['temperature_start_']:.4g} / {m['temperature_']:.4g}"),
              ("critical temperature T_c", f"{m['critical_temperature_']:.4g}"),

@@ -63,6 +63,7 @@ class _PathPhase(E._CriticalPhase):
         self.snapshots = {}        # K -> coldest state with K effective clusters
         self._pending = None
         self._holds = 0
+        self._end_holds = 0
         self._ctx = None
 
     #: skip stretches without a predicted transition (``docs/theory.md`` §9)
@@ -75,6 +76,8 @@ class _PathPhase(E._CriticalPhase):
     JUMP_BELOW = 0.97
     #: at most this many extra EM rounds at one temperature before a jump
     MAX_HOLDS = 3
+    #: ... and before the path ends at ``k_max`` effective clusters
+    MAX_END_HOLDS = 3
 
     def after_step(self, ctx, st, T):
         """The engine's split of effective clusters (:meth:`_CriticalPhase.split`), with a
@@ -95,10 +98,26 @@ class _PathPhase(E._CriticalPhase):
         self.steps.append((float(T), k, J, F))
         pend.update(J=J, F=F)
         self.snapshots[k] = pend
-        if k >= self.k_max or T <= self.T_floor:
+        if T <= self.T_floor or st.step + 1 - st.phase_step0 >= self.max_steps:
             return None
-        if st.step + 1 - st.phase_step0 >= self.max_steps:
+        if k >= self.k_max:
+            # end on an equilibrium, not on a transient of the last splits: while twins
+            # separate the count can overshoot (4 effective clusters for 3, back to 3 a
+            # few EM rounds later at the same temperature), which ended the path before
+            # the true count was measured -- with k_max equal to the true K the path
+            # suggested a coarser level -- and left the k_max state's plateau to be read
+            # from cells still moving
+            # (held while the count still changes: a count that repeats at a temperature
+            # is taken, settled or not -- holding until every slow drift has settled cost
+            # 5-20 % of a path for nothing)
+            ctx = self._ctx
+            prev = self.steps[-2][1] if len(self.steps) > 1 else None
+            if (k != prev and ctx.trace[-1]["center_shift"] > ctx.tol_abs
+                    and self._end_holds < self.MAX_END_HOLDS):
+                self._end_holds += 1
+                return T
             return None
+        self._end_holds = 0
         if n_split and st.centers.shape[0] < self.k_max:
             return T                     # new twins: equilibrate at this temperature first
         T_next = T * self.cooling
@@ -191,6 +210,8 @@ class KSuggestion:
         spectrum is flat, where every cluster splits within a step or two below ``T_c``:
         ``best`` is then only where the path happened to stop, not a K the data
         supports."""
+        if self.trivial_k is not None and self.best == self.trivial_k:
+            return False        # (the only K in range: every distinct row its own cluster)
         step = -math.log(self.cooling)
         i = int(np.nonzero(self.ks == self.best)[0][0])
         wb = float(self.width[i])

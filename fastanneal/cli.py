@@ -679,9 +679,10 @@ def run_cluster(args, console):
             console.note(f"chose K = {K}: {why} (ranked, with plateau widths in log T: "
                          f"{top})")
             if not est.k_suggestion_.supported:
-                console.note("warning: no clear plateau: the clusters split in a burst below "
-                             "the critical temperature, so no K in the range is clearly "
-                             "supported by the data; K = "
+                console.note("warning: no clear plateau: no K in the range survives a clearly "
+                             "wider range of temperatures than the others (query embeddings "
+                             "often split in a burst below the critical temperature; a K range "
+                             "that leaves out the data's own level gives this too); K = "
                              f"{K} is where the path stopped. Choose K for your use instead")
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
@@ -811,8 +812,10 @@ def run_suggest(args, console):
                if s.levels else "the widest plateau; no natural level")
         print(f"suggested K = {s.best} ({why}) ({dt:.1f} s)")
         if not s.supported:
-            print("no clear plateau: the clusters split in a burst below the critical "
-                  "temperature; no K in the range is clearly supported by the data")
+            print("no clear plateau: no K in the range survives a clearly wider range of "
+                  "temperatures than the others (query embeddings often split in a burst "
+                  "below the critical temperature; a K range that leaves out the data's own "
+                  "level gives this too)")
     if args.plot:
         with OutputSet() as outs:
             if str(args.plot).lower().endswith(".svg"):

@@ -752,6 +752,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
 
     def _fit_minibatch(self, X, sample_weight):
         self._check_params(None)
+        if isinstance(self.n_clusters, str):
+            raise ValueError(f"n_clusters={self.n_clusters!r} does not combine with batch_size "
+                             "(mini-batch annealing fits a given K): choose K with "
+                             "fastanneal.suggest_k on a sample of the rows, then fit with "
+                             "that K")
         if self.solver != "lloyd" or int(self.n_init) != 1:
             raise ValueError(f"batch_size (mini-batch annealing) runs one stochastic-EM fit: "
                              f"solver='lloyd' and n_init=1 only; got solver={self.solver!r}, "

@@ -143,6 +143,15 @@ def test_cli_k_auto(capsys, tmp_path):
     if report:
         html = (tmp_path / "rep.html").read_text()
         assert 'id="choose-k"' in html and "auto: finest natural level" in html
+        assert "continued for the chosen K" in html
+        # out of core K is chosen on a sample and the mini-batch fit starts afresh: the
+        # report says so (it claimed the critical path was continued)
+        rc, stdout, err = run(capsys, *argv[:3], tmp_path / "r2.parquet", *argv[4:],
+                              "--memory-limit", "1KB", "--report", tmp_path / "rep2.html")
+        assert rc == 0, err
+        html = (tmp_path / "rep2.html").read_text()
+        assert "over mini-batches (out of core)" in html
+        assert "continued for the chosen K" not in html
     for extra, word in [(["--k", "auto", "--k-max", "1"], "--k-max"),
                         (["--k", "3", "--k-max", "5"], "--k auto"),
                         (["--k", "auto", "--checkpoint", tmp_path / "ck"], "checkpoint"),
@@ -326,6 +335,19 @@ def test_k_max_at_the_number_of_rows_is_not_chosen():
         assert s.t_out[-1] >= 1e-5 * s.temperature_start * (1 - 1e-12)
     s2 = fastanneal.suggest_k(X, k_max=X.shape[0] - 1, random_state=0)
     assert s2.trivial_k is None and s2.best == 3
+    # the granularity level as the only K in range: suggested (nothing else is), but never
+    # as supported by the data
+    X4 = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0], [10.0, 10.0]])
+    s3 = fastanneal.suggest_k(X4, k_min=4, k_max=4, random_state=0)
+    assert s3.best == s3.trivial_k == 4 and not s3.supported
+
+
+def test_auto_k_and_batch_size_do_not_combine():
+    """Mini-batch annealing fits a given K: ``n_clusters="auto"`` with ``batch_size`` is
+    named as that (it said "n_clusters must be a positive integer; got 'auto'")."""
+    X, _ = blobs(3, 40, 4, seed=2)
+    with pytest.raises(ValueError, match="does not combine with batch_size"):
+        fastanneal.AnnealedKMeans("auto", k_max=5, batch_size=64).fit(X)
 
 
 def test_path_parameters_are_checked_and_a_short_path_is_said():
@@ -386,3 +408,28 @@ def test_a_range_the_path_jumps_over_is_named():
                                          r"clusters at one temperature.*k_min <= 2 or "
                                          r"k_max >= 4"):
         fastanneal.suggest_k(X, k_min=3, k_max=3, random_state=0)
+
+
+@pytest.mark.parametrize("case", ["three-tight", "five-blobs"])
+def test_k_max_equal_to_the_true_k_is_found(case):
+    """``k_max`` equal to the K a user suspects: the path used to end as soon as the count
+    of effective clusters reached ``k_max``, on a transient of the last splits (4 for 3
+    tight clusters while twins separate, back to 3 a few EM rounds later at the same
+    temperature), before the true count was measured, and suggested a coarser K
+    (``supported`` even True for 4 of 5 blobs). It now ends on an equilibrium at that
+    temperature: the same K as with a larger ``k_max``, on the estimator too."""
+    from sklearn.datasets import make_blobs
+    if case == "three-tight":
+        rng = np.random.default_rng(1)
+        pts = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+        X = np.concatenate([c + rng.normal(scale=1e-3, size=(100, 2)) for c in pts])
+        K = 3
+    else:
+        X = make_blobs(300, n_features=2, centers=5, cluster_std=0.05,
+                       center_box=(-10, 10), random_state=8)[0]
+        K = 5
+    for k_max in (K, K + 1, K + 3):
+        s = fastanneal.suggest_k(X, k_max=k_max, random_state=0)
+        assert s.best == K and s.supported, (k_max, s.best, s.path_clusters)
+    m = fastanneal.AnnealedKMeans("auto", k_max=K, random_state=0).fit(X)
+    assert m.n_clusters_ == K
