@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ._trace import Trace
+from ._validation import RESPONSIBILITIES
 from .schedules import ScheduleState, schedule_attrs
 
 log = logging.getLogger("fastanneal")
@@ -53,8 +54,8 @@ def verbose_logging(verbose):
         log.setLevel(old_level)
         log.propagate = old_prop
 
-RESP_ENTMAX15 = 1
-RESP_HARD = 2
+RESP_ENTMAX15 = RESPONSIBILITIES["entmax15"]
+RESP_HARD = RESPONSIBILITIES["hard"]
 #: Clusters with soft mass at most this fraction of the total weight are empty (relocated):
 #: one threshold for float32 and float64, at float32's resolution.
 MIN_MASS = 2.0 ** -24

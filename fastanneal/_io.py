@@ -152,14 +152,9 @@ def read_table(path, fmt=None, string_columns=()):
                 fmt_opts = ds.ParquetFileFormat(
                     default_fragment_scan_options=ds.ParquetFragmentScanOptions(
                         page_checksum_verification=True))
-                from ._parquet import _widest_schema
-                dset = ds.dataset(str(p), format=fmt_opts, partitioning="hive")
+                from ._parquet import widest_dataset
                 # every file read in the widest type of each column (as out of core)
-                wide = _widest_schema(dset)
-                if not wide.equals(dset.schema):
-                    dset = ds.dataset(str(p), format=fmt_opts, partitioning="hive",
-                                      schema=wide)
-                table = dset.to_table()
+                table = widest_dataset(str(p), fmt_opts).to_table()
             else:
                 # page checksums (written by e.g. write_page_checksum=True) are verified
                 table = pq.read_table(str(p), page_checksum_verification=True)

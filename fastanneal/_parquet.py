@@ -163,21 +163,29 @@ def _widest_schema(dataset):
     return pa.schema(fields, metadata=base.metadata)
 
 
+def widest_dataset(path, fmt):
+    """``pyarrow.dataset.dataset(path)`` (hive partitioning, file format ``fmt``) read in
+    each column's widest type over its files (:func:`_widest_schema`): the in-memory and
+    the out-of-core routes open Parquet folders the same way."""
+    import pyarrow.dataset as ds
+    dset = ds.dataset(path, format=fmt, partitioning="hive")
+    wide = _widest_schema(dset)
+    if wide.equals(dset.schema):
+        return dset
+    return ds.dataset(path, format=fmt, partitioning="hive", schema=wide)
+
+
 class ParquetDataset:
     """A Parquet file, or a folder of them (hive ``key=value`` folders become columns; names
     starting with ``.`` or ``_`` are skipped), as its row groups in the order in which
     ``pyarrow`` reads the whole dataset. Only metadata is read here."""
 
     def __init__(self, path):
-        import pyarrow.dataset as ds
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such file or folder")
-        self.dataset = ds.dataset(self.path, format=_scan_format(), partitioning="hive")
-        self.schema = _widest_schema(self.dataset)
-        if not self.schema.equals(self.dataset.schema):
-            self.dataset = ds.dataset(self.path, format=_scan_format(), partitioning="hive",
-                                      schema=self.schema)
+        self.dataset = widest_dataset(self.path, _scan_format())
+        self.schema = self.dataset.schema
         self.pieces = []
         rows = []
         for frag in self.dataset.get_fragments():

@@ -31,7 +31,6 @@ def _token_re():
     Plane are gathered once, on the first call (a few ms)."""
     global _TOKEN
     if _TOKEN is None:
-        import unicodedata
         ranges, start, prev = [], None, None
         for c in range(0x300, 0x10000):
             if unicodedata.category(chr(c))[0] == "M":
