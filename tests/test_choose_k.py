@@ -202,6 +202,12 @@ def test_cli_suggest_k(capsys, tmp_path):
     rc, out, _ = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--metric",
                      "euclidean", "--k-max", 8, "-q")
     assert rc == 0 and out.strip() == "4"
+    # a K range that leaves out the data's level (4): no clear plateau, and the warning
+    # names that possible cause (it asserted a burst of splits below T_c, false here)
+    rc, out, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--metric",
+                       "euclidean", "--k-min", 5, "--k-max", 12)
+    assert rc == 0, err
+    assert "no clear plateau" in out and "a K range that leaves out" in out
     rc, _, err = run(capsys, "suggest-k", src, "--embedding-column", "emb", "--k-max", 8,
                      "--plot", tmp_path / "k.svg")
     assert rc == 0, err
