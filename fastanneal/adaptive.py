@@ -8,10 +8,14 @@ with the gradient solver, the separation-gradient norm ``g_t``. The next tempera
 
 clamped to ``[T_min, T_max]``, where
 
-* ``H*(t)`` is a reference entropy that falls linearly from ``log K`` (uniform
-  responsibilities; entmax-1.5: ``4/3 (1 - K^-1/2)``, the largest Tsallis-1.5 entropy, in
-  which its fits report the entropy) at ``t = 0`` to ``H_end`` (default 0: hard) at the
-  last step ``t = n_steps - 1``;
+* ``H*(t)`` is a reference entropy that falls linearly from ``H_0`` at ``t = 0`` to
+  ``H_end`` (default 0: hard) at the last step ``t = n_steps - 1``. ``H_0`` is the entropy
+  the fit has at its first step, at most ``log K`` (uniform responsibilities; entmax-1.5:
+  ``4/3 (1 - K^-1/2)``, the largest Tsallis-1.5 entropy, in which its fits report the
+  entropy): a run started above the first critical temperature starts the reference at
+  ``log K``; a run started where the assignments are already nearly hard (the estimator's
+  ``temperature_start="auto"``) starts it there, instead of reading "too cold" and heating
+  the fit above ``T_c``, which undid the seeds it started from;
 * ``sigma_H(t)`` is the running standard deviation of the entropies seen so far (all steps,
   Welford), floored at ``sigma_floor * log K`` so that the first steps (one or two samples,
   standard deviation ~ 0) do not divide by ~ 0;
@@ -44,7 +48,7 @@ class AdaptiveSchedule(Schedule):
     ----------
     n_steps : int, default 30
         Budget: number of temperature steps (the run stops after ``n_steps`` steps) and the
-        length over which ``H*`` falls from ``log K`` to ``H_end``.
+        length over which ``H*`` falls from the first step's entropy to ``H_end``.
     eta : float >= 0, default 1.0
         Gain of the entropy term (per standard deviation of the entropy). Chosen for the
         tracking error ``rms(H_t - H*(t))`` on an anisotropic synthetic set (K = 20, both
@@ -106,6 +110,7 @@ class AdaptiveSchedule(Schedule):
         self._mean_H = 0.0
         self._m2_H = 0.0
         self._gbar = math.nan
+        self._H0 = math.nan             # the entropy of the first step (the reference's top)
         self.history_ = []
 
     def start(self, T_start, T_end):
@@ -122,7 +127,9 @@ class AdaptiveSchedule(Schedule):
 
     # ------------------------------------------------------------------ parts of the rule
     def reference_entropy(self, t, log_K):
-        """``H*(t)``: linear from ``log K`` at ``t = 0`` to ``H_end`` at ``t = n_steps - 1``."""
+        """``H*(t)``: linear from ``H_0`` at ``t = 0`` to ``H_end`` at ``t = n_steps - 1``,
+        with ``H_0`` the first step's entropy capped at ``log_K`` (``log_K`` before a first
+        step was seen); a ``reference`` callable replaces it."""
         if self.reference is not None:
             h = self.reference(t, self.n_steps, log_K)
             try:
@@ -134,8 +141,9 @@ class AdaptiveSchedule(Schedule):
                                  f"{log_K:.4g}) returned {h!r}: it must return a finite "
                                  "entropy (nats)")
             return h
+        top = min(self._H0, log_K) if math.isfinite(self._H0) else log_K
         s = min(max(t / max(self.n_steps - 1, 1), 0.0), 1.0)
-        return log_K + (min(self.H_end, log_K) - log_K) * s
+        return top + (min(self.H_end, top) - top) * s
 
     def bounds(self, state=None):
         """``(T_min, T_max)`` for ``state`` (its ``extra["scale"]``, else ``T_start``)."""
@@ -168,6 +176,8 @@ class AdaptiveSchedule(Schedule):
         if log_K is None:
             log_K = math.log(K) if K > 1 else 0.0
         log_K = float(log_K)
+        if math.isfinite(H) and not math.isfinite(self._H0):
+            self._H0 = max(H, 0.0)
         # running statistics (they include the current step)
         if math.isfinite(H):
             self._n_H += 1
