@@ -148,13 +148,20 @@ def one_run(src, y, K, C0, regime, solver, n_steps, inner, scale, seed, lam=0.1,
     metric_name = "cosine" if src.metric == 1 else "euclidean"
     labels, g_hook = [], []
 
-    def hook(step, C, logp, T):
+    def record(C, T):
         labels.append(src.assign(C)[0].copy())
         if solver == "lloyd":
             g_hook.append(value_and_grad(src.X, C, T, lam=lam, weights=src.w,
                                          metric=metric_name).separation_grad_norm)
 
-    cfg = EngineConfig(n_clusters=K, mass_constrained=False)
+    def hook(st):
+        # the engine calls it after every step but the last, with the centers at the end
+        # of that step (st.last["temperature"] is the step's temperature; st.temperature
+        # already the next one); the last step is recorded from the result below
+        record(st.centers, st.last["temperature"])
+
+    # the same budget for every regime: no early end once the partition is hard
+    cfg = EngineConfig(n_clusters=K, mass_constrained=False, stop_when_hard=False)
     trace = Trace()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -169,6 +176,7 @@ def one_run(src, y, K, C0, regime, solver, n_steps, inner, scale, seed, lam=0.1,
                                   anchor_weight=rho)
     seconds = time.perf_counter() - t0
     d = trace.as_dict()
+    record(res.centers, float(d["temperature"][d["step"] >= 0][-1]))
     ann = d["step"] >= 0
     H = d["entropy"][ann]
     g = np.asarray(g_hook) if solver == "lloyd" else d["grad_norm"][ann]

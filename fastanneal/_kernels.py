@@ -901,6 +901,55 @@ def assign_kernel(X, C, csq, metric, block, labels, dmin, margin, second):
         X[a:b], C, csq, metric, block, labels[a:b], dmin[a:b], margin[a:b], second[a:b]))
 
 
+def labelled_distances_kernel(X, C, labels, second, metric, out):
+    """``out[i]``: the squared distance of row ``i`` to the nearer of its centers
+    ``labels[i]`` and ``second[i]`` (the two nearest of the labelling pass; ``second[i] <
+    0``: none), each summed element by element in float64 (Euclidean ``sum_j (x_j -
+    c_j)^2``; cosine ``2 - 2 cos(x, c)`` from float64 sums, clipped at 0) -- without the
+    cancellation of the GEMM form ``|x|^2 + |c|^2 - 2 x.c``, whose float32 rounding (~1e-7
+    |x|^2) a row sitting on its own center keeps as its distance, and a heavy weight
+    multiplies (and which can also swap two near-tied centers). For the objective a user
+    reads (``inertia_``, ``score``)."""
+    n = X.shape[0]
+    nch = _pool.threads_for(_threads(), n * X.shape[1], light=True)
+    _pool.run_rows(_labelled_distance_rows, n, max(1, min(nch, n)), lambda a, b: (
+        X[a:b], C, labels[a:b], second[a:b], metric, out[a:b]))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row_center_distance(X, i, C, a, metric):
+    D = X.shape[1]
+    if metric == METRIC_COSINE:
+        s = 0.0
+        nx = 0.0
+        nc = 0.0
+        for j in range(D):
+            x = np.float64(X[i, j])
+            c = np.float64(C[a, j])
+            s += x * c
+            nx += x * x
+            nc += c * c
+        d = 2.0 - 2.0 * s / math.sqrt(nx * nc) if nx > 0.0 and nc > 0.0 else 2.0
+    else:
+        d = 0.0
+        for j in range(D):
+            t = np.float64(X[i, j]) - np.float64(C[a, j])
+            d += t * t
+    return d if d > 0.0 else 0.0
+
+
+@njit(cache=True, nogil=True)
+def _labelled_distance_rows(X, C, labels, second, metric, out):
+    for i in range(X.shape[0]):
+        d = _row_center_distance(X, i, C, labels[i], metric)
+        b = second[i]
+        if b >= 0:
+            d2 = _row_center_distance(X, i, C, b, metric)
+            if d2 < d:
+                d = d2
+        out[i] = d
+
+
 def label_kernel(X, C, csq, metric, block, logp, invT, labels, dmin, margin, second, prob):
     """:func:`_label_rows` (the labelling pass) over every row."""
     n, nch = _row_split(X, C.shape[0], block)

@@ -524,6 +524,25 @@ def assign(X, centers, metric="euclidean", _prepared=False, return_second=False)
     return labels, dmin, margin
 
 
+def nearest_objective(X, w, centers, metric):
+    """``(labels, J)``: the labelling pass's nearest centers and ``J = sum_i w_i min_k
+    d(x_i, c_k)`` with each row's distance to the nearer of its two nearest centers summed
+    element by element in float64 (:func:`~fastanneal._kernels.labelled_distances_kernel`):
+    the objective a user reads (``inertia_``, ``score``), exact to float64 rounding of the
+    stored values. The pass's GEMM-form distances carry a float32 residue of ~1e-7
+    |x|^2 on every row: a heavy row sitting on its own center (weight ratios of 1e8 and
+    more) made ``inertia_`` several times too large. ``X`` prepared (the fit's frame;
+    cosine rows need not be unit: the distance is ``2 - 2 cos``)."""
+    mc = metric if isinstance(metric, int) else metric_code(metric)
+    labels, _, _, second = assign(X, centers, mc, _prepared=True, return_second=True)
+    n = X.shape[0]
+    d = np.empty(n, dtype=np.float64)
+    if n:
+        C = np.ascontiguousarray(centers, dtype=np.float64)
+        K_.labelled_distances_kernel(X, C, labels, second, mc, d)
+    return labels, float(np.asarray(w, dtype=np.float64) @ d)
+
+
 def entmax15(Z, method="sort"):
     """entmax-1.5 of each row of ``Z`` (logits; docs/theory.md section 4.2): ``[z/2 - tau]_+^2``.
 

@@ -20,6 +20,7 @@ from ._engine import AnnealingWarning, EngineConfig, min_center_distance
 from ._minibatch import (MINIBATCH_SCHEDULES, ArrayStream, RunningMoments, StochasticEMRule,
                          check_learning)
 from ._moments import assign as _assign
+from ._moments import nearest_objective
 from ._protocol import check_source
 from ._seeding import (check_n_clusters, critical_temperature, data_stats, initial_centers,
                        kmeans_plusplus, start_temperature)
@@ -407,8 +408,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         X = self._check_X(X)
         w = self._validate_weights(sample_weight, X.shape[0])
         X, C = self._in_frame(X)
-        _, dmin, _ = _assign(X, C, metric_code(self.metric), _prepared=True)
-        return -float(w @ dmin)
+        return -nearest_objective(X, w, C, metric_code(self.metric))[1]
 
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
@@ -443,8 +443,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         Xf, Cf = self._in_frame(X)
         self.probability_temperature_ = probability_temperature(
             Xf, w, Cf, self.metric, fallback=self.temperature_)
-        self.labels_, dmin, _ = _assign(Xf, Cf, metric_code(self.metric), _prepared=True)
-        self.inertia_ = float(w @ dmin)
+        self.labels_, self.inertia_ = nearest_objective(Xf, w, Cf, metric_code(self.metric))
         return self
 
 
@@ -861,10 +860,16 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             reset()         # the final statistics by the full path: the same numbers whether
             #                 the polish ran here or a finished checkpoint was reused
         if in_memory:
-            # final hard E-step so that labels_ == predict(X)
-            labels = source.labels(C)
+            # final hard E-step so that labels_ == predict(X); J from each row's distance to
+            # the nearer of its two nearest centers summed in float64 (= -score(X); the
+            # pass's GEMM-form distances keep a float32 residue on every row)
+            if isinstance(source, InMemorySource):
+                labels, inertia = nearest_objective(source.X, source.w, C, source.metric)
+            else:
+                labels, inertia = source.labels(C), None       # (CUDA: its own pass)
         else:
             labels = source.labels(C) if source.n_rows <= 50_000_000 else None
+            inertia = None
         mh = source.moments(C, 1.0, 2, None, hard_sums=False)
         counts = mh.hard_counts
         empty = int(np.sum(~(counts > 0)))
@@ -881,7 +886,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                 "rows kept the relocations from filling them; a smaller n_clusters avoids "
                 "it", AnnealingWarning, stacklevel=3)
         self.labels_ = labels
-        self.inertia_ = float(mh.hard_distortion)
+        self.inertia_ = inertia if inertia is not None else float(mh.hard_distortion)
         self.cluster_weights_ = counts / counts.sum()
         self.temperature_ = float(result.temperature)
         self.temperature_start_ = float(T0)
@@ -1577,10 +1582,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         inertia = None
         if isinstance(stream, ArrayStream):
             mf = full.moments(C, T_final, rc, logp, hard_sums=False)
-            # the labels' own distances give inertia_ (= -score(X), as AnnealedKMeans; the
-            # soft pass's GEMM-form distances differ in the last bits: up to 3e-6 relative)
-            self.labels_, dmin, _ = full.assign(C)
-            inertia = float(full.w @ np.asarray(dmin, dtype=np.float64))
+            # the labels' own distances, summed in float64, give inertia_ (= -score(X), as
+            # AnnealedKMeans; the pass's GEMM-form distances keep a float32 residue per row)
+            self.labels_, inertia = nearest_objective(full.X, full.w, C, full.metric)
             self.labels_path_ = None
         else:
             mf, self.labels_path_ = stream.final_pass(C, T_final, rc, logp, labels_path,

@@ -785,3 +785,42 @@ def test_minibatch_inertia_is_minus_the_score_and_array_inits_are_refined():
     for metric in ("euclidean", "cosine"):
         km = MiniBatchAnnealedKMeans(20, metric=metric, random_state=0).fit(Xf)
         assert km.inertia_ == pytest.approx(-km.score(Xf), rel=1e-12)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine"])
+def test_inertia_and_score_hold_with_a_few_rows_weighted_1e10(metric):
+    """A heavy row sits on its own center; the GEMM form |x|^2 + |c|^2 - 2 x.c leaves it a
+    float32 residue of ~1e-7 |x|^2 as its distance, which its weight multiplied: inertia_
+    and -score were 3 % too large at weight ratios of 1e8 and 4.6x at 1e10 (float32 rows).
+    Now each row's distance to its label's center is summed in float64."""
+    from fastanneal import MiniBatchAnnealedKMeans
+    rng = np.random.default_rng(777001)
+    K, D = 7, 16
+    X = np.concatenate([c + rng.normal(size=(200, D))
+                        for c in rng.normal(size=(K, D)) * 1.5]).astype(np.float32)
+    w = np.ones(len(X))
+    w[rng.choice(len(X), 5, replace=False)] = 1e10
+    U = X.astype(np.float64)
+    if metric == "cosine":
+        U /= np.linalg.norm(U, axis=1, keepdims=True)
+
+    def reference(C):
+        C = np.asarray(C, dtype=np.float64)
+        if metric == "cosine":
+            C = C / np.linalg.norm(C, axis=1, keepdims=True)
+        return float((w * ((U[:, None] - C[None]) ** 2).sum(-1).min(1)).sum())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models = [AnnealedKMeans(K, metric=metric, random_state=3).fit(X, sample_weight=w),
+                  MiniBatchAnnealedKMeans(K, metric=metric, batch_size=400,
+                                             random_state=3).fit(X, sample_weight=w),
+                  AnnealedKMeans(K, metric=metric, random_state=3).partial_fit(
+                      X, sample_weight=w)]
+    # (cosine: the library normalizes the float32 rows in float32, ~3e-8 per component,
+    # which moves a heavy row's ~1e-6 distance by ~1e-6 of itself: 3e-6 of J here)
+    rel = 1e-9 if metric == "euclidean" else 2e-5
+    for km in models:
+        J = reference(km.cluster_centers_)
+        assert km.inertia_ == pytest.approx(J, rel=rel)
+        assert -km.score(X, sample_weight=w) == pytest.approx(J, rel=rel)
