@@ -70,8 +70,10 @@ def _add_cluster_options(p, demo=False):
     p.add_argument("--k-max", type=int, default=None, metavar="N",
                    help="with --k auto: the most clusters considered (default 50)")
     if not demo:
-        p.add_argument("--text-column", default="query", metavar="COL",
-                       help="column with the query text (default: query)")
+        p.add_argument("--text-column", default=None, metavar="COL",
+                       help="column with the query text (default: query; with "
+                            "--embedding-column the clusters are labelled from it, and "
+                            "a log without it gets unlabelled clusters, with a note)")
         p.add_argument("--embedding-column", metavar="COL",
                        help="column with precomputed vectors (a list of floats per row); "
                             "without it the queries are embedded with fastanneal[embed]")

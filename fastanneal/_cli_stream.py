@@ -183,7 +183,8 @@ class ParquetLog:
         if args.truth_column and args.truth_column not in names:
             raise InputError(f"{path}: truth column {args.truth_column!r} not found")
         self.has_text = args.text_column in names
-        if args.text_column != "query" and not self.has_text:
+        if getattr(args, "text_column_given", args.text_column != "query") and \
+                not self.has_text:
             raise InputError(f"{path}: text column {args.text_column!r} not found "
                              f"(columns: {cols})")
         # the width and value type of the embeddings, from the first row
@@ -366,7 +367,7 @@ def fit_stream(log, args, console):
             raise CLIError(f"{log.path}: embedding column {args.embedding_column!r} "
                            f"contains {e.kind} at row {e.row}") from None
         except ValueError as e:
-            raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
+            raise CLIError(f"cannot cluster: {_as_flags(e, args)}") from None
     if suggestion is not None:
         est.n_clusters_, est.k_suggestion_ = int(suggestion.best), suggestion
     return fit_result(est, args, console, caught)

@@ -217,6 +217,9 @@ def text_list(table, name, path, allow_null=True, keep_arrow=False):
         vals = col.to_pylist()
     elif pa.types.is_null(t):
         vals = [None] * len(col)
+    elif pa.types.is_nested(t):
+        raise InputError(f"{path}: text column {name!r} holds {t} values, not text (the "
+                         "column of query strings is named with --text-column)")
     else:
         vals = [None if v is None else str(v) for v in col.to_pylist()]
     if not allow_null:
@@ -374,6 +377,14 @@ def check_ids(table, name, path, row0=0, unique=True):
     if first is not None:
         raise InputError(f"{path}: id column {name!r} has a missing value at row "
                          f"{row0 + first + 1}")
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        # an empty cell of a CSV id column reads as "": no id either (two of them were
+        # reported as a duplicate id)
+        empty = np.flatnonzero(pc.equal(pc.utf8_length(col), 0).to_numpy(
+            zero_copy_only=False))
+        if empty.size:
+            raise InputError(f"{path}: id column {name!r} has an empty value at row "
+                             f"{row0 + int(empty[0]) + 1}")
     if not unique:
         return
     # count_distinct: the hash table only, not a copy of the unique values (10 million

@@ -282,9 +282,14 @@ class FitResult:
         self.meta = meta
 
 
-def _as_flags(error):
-    """The library names its parameters; the user typed the command's flags."""
-    return str(error).replace("n_clusters=", "--k ").replace("k_max=", "--k-max ")
+def _as_flags(error, args=None):
+    """The library names its parameters; the user typed the command's flags (and a
+    ``--k-max`` the user did not give is named as the default)."""
+    msg = str(error).replace("n_clusters=", "--k ").replace("k_max=", "--k-max ")
+    if args is not None and getattr(args, "k_max_defaulted", False) and "--k-max" in msg:
+        msg += (f" (--k-max is the default, {DEFAULT_K_MAX} or the rows with weight > 0 if "
+                "fewer: give a smaller --k-max)")
+    return msg
 
 
 def fit_model(X, w, args, console):
@@ -309,7 +314,7 @@ def fit_model(X, w, args, console):
         try:
             est.fit(X, sample_weight=w)
         except ValueError as e:
-            raise CLIError(f"cannot cluster: {_as_flags(e)}") from None
+            raise CLIError(f"cannot cluster: {_as_flags(e, args)}") from None
     return fit_result(est, args, console, caught)
 
 
@@ -482,6 +487,7 @@ def run_cluster(args, console):
     if args.k is None:
         raise CLIError("missing --k: the number of clusters (or --k auto)")
     if args.k == "auto":
+        args.k_max_defaulted = args.k_max is None
         if args.k_max is None:
             args.k_max = DEFAULT_K_MAX
         if args.k_max < 2:
@@ -599,7 +605,13 @@ def run_cluster(args, console):
         w = (None if stream else weight_vector(table, args.weight_column, src)
              if args.weight_column else np.ones(n))
         texts = None
-        text_given = args.text_column != "query"
+        text_given = args.text_column_given
+        if (args.embedding_column is not None and not text_given and not demo
+                and args.text_column not in in_cols):
+            console.note(f"no {args.text_column!r} column in {src}: the clusters are not "
+                         "labelled (name the column of query texts with --text-column; "
+                         f"columns: {', '.join(in_cols[:12])}"
+                         f"{', ...' if len(in_cols) > 12 else ''})")
         if route == "memory" and (args.embedding_column is None
                                   or args.text_column in table.column_names or text_given):
             texts = text_list(table, args.text_column, src,
@@ -621,11 +633,19 @@ def run_cluster(args, console):
         K = int(args.k_max) if auto else int(args.k)
         flag = "--k-max" if auto else "--k"
         n_live = n_live if stream else int((w > 0).sum())
+        if auto and getattr(args, "k_max_defaulted", False) and K > n_live >= 2:
+            console.note(f"--k-max: {n_live} (the rows with weight > 0; the default is "
+                         f"{DEFAULT_K_MAX})")
+            args.k_max = K = n_live
         if K > n_live:
             raise CLIError(f"{flag} {K} is larger than the number of rows with weight > 0 "
                            f"({n_live})")
         if args.embedding_column is None:
             nd = len({t for t, ok in zip(texts, w > 0) if ok})
+            if auto and getattr(args, "k_max_defaulted", False) and K > nd >= 2:
+                console.note(f"--k-max: {nd} (the distinct queries; the default is "
+                             f"{DEFAULT_K_MAX})")
+                args.k_max = K = nd
             if K > nd:
                 raise CLIError(f"{flag} {K} is larger than the number of distinct queries ({nd})")
         timings["read"] = time.perf_counter() - t0
@@ -671,11 +691,19 @@ def run_cluster(args, console):
         est = fit.estimator
         if auto:
             K = int(est.n_clusters_)
-            top = ", ".join(f"{r['k']} ({r['width']:.2f})"
-                            for r in est.k_suggestion_.table()[:5])
-            why = ("the finest natural level of the phase-transition plateaus"
-                   if est.k_suggestion_.levels else "the widest phase-transition plateau "
-                   "(no natural level)")
+            sug = est.k_suggestion_
+            trivial = sug.trivial_k
+            top = ", ".join(f"{r['k']} ({r['width']:.2f}"
+                            + ("; every distinct point its own cluster: not a choice"
+                               if r['k'] == trivial else "") + ")"
+                            for r in sug.table()[:5])
+            if sug.levels:
+                why = "the finest natural level of the phase-transition plateaus"
+            elif trivial is not None:
+                why = (f"the widest phase-transition plateau below K = {trivial}, the number "
+                       "of distinct points (no natural level)")
+            else:
+                why = "the widest phase-transition plateau (no natural level)"
             console.note(f"chose K = {K}: {why} (ranked, with plateau widths in log T: "
                          f"{top})")
             if not est.k_suggestion_.supported:
@@ -683,7 +711,7 @@ def run_cluster(args, console):
                              "wider range of temperatures than the others (query embeddings "
                              "often split in a burst below the critical temperature; a K range "
                              "that leaves out the data's own level gives this too); K = "
-                             f"{K} is where the path stopped. Choose K for your use instead")
+                             f"{K} only ranks first. Choose K for your use instead")
         # ------------------------------------------------------------- results
         t0 = time.perf_counter()
         with console.stage("labelling", total=n) as st:
@@ -880,6 +908,10 @@ def main(argv=None):
         return EXIT_USAGE
     if not hasattr(args, "no_report"):
         args.no_report = False
+    # a named text column must exist; the default "query" is optional with embeddings
+    args.text_column_given = getattr(args, "text_column", None) is not None
+    if not args.text_column_given:
+        args.text_column = "query"
     console = _Console(args.quiet, args.progress)
     args._created = []
     previous = _terminate_as_interrupt()

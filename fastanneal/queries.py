@@ -96,17 +96,14 @@ class QueryClusters:
         if X.ndim != 2:
             raise ValueError(f"embeddings must be 2-D (n, D); got shape {X.shape}")
         n = X.shape[0]
+        if np.issubdtype(X.dtype, np.number) and n and not np.isfinite(X).all():
+            i, j = (int(v) for v in np.argwhere(~np.isfinite(X))[0])
+            kind = "NaN" if np.isnan(X[i, j]) else "infinity"
+            raise ValueError(f"embeddings hold {kind} at row {i} (column {j})")
         if texts is not None and len(texts) != n:
             raise ValueError(f"{len(texts)} texts for {n} embedding rows")
         if ids is not None:
-            ids = list(ids)
-            if len(ids) != n:
-                raise ValueError(f"{len(ids)} ids for {n} rows")
-            for i, v in enumerate(ids):
-                if _missing(v):
-                    raise ValueError(f"ids have a missing value ({v!r}) at row {i}")
-            if len(set(ids)) != n:
-                raise ValueError("ids are not unique")
+            ids = _checked_ids(ids, n)
         w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
         kw = dict(n_clusters=self.n_clusters, metric=self.metric,
                   random_state=self.random_state, **self.params)
@@ -163,19 +160,25 @@ class QueryClusters:
         return np.asarray(self.estimator_.cluster_centers_)[self._order]
 
     def to_parquet(self, path):
-        """Write :meth:`assignments` to ``path`` (Parquet) and :meth:`cluster_info` next to
-        it (``<stem>.clusters.parquet``), atomically."""
+        """Write :meth:`assignments` to ``path`` (a ``.parquet`` name) and
+        :meth:`cluster_info` next to it (``<stem>.clusters.parquet``), atomically."""
         return self.write(path, "parquet")
 
     def write(self, path, fmt=None):
         """Write :meth:`assignments` to ``path`` (format from the extension: .csv, .tsv,
         .parquet, .jsonl) and :meth:`cluster_info` to ``<stem>.clusters.<ext>``, both
         atomically (temporary files renamed into place together). Returns the two paths."""
-        from ._io import OutputSet, output_format, sidecar, write_table
+        from ._io import OutputSet, check_writable, output_format, sidecar, write_table
         self._check()
-        fmt = fmt or output_format(path)
+        named = output_format(path)
+        if fmt is not None and fmt != named:
+            raise ValueError(f"{path}: a {fmt} file needs a .{fmt} name (this name says "
+                             f"{named})")
+        fmt = named
         ext = {"csv": ".csv", "tsv": ".tsv", "parquet": ".parquet", "jsonl": ".jsonl"}[fmt]
         side = sidecar(path, "clusters", ext)
+        for p in (path, side):          # before any work: clear messages naming the path
+            check_writable(p)
         with OutputSet() as outs:
             write_table(self.assignments(), outs.temp_for(path), fmt, ("id",))
             write_table(self._clusters, outs.temp_for(side), fmt, ("central_id",))
@@ -187,9 +190,10 @@ class QueryClusters:
         sortable, with representative queries and nearest clusters), the ambiguous queries,
         the closest cluster pairs, the sizes, then the annealing diagnostics. Returns
         ``path``."""
-        from ._io import atomic_write_bytes
+        from ._io import atomic_write_bytes, check_writable
         from .report import ambiguous_rows, build_report
         self._check()
+        check_writable(path)
         est = self.estimator_
         summary = [("rows", f"{self.labels_.shape[0]:,}"), ("clusters (K)", str(self.n_clusters_)),
                    ("metric", self.metric), ("objective J (inertia)", f"{est.inertia_:.6g}")]
@@ -202,6 +206,44 @@ class QueryClusters:
                                                      self._texts))
         atomic_write_bytes(path, html.encode("utf-8"))
         return path
+
+
+def _checked_ids(ids, n):
+    """``ids`` as a list, checked as the command checks an id column: one per row, none
+    missing, single values of one kind (numbers or strings: the outputs store them in
+    one typed column), unique."""
+    import pyarrow as pa
+    ids = list(ids)
+    if len(ids) != n:
+        raise ValueError(f"{len(ids)} ids for {n} rows")
+    for i, v in enumerate(ids):
+        if _missing(v):
+            raise ValueError(f"ids have a missing value ({v!r}) at row {i}")
+    try:
+        arr = pa.array(ids)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is None or pa.types.is_nested(arr.type) or pa.types.is_null(arr.type):
+        kind = _id_kind(ids[0]) if ids else None
+        odd = next((i for i, v in enumerate(ids) if _id_kind(v) != kind or kind == "other"),
+                   0)
+        raise ValueError("ids must be single values of one kind (all numbers or all "
+                         f"strings): row {odd} holds {type(ids[odd]).__name__} "
+                         f"{ids[odd]!r}" + (f", row 0 {type(ids[0]).__name__} {ids[0]!r}"
+                                            if odd else ""))
+    if len(set(ids)) != n:
+        raise ValueError("ids are not unique")
+    return ids
+
+
+def _id_kind(v):
+    if isinstance(v, (str, bytes)):
+        return "text"
+    if isinstance(v, (bool, np.bool_)):
+        return "other"
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return "number"
+    return "other"
 
 
 def _embed_chunks(encode, texts, progress=False, chunk=2048):

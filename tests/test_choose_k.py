@@ -163,6 +163,35 @@ def test_cli_k_auto(capsys, tmp_path):
     assert not (tmp_path / "ck").exists() and not (tmp_path / "x.csv").exists()
 
 
+def test_cli_k_auto_on_small_logs(capsys, tmp_path):
+    """``--k auto`` without ``--k-max`` refused every log of fewer than 50 rows ("--k-max
+    50 is larger than ...", a flag the user never gave); and with the level "every
+    distinct point its own cluster" left out, the note called K = 2 "the widest plateau"
+    beside a printed K = 3 ten times wider."""
+    from test_cli import make_table, run, write_any
+    table, X, _ = make_table(n=20, D=8, K=4)
+    src = write_any(table, tmp_path / "small.parquet")
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "a.csv", "--embedding-column",
+                     "emb", "--k", "auto", "--metric", "euclidean")
+    assert rc == 0, err
+    assert "--k-max: 20 (the rows with weight > 0; the default is 50)" in err
+    # 30 rows, 3 distinct points
+    rng = np.random.default_rng(0)
+    E = (rng.normal(size=(3, 8)) * 5)[np.arange(30) % 3].astype(np.float32)
+    import pyarrow as pa
+    t3 = pa.table({"query": [f"q {i % 3}" for i in range(30)],
+                   "emb": pa.FixedSizeListArray.from_arrays(pa.array(E.ravel()), 8)})
+    src3 = write_any(t3, tmp_path / "dup.parquet")
+    rc, _, err = run(capsys, "cluster", src3, "-o", tmp_path / "b.csv", "--embedding-column",
+                     "emb", "--k", "auto", "--metric", "euclidean")
+    assert rc == 2 and "distinct points" in err and "--k-max is the default" in err
+    rc, _, err = run(capsys, "cluster", src3, "-o", tmp_path / "b.csv", "--embedding-column",
+                     "emb", "--k", "auto", "--k-max", 3, "--metric", "euclidean")
+    assert rc == 0, err
+    assert "below K = 3, the number of distinct points" in err
+    assert "3 (" in err and "its own cluster: not a choice" in err
+
+
 def test_critical_phase_splits_effective_clusters_not_twins():
     """The rule shared by schedule="critical" and suggest_k: twins that have not separated
     yet (closer than sqrt(MERGE T)) are one effective cluster and are not split again; a

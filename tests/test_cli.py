@@ -311,6 +311,33 @@ def test_missing_file_and_columns(capsys, dirs):
     no_output(o)
 
 
+@pytest.mark.parametrize("route", ["memory", "stream"])
+def test_text_column_named_must_exist_default_missing_is_noted(capsys, dirs, route):
+    """``--text-column query`` named on a log without that column was taken for the default
+    (optional with embeddings): exit 0 with unlabelled clusters and no word. Now a named
+    text column must exist, an absent default is noted, and a column of lists is not
+    taken for text."""
+    i, o = dirs
+    table, _, _ = make_table(n=60)
+    inp = write_any(table.rename_columns(["id", "text", "topic", "count", "emb"]),
+                    i / "q.parquet")
+    extra = ["--memory-limit", "1K"] if route == "stream" else []
+    base = ["cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column", "emb"] + extra
+    rc, _, err = run(capsys, *base, "--text-column", "query")
+    assert_one_line_error(rc, err, "'query'", "text column", "not found")
+    no_output(o)
+    rc, _, err = run(capsys, *base, "--text-column", "emb")
+    assert_one_line_error(rc, err, "'emb'", "not text")
+    no_output(o)
+    rc, _, err = run(capsys, *base)
+    assert rc == 0, err
+    assert "no 'query' column" in err and "--text-column" in err and "text" in err
+    rc, _, err = run(capsys, *base, "--text-column", "text")
+    assert rc == 0 and "no 'query' column" not in err, err
+    clusters = read_any(o / "r.clusters.csv")
+    assert all(v for v in clusters.column("label").to_pylist())
+
+
 def test_empty_and_header_only_files(capsys, dirs):
     i, o = dirs
     (i / "empty.csv").write_bytes(b"")
@@ -393,6 +420,13 @@ def test_duplicate_ids_and_bad_weights(capsys, dirs):
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
                      "emb", "--id-column", "id")
     assert_one_line_error(rc, err, "duplicate id '00004'", "rows 5 and 18")
+    # an empty id cell is no id (it was accepted, and two were called a duplicate)
+    for k in (6, 11):
+        ids[k] = ""
+    inp = write_any(table.set_column(0, "id", pa.array(ids)), i / "e.csv")
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 2, "--embedding-column",
+                     "emb", "--id-column", "id")
+    assert_one_line_error(rc, err, "id column 'id'", "empty value at row 7")
     counts = table.column("count").to_pylist()
     counts[9] = -3
     t = table.set_column(table.column_names.index("count"), "count", pa.array(counts))

@@ -110,6 +110,35 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
         fastanneal.QueryClusters(2).fit(texts=texts)
 
 
+def test_ids_and_output_paths_are_checked_before_the_work(tmp_path, data):
+    """Mixed-type ids were accepted by fit and failed later inside pyarrow (ArrowTypeError)
+    when the outputs were built; unhashable ids raised a bare TypeError; an output in a
+    missing folder named an internal temporary file; to_parquet wrote Parquet bytes into a
+    .csv name."""
+    table, X, _ = data
+    n = X.shape[0]
+    with pytest.raises(ValueError, match=r"one kind.*row 1 holds int 1.*row 0 str 'a'"):
+        fastanneal.QueryClusters(2).fit(embeddings=X, ids=["a"] + list(range(1, n)))
+    with pytest.raises(ValueError, match=r"one kind.*list"):
+        fastanneal.QueryClusters(2).fit(embeddings=X, ids=[[i] for i in range(n)])
+    Xn = X.copy()
+    Xn[7, 3] = np.nan
+    with pytest.raises(ValueError, match=r"embeddings hold NaN at row 7 \(column 3\)"):
+        fastanneal.QueryClusters(2).fit(embeddings=Xn)
+    qc = fastanneal.QueryClusters(2, random_state=0).fit(embeddings=X, ids=list(range(n)))
+    assert qc.assignments().column("id").to_pylist() == list(range(n))
+    for call in (lambda p: qc.write(p), lambda p: qc.report(p)):
+        with pytest.raises(ValueError, match=r"nodir.*does not exist") as e:
+            call(tmp_path / "nodir" / "out.csv")
+        assert ".tmp" not in str(e.value)
+    (tmp_path / "adir.csv").mkdir()
+    with pytest.raises(ValueError, match="adir.csv: it is a folder"):
+        qc.write(tmp_path / "adir.csv")
+    with pytest.raises(ValueError, match=r"x.csv: a parquet file needs a .parquet name"):
+        qc.to_parquet(tmp_path / "x.csv")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["adir.csv"]
+
+
 def test_auto_k(data):
     table, X, lab = data
     qc = fastanneal.QueryClusters("auto", metric="euclidean", k_max=8, random_state=0).fit(
