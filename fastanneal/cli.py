@@ -706,6 +706,13 @@ def run_cluster(args, console):
                 why = "the widest phase-transition plateau (no natural level)"
             console.note(f"chose K = {K}: {why} (ranked, with plateau widths in log T: "
                          f"{top})")
+            if sug.supported and sug.could_be_unclustered:
+                from .choose_k import NO_CLUSTER_WIDTH
+                wb = float(sug.width[int(np.nonzero(sug.ks == K)[0][0])])
+                console.note(f"note: K = {K}'s plateau is {wb:.2f} in log T; data without "
+                             "clusters (a single Gaussian, a uniform box) shows plateaus up "
+                             f"to {NO_CLUSTER_WIDTH:g} too: check the clusters before "
+                             "relying on K")
             if not est.k_suggestion_.supported:
                 console.note("warning: no clear plateau: no K in the range survives a clearly "
                              "wider range of temperatures than the others (query embeddings "
@@ -844,6 +851,11 @@ def run_suggest(args, console):
                   "temperatures than the others (query embeddings often split in a burst "
                   "below the critical temperature; a K range that leaves out the data's own "
                   "level gives this too)")
+        elif s.could_be_unclustered:
+            from .choose_k import NO_CLUSTER_WIDTH
+            print(f"its plateau is no wider than {NO_CLUSTER_WIDTH:g} in log T, as on data "
+                  "without clusters (a single Gaussian, a uniform box): check the clusters "
+                  "before relying on K")
     if args.plot:
         with OutputSet() as outs:
             if str(args.plot).lower().endswith(".svg"):

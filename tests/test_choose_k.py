@@ -192,6 +192,32 @@ def test_cli_k_auto_on_small_logs(capsys, tmp_path):
     assert "3 (" in err and "its own cluster: not a choice" in err
 
 
+def test_a_plateau_as_narrow_as_data_without_clusters_shows_is_flagged(capsys, tmp_path):
+    """An elongated Gaussian blob has no clusters, yet its path holds K = 2 for a while and
+    ``supported`` is True (so on 49 of 84 runs of study_unimodal.py); the suggestion says
+    that its plateau is no wider than data without clusters show, and the command says it
+    beside its choice. Separated blobs are not flagged."""
+    from fastanneal.choose_k import NO_CLUSTER_WIDTH
+    rng = np.random.default_rng(1000)
+    G = rng.standard_normal((2000, 2)) * [1.0, 0.6]
+    s = fastanneal.suggest_k(G, k_max=20, random_state=0)
+    w = float(s.width[int(np.nonzero(s.ks == s.best)[0][0])])
+    assert s.supported and s.could_be_unclustered and 0.3 < w <= NO_CLUSTER_WIDTH
+    X, _ = blobs(5, 4, 60, seed=2)
+    s = fastanneal.suggest_k(X, k_max=10, random_state=0)
+    assert s.best == 5 and s.supported and not s.could_be_unclustered
+    from test_cli import run, write_any
+    import pyarrow as pa
+    t = pa.table({"query": [f"q{i}" for i in range(len(G))],
+                  "emb": pa.FixedSizeListArray.from_arrays(
+                      pa.array(G.astype(np.float32).ravel()), 2)})
+    src = write_any(t, tmp_path / "g.parquet")
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "g.csv", "--embedding-column",
+                     "emb", "--k", "auto", "--k-max", 20, "--metric", "euclidean")
+    assert rc == 0, err
+    assert "data without clusters" in err and "check the clusters" in err
+
+
 def test_critical_phase_splits_effective_clusters_not_twins():
     """The rule shared by schedule="critical" and suggest_k: twins that have not separated
     yet (closer than sqrt(MERGE T)) are one effective cluster and are not split again; a
