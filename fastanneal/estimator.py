@@ -199,7 +199,9 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         return X
 
     @staticmethod
-    def _validate_weights(sample_weight, n):
+    def _validate_weights(sample_weight, n, allow_zero=False):
+        """Checked float64 weights; ``allow_zero``: all-zero weights are valid (a
+        ``partial_fit`` batch after the first: rows that carry no weight)."""
         if sample_weight is None:
             return np.ones(n)
         w = np.asarray(sample_weight, dtype=np.float64)
@@ -213,7 +215,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             raise ValueError("sample_weight contains negative values")
         with np.errstate(over="ignore"):
             total = w.sum()
-        if not total > 0:
+        if not total > 0 and not (allow_zero and n > 0 and total == 0):
             raise ValueError("sample_weight sums to zero: no row carries weight")
         if not math.isfinite(total):
             raise ValueError(f"sample_weight sums to infinity (largest weight "
@@ -427,11 +429,20 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         at the final temperature, the fit counting as the rows it saw (as scikit-learn's
         ``MiniBatchKMeans.partial_fit`` continues from ``fit``). The schedule must be
         "geometric", "linear" or "constant" (one temperature a call: the critical and
-        adaptive schedules decide their next temperature from full passes)."""
+        adaptive schedules decide their next temperature from full passes). A batch whose
+        rows all weigh zero leaves a started fit as it is (scikit-learn's
+        ``MiniBatchKMeans`` refuses it); it cannot start one."""
         first = not hasattr(self, "_partial_state")
         fitted = first and hasattr(self, "cluster_centers_")
         X = self._validate_X(X, reset=first and not fitted)
-        w = self._validate_weights(sample_weight, X.shape[0])
+        # a batch whose rows all weigh zero carries nothing: once the fit has started it
+        # leaves the state as it is (labels_ and inertia_ describe the batch)
+        w = self._validate_weights(sample_weight, X.shape[0], allow_zero=not first or fitted)
+        if not w.sum() > 0:
+            Xf, Cf = self._in_frame(X)
+            self.labels_, self.inertia_ = nearest_objective(Xf, w, Cf,
+                                                            metric_code(self.metric))
+            return self
         if fitted:
             self._partial_state = _PartialFit.from_fitted(self, X)
         elif first:

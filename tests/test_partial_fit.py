@@ -81,3 +81,28 @@ def test_minibatch_fit_says_when_a_cluster_ends_empty():
     assert (km.cluster_weights_ == 0).sum() == 1
     assert any(issubclass(w.category, AnnealingWarning)
                and "1 of the 3 fitted clusters hold no row" in str(w.message) for w in caught)
+
+
+def test_a_batch_of_zero_weight_rows_changes_nothing():
+    """A streaming loop may meet a batch whose rows all weigh zero: after the first call it
+    leaves the fit as it is (it raised "sample_weight sums to zero"); the first call still
+    needs weight to seed from (score() refuses all-zero weights, as scikit-learn's)."""
+    from fastanneal import AnnealedKMeans
+    rng = np.random.default_rng(11)
+    X = np.concatenate([c + rng.normal(size=(100, 3)) for c in rng.normal(size=(4, 3)) * 6])
+    zeros = np.zeros(len(X))
+    km = AnnealedKMeans(4, random_state=0)
+    with pytest.raises(ValueError, match="sums to zero"):
+        km.partial_fit(X, sample_weight=zeros)
+    km.partial_fit(X)
+    C = km.cluster_centers_.copy()
+    state = (km.temperature_, km.n_steps_ if hasattr(km, "n_steps_") else None)
+    km.partial_fit(X[:50], sample_weight=zeros[:50])
+    np.testing.assert_array_equal(km.cluster_centers_, C)
+    assert (km.temperature_, km.n_steps_ if hasattr(km, "n_steps_") else None) == state
+    assert km.labels_.shape == (50,) and km.inertia_ == 0.0
+    np.testing.assert_array_equal(km.labels_, km.predict(X[:50]))
+    with pytest.raises(ValueError, match="sums to zero"):
+        km.score(X, sample_weight=zeros)
+    km.partial_fit(X)                       # and the stream goes on
+    assert not np.array_equal(km.cluster_centers_, C)
