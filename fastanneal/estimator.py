@@ -1313,7 +1313,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         rows unweighted (heavy-tailed weights would let a few sampled rows take the seeds;
         the weighted objective is annealed over all rows: ``docs/theory.md`` section 6.3).
     init_size : int or None
-        Rows of the seeding sample; default ``max(100 * n_clusters, 20_000)``.
+        Rows of the seeding sample; default ``max(100 * n_clusters, 20_000)``, at most a
+        quarter of the rows (at least ``20 * n_clusters``): on data that small the
+        mini-batch route would otherwise seed on nearly all of it, a full-batch fit.
     batch_size : int or None
         Rows per update (rounded to whole chunks for Dask input); default 4096 rows for
         NumPy input, one chunk per worker thread for Dask input.
@@ -1354,6 +1356,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         The critical temperature is that of the seeding sample.
     probability_temperature_ : float
         The temperature of :meth:`predict_proba` (0.25 x the median margin of a sample).
+    seeding_rows_ : int
+        Rows of the seeding sample (``init_size`` or its default).
     n_batches_, n_steps_, n_passes_, n_iter_ : int
         Batches, temperature steps, full passes, updates + passes.
     rows_seen_, n_rows_, n_relocations_, batch_chunks_ : int
@@ -1506,7 +1510,10 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         if hasattr(full, "set_origin"):
             full.set_origin(None)           # the data's own frame until the fit decides
         if st is None:
-            init_size = int(self.init_size or max(100 * K, 20_000))
+            # (at most a quarter of the rows: on 22,500 rows the old max(100 K, 20,000)
+            # made the seeding a full-batch fit, slower than AnnealedKMeans itself)
+            init_size = int(self.init_size or max(20 * K, min(max(100 * K, 20_000),
+                                                               full.n_rows // 4)))
             Xs, ws = full.sample(min(init_size, full.n_rows), rng)
             if Xs.shape[0] < K:
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
@@ -1531,7 +1538,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             perm_seed = int(rng.integers(2 ** 62))
             st = E.AnnealState(centers=C, temperature=T0, T_start=T0, T_end=T_end,
                                scale=scale)
-            extra = {"T0": T0, "T_c": T_c, "perm_seed": perm_seed}
+            extra = {"T0": T0, "T_c": T_c, "perm_seed": perm_seed, "sample_rows": sample_rows}
             origin = getattr(full, "origin", None)
             if hasattr(full, "set_origin") and origin is not None:
                 extra["origin"] = [float(v) for v in origin]
@@ -1615,6 +1622,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         self.temperature_ = float(T_final)
         self.temperature_start_ = float(extra["T0"])
         self.critical_temperature_ = float(extra["T_c"])
+        self.seeding_rows_ = int(extra.get("sample_rows", 0)) or None
         self.n_batches_ = int(rule.n_batches)
         self.n_steps_ = int(n_steps)
         self.n_passes_ = int(result.n_iter - rule.n_batches) + 1     # polish + final pass

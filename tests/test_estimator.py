@@ -824,3 +824,19 @@ def test_inertia_and_score_hold_with_a_few_rows_weighted_1e10(metric):
         J = reference(km.cluster_centers_)
         assert km.inertia_ == pytest.approx(J, rel=rel)
         assert -km.score(X, sample_weight=w) == pytest.approx(J, rel=rel)
+
+
+def test_minibatch_seeding_sample_is_at_most_a_quarter_of_the_rows():
+    """On 22,500 rows (CLINC150) the default seeding sample was 20,000 rows: the seeding
+    (k-means++, Lloyd, re-allocation) was a full-batch fit and the mini-batch route cost
+    more than AnnealedKMeans. The default now takes at most a quarter of the rows (at
+    least 20 per cluster); large data keep max(100 K, 20,000)."""
+    from fastanneal import MiniBatchAnnealedKMeans
+    rng = np.random.default_rng(4)
+    means = rng.normal(size=(6, 4)) * 8
+    for n, K, want in ((4_000, 6, 1_000), (1_000, 15, 300), (100_000, 6, 20_000)):
+        X = means[rng.integers(6, size=n)] + rng.normal(size=(n, 4))
+        m = MiniBatchAnnealedKMeans(K, random_state=0, batch_size=2048, n_steps=4).fit(X)
+        assert m.seeding_rows_ == want
+    m = MiniBatchAnnealedKMeans(6, random_state=0, init_size=3_000, n_steps=4).fit(X[:4000])
+    assert m.seeding_rows_ == 3_000
