@@ -533,6 +533,14 @@ def nearest_objective(X, w, centers, metric):
     |x|^2 on every row: a heavy row sitting on its own center (weight ratios of 1e8 and
     more) made ``inertia_`` several times too large. ``X`` prepared (the fit's frame;
     cosine rows need not be unit: the distance is ``2 - 2 cos``)."""
+    labels, d = nearest_distances(X, centers, metric)
+    return labels, float(np.asarray(w, dtype=np.float64) @ d)
+
+
+def nearest_distances(X, centers, metric):
+    """``(labels, d)``: the labelling pass's nearest centers and each row's distance to the
+    nearer of its two nearest centers summed element by element in float64 (see
+    :func:`nearest_objective`)."""
     mc = metric if isinstance(metric, int) else metric_code(metric)
     labels, _, _, second = assign(X, centers, mc, _prepared=True, return_second=True)
     n = X.shape[0]
@@ -540,7 +548,7 @@ def nearest_objective(X, w, centers, metric):
     if n:
         C = np.ascontiguousarray(centers, dtype=np.float64)
         K_.labelled_distances_kernel(X, C, labels, second, mc, d)
-    return labels, float(np.asarray(w, dtype=np.float64) @ d)
+    return labels, d
 
 
 def entmax15(Z, method="sort"):

@@ -200,6 +200,23 @@ class ParquetDataset:
     def column_names(self):
         return list(self.schema.names)
 
+    def require_in_every_file(self, columns):
+        """Each ``(what, name)`` column is in every file (or a hive partition key): a file
+        without it read as nulls, named "a null embedding" instead of a missing column."""
+        import pyarrow.dataset as ds
+        seen = set()
+        for piece in self.pieces:
+            if piece.path in seen:
+                continue
+            seen.add(piece.path)
+            have = set(piece.physical_schema.names)
+            keys = set(ds.get_partition_keys(piece.partition_expression))
+            for what, col in columns:
+                if col in have or col in keys:
+                    continue
+                raise ValueError(f"{what} column {col!r} not found in {piece.path}; "
+                                 f"available columns: {sorted(have)}")
+
     def where(self, i):
         piece = self.pieces[i]
         return f"{os.path.basename(piece.path)} row group {piece.row_groups[0].id}"
@@ -295,6 +312,9 @@ class ParquetStream(_passes_base()):
             if col is not None and col not in names:
                 raise ValueError(f"{what} column {col!r} not found in {data.path}; available "
                                  f"columns: {names}")
+        data.require_in_every_file([(w, c) for w, c in (("embedding", column),
+                                                        ("weight", weight), ("id", id))
+                                    if c is not None])
         kind, D, vt = _embedding_info(data.schema.field(column), data.path)
         if weight is not None:
             wt = data.schema.field(weight).type

@@ -84,10 +84,13 @@ def _proba_rows(X, C, T, metric, kind, log_prior):
 
 
 def _nearest_rows(X, C, metric):
-    """The squared distance to the nearest center of each prepared row, (m, 1) float64."""
+    """The squared distance to the nearest center of each prepared row, (m, 1) float64,
+    summed element by element in float64 (``score`` on Dask input: the same numbers as
+    on NumPy input, :func:`~fastanneal._moments.nearest_objective`)."""
     if not X.shape[0]:
         return np.zeros((0, 1))
-    return _assign(X, C, metric_code(metric), _prepared=True)[1][:, None]
+    from ._moments import nearest_distances
+    return nearest_distances(X, C, metric_code(metric))[1][:, None]
 
 
 def _real(v):
@@ -1109,7 +1112,7 @@ KPP_ROWS_PER_CLUSTER = 20
 SEED_LLOYD_PASSES = 20
 
 
-def _check_labels_path(labels_path, X):
+def _check_labels_path(labels_path, X, name="labels_path"):
     """``labels_path`` must not be the input, hold it or lie inside it: with
     ``overwrite=True`` the labels folder replaced the input file (deleted, then the final
     pass failed reading it), and label files inside an input folder became part of its
@@ -1122,6 +1125,10 @@ def _check_labels_path(labels_path, X):
     elif isinstance(X, (list, tuple)) and X and all(isinstance(p, (str, os.PathLike))
                                                      for p in X):
         inputs = list(X)
+    elif hasattr(X, "__dask_graph__") or type(X).__name__ == "EmbeddingArrays":
+        # a Dask array read by read_parquet_embeddings (or made from one): its files
+        from .dask._inputs import parquet_inputs_of
+        inputs = parquet_inputs_of(X)
     else:
         return
     from ._io import path_inside, same_file
@@ -1130,7 +1137,7 @@ def _check_labels_path(labels_path, X):
             continue
         if (same_file(labels_path, p) or path_inside(p, labels_path)
                 or path_inside(labels_path, p)):
-            raise ValueError(f"labels_path={os.fspath(labels_path)!r} is the input {p!r}, "
+            raise ValueError(f"{name}={os.fspath(labels_path)!r} is the input {p!r}, "
                              "holds it or lies inside it: give another folder")
 
 

@@ -677,9 +677,24 @@ def test_parquet_null_ids_and_a_changed_file_are_errors(tmp_path):
     assert ok.dtype == np.int64 and ok.tolist() == big          # exact above 2^53
     arr = read_parquet_embeddings(path)
     pq.write_table(pa.table({"embedding": emb[:35]}), path, row_group_size=10)
-    with pytest.raises(ValueError, match=r"row group 3\) has 5 rows, but the dataset was "
-                                         r"opened with 10: the file changed"):
+    with pytest.raises(ValueError, match=r"n.parquet changed after read_parquet_embeddings "
+                                         r"opened it"):
         arr.X.compute()
+    # rewritten with other rows in the same layout (the row counts alone let it through:
+    # predict read the new rows silently)
+    arr = read_parquet_embeddings(path)
+    st = os.stat(path)
+    pq.write_table(pa.table({"embedding": pa.array(list(X[::-1]),
+                                                   type=pa.list_(pa.float32()))}),
+                   path, row_group_size=10)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+    with pytest.raises(ValueError, match=r"changed after read_parquet_embeddings"):
+        arr.X.compute()
+    from fastanneal.dask._inputs import read_parquet_piece       # (no stamp: row counts)
+    short = tmp_path / "short.parquet"
+    pq.write_table(pa.table({"embedding": emb[:35]}), short, row_group_size=10)
+    with pytest.raises(ValueError, match=r"has 35 rows, but the dataset was opened with 40"):
+        read_parquet_piece(str(short), [0, 1, 2, 3], "embedding", 3, np.float32, rows=40)
 
 
 def test_chunks_that_do_not_hold_their_declared_shape_are_errors(client):

@@ -559,6 +559,21 @@ def test_labels_path_may_not_touch_the_input(tmp_path):
         with pytest.raises(ValueError, match="holds it or lies inside it"):
             est.fit(open_parquet(d, column="emb"), labels_path=lp, overwrite=True)
     assert sorted(x.name for x in d.iterdir()) == ["a.parquet"]
+    # the Dask route: read_parquet_embeddings' arrays (or arrays made from them) and
+    # write_labels -- the labels folder replaced the input folder (its embeddings deleted)
+    pytest.importorskip("distributed")
+    from fastanneal.dask import read_parquet_embeddings, write_labels
+    E = read_parquet_embeddings(d, column="emb")
+    C = np.zeros((3, E.X.shape[1]))
+    for X in (E, E.X, E.X[:100].astype(np.float64), str(d)):
+        for lp in (d, d / "labels", tmp_path):
+            with pytest.raises(ValueError, match="path=.*holds it or lies inside it"):
+                write_labels(X, C, lp, overwrite=True)
+            if X is not E and X is not E.X:
+                continue
+            with pytest.raises(ValueError, match="labels_path=.*holds it or lies inside"):
+                est.fit(X, labels_path=lp, overwrite=True)
+    assert sorted(x.name for x in d.iterdir()) == ["a.parquet"]
 
 
 def test_labels_keep_the_ids_type_and_refuse_missing_ids(tmp_path):
@@ -645,3 +660,20 @@ def test_the_labels_folder_gets_the_permissions_of_a_plain_folder(tmp_path):
         open_parquet(p, column="emb"), labels_path=out)
     os.mkdir(tmp_path / "plain")
     assert (out.stat().st_mode & 0o777) == ((tmp_path / "plain").stat().st_mode & 0o777)
+
+
+def test_a_file_without_the_column_is_named_as_missing(tmp_path):
+    """A folder where one file lacks the embedding (or weight) column read that file as
+    nulls: "has a null embedding in part-2.parquet row group 0, row 2501" for a column
+    that is not there."""
+    d = tmp_path / "ds"
+    d.mkdir()
+    make_log(d / "part-0.parquet", n=600, row_group=300)
+    t = pq.read_table(d / "part-0.parquet")
+    pq.write_table(t.drop_columns(["emb"]), d / "part-1.parquet")
+    with pytest.raises(ValueError, match=r"embedding column 'emb' not found in .*part-1"):
+        open_parquet(d, column="emb")
+    pq.write_table(t.drop_columns(["count"]), d / "part-1.parquet")
+    with pytest.raises(ValueError, match=r"weight column 'count' not found in .*part-1"):
+        open_parquet(d, column="emb", weight="count")
+    assert open_parquet(d, column="emb").n_rows == 1200

@@ -14,6 +14,40 @@ from .._parquet import _embedding_info, _value_dtype, embedding_block  # noqa: F
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 
 
+#: ``token -> paths`` of every :func:`read_parquet_embeddings` call in this process: the
+#: arrays' task names carry the token, so a writer can tell which files a Dask array (or
+#: one derived from it) reads and refuse to write over them (:func:`parquet_inputs_of`)
+_INPUT_PATHS = {}
+_READ_PREFIXES = ("read-embeddings-", "read-weights-", "read-ids-")
+
+
+def parquet_inputs_of(x):
+    """The Parquet paths ``x`` reads: a path or list of paths itself, or, for an
+    :class:`EmbeddingArrays` or a Dask collection made by (or from) :func:`
+    read_parquet_embeddings` in this process, the paths it was opened with."""
+    if isinstance(x, EmbeddingArrays):
+        return sorted({p for a in x if a is not None for p in parquet_inputs_of(a)})
+    if isinstance(x, (str, os.PathLike)):
+        return [os.fspath(x)]
+    if isinstance(x, (list, tuple)):
+        if x and all(isinstance(p, (str, os.PathLike)) for p in x):
+            return [os.fspath(p) for p in x]
+        return []
+    if not is_dask_collection(x):
+        return []
+    graph = x.__dask_graph__()
+    names = getattr(graph, "layers", None)
+    names = names.keys() if names is not None else graph.keys()
+    out = set()
+    for name in names:
+        if isinstance(name, tuple):
+            name = name[0]
+        if isinstance(name, str) and name.startswith(_READ_PREFIXES):
+            tok = name.split("-")[2]
+            out.update(_INPUT_PATHS.get(tok, ()))
+    return sorted(out)
+
+
 class EmbeddingArrays(NamedTuple):
     """Lazy rows and their optional weights and ids, with the same row chunks."""
     X: object                  #: dask array (n, D), one column chunk
@@ -59,6 +93,21 @@ def _where(file, row_groups):
     return f"{name} row groups {row_groups[0]}-{row_groups[-1]}"
 
 
+def _unchanged(file, stamp):
+    """``file`` still has the size and modification time (``stamp``, ns) it had when the
+    dataset was opened: a file rewritten with the same row counts read other rows
+    silently."""
+    if stamp is None:
+        return
+    try:
+        st = os.stat(file)
+    except OSError as e:
+        raise OSError(f"{file}: {e.strerror or e}") from None
+    if (st.st_size, st.st_mtime_ns) != tuple(stamp):
+        raise ValueError(f"{file} changed after read_parquet_embeddings opened it (size or "
+                         "modification time): open it again")
+
+
 def _planned(where, file, n, rows):
     """The piece holds the rows the dataset was opened with (else the file changed since)."""
     if rows is not None and n != rows:
@@ -68,7 +117,7 @@ def _planned(where, file, n, rows):
 
 
 def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=8192,
-                       rows=None):
+                       rows=None, stamp=None):
     """Read the embedding column of some row groups of one file as an ``(n, D)`` array.
 
     Decoded ``batch_rows`` rows at a time straight into one NumPy array, and Arrow's pool
@@ -79,6 +128,7 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
     import pyarrow as pa
     import pyarrow.parquet as pq
     where = _where(file, row_groups)
+    _unchanged(file, stamp)
     try:
         with pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 22,
                             page_checksum_verification=True) as pf:
@@ -103,12 +153,13 @@ def read_parquet_piece(file, row_groups, column, D, dtype, row0=0, batch_rows=81
     return out
 
 
-def read_parquet_values(file, row_groups, column, dtype, row0=0, rows=None):
+def read_parquet_values(file, row_groups, column, dtype, row0=0, rows=None, stamp=None):
     """A scalar column (weights, ids) of some row groups of one file as a 1-D array. A null
     is an error naming its row (counted like the embeddings' rows, from ``row0``): a null
     id or weight has no value to give (converting it would turn ids into floats)."""
     import pyarrow.parquet as pq
     where = _where(file, row_groups)
+    _unchanged(file, stamp)
     try:
         with pq.ParquetFile(file, page_checksum_verification=True) as pf:
             if max(row_groups) >= pf.metadata.num_row_groups:
@@ -231,19 +282,29 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
     row0 = int(_config.ROW_BASE.get())           # (rows in messages: the command counts from 1)
     tok = dask.base.tokenize(files, column, weight, id, str(dtype), rows_per_chunk, row0,
                              [os.path.getmtime(f) if os.path.exists(f) else 0 for f in files])
+    given = [path] if isinstance(path, (str, os.PathLike)) and os.path.exists(path) else files
+    _INPUT_PATHS[tok] = sorted({os.fspath(p) for p in given} | set(files))
+    stamps = {}
+    for f in files:
+        try:
+            st = os.stat(f)
+            stamps[f] = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            stamps[f] = None
     for j, (f, rgs, rows) in enumerate(pieces):
         x = dask.delayed(read_parquet_piece, pure=True)(
-            f, rgs, column, D, dtype, row0, rows=rows,
+            f, rgs, column, D, dtype, row0, rows=rows, stamp=stamps.get(f),
             dask_key_name=f"read-embeddings-{tok}-{j}")
         blocks.append(da.from_delayed(x, shape=(rows, D), dtype=dtype))
         if weight is not None:
             wv = dask.delayed(read_parquet_values, pure=True)(
-                f, rgs, weight, np.float64, row0, rows,
+                f, rgs, weight, np.float64, row0, rows, stamp=stamps.get(f),
                 dask_key_name=f"read-weights-{tok}-{j}")
             wblocks.append(da.from_delayed(wv, shape=(rows,), dtype=np.float64))
         if id is not None:
             iv = dask.delayed(read_parquet_values, pure=True)(
-                f, rgs, id, id_dtype, row0, rows, dask_key_name=f"read-ids-{tok}-{j}")
+                f, rgs, id, id_dtype, row0, rows, stamp=stamps.get(f),
+                dask_key_name=f"read-ids-{tok}-{j}")
             iblocks.append(da.from_delayed(iv, shape=(rows,), dtype=id_dtype))
         row0 += rows
     if not blocks:

@@ -319,6 +319,8 @@ def write_labels(X, centers, path, *, ids=None, metric="euclidean", scheduler=No
     per cluster).
     """
     mc = metric_code(metric)
+    from ..estimator import _check_labels_path
+    _check_labels_path(path, X, "path")   # never over (or inside) the files it reads
     C = np.asarray(centers, dtype=np.float64)
     if C.ndim != 2 or not np.isfinite(C).all():
         raise ValueError("centers must be a finite 2-D array")
