@@ -324,8 +324,12 @@ def fit_result(est, args, console, caught):
     if info.get("finished"):
         console.note(f"using the finished fit in {args.checkpoint}")
     elif info.get("resumed_from") is not None:
+        T = info.get("temperature")
+        # (after the annealing -- the polish, the re-allocation -- there is no temperature)
+        where = (f"T = {T:.4g}" if T is not None
+                 else f"after the annealing: {info.get('phase') or 'polish'}")
         console.note(f"resumed from the checkpoint in {args.checkpoint} at step "
-                     f"{info['resumed_from']} (T = {info['temperature']:.4g})")
+                     f"{info['resumed_from']} ({where})")
     for wm in caught:
         if issubclass(wm.category, (DeprecationWarning, PendingDeprecationWarning)):
             continue

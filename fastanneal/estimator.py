@@ -619,7 +619,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         with the rows nearly decided; the colder temperatures were left to the polish.
         None where the schedule hardened first, ran every temperature, or cannot stop early.
     checkpoint_info_ : dict, only with ``checkpoint``: path, finished, resumed_from,
-        temperature
+        temperature (None once the annealing is over) and phase ("anneal", "critical",
+        "polish", "reallocate", "done") of the state the fit continued from
     trace_ : Trace (``.as_dict()``, ``.to_arrow()``)
     n_features_in_ : int
     """
@@ -974,13 +975,14 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         trace = Trace()
         if ckpt is not None:
             self.checkpoint_info_ = {"path": str(ckpt.path), "finished": False,
-                                     "resumed_from": None, "temperature": None}
+                                     "resumed_from": None, "temperature": None,
+                                     "phase": None}
         if st is not None:
             trace._rows = list(st.trace_rows)
             rng.bit_generator.state = st.rng_state
             T0 = float(st.extra["T0"])
             self.checkpoint_info_.update(finished=st.phase == "done", resumed_from=st.step,
-                                         temperature=st.temperature)
+                                         temperature=st.temperature, phase=st.phase)
         else:
             if from_mean:
                 C = np.repeat(stats.mean_c[None, :], K, axis=0)
@@ -1558,7 +1560,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         if ckpt is not None:
             self.checkpoint_info_ = {"path": str(ckpt.path), "finished": st.phase == "done",
                                      "resumed_from": st.step if resumed else None,
-                                     "temperature": st.temperature}
+                                     "temperature": st.temperature,
+                                     "phase": st.phase if resumed else None}
         # ---------------------------------------------------------- batches
         nonempty = [r for r in stream.chunk_rows if r > 0]
         if isinstance(stream, ArrayStream):

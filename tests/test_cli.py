@@ -695,6 +695,34 @@ def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatc
         assert rc == 0 and "using the finished fit" not in err and "resumed" not in err
 
 
+def test_run_interrupted_in_its_polish_resumes(capsys, ck_input, monkeypatch):
+    """Killed after the annealing (the checkpoint in its polish phase, where the state has
+    no temperature), the rerun died formatting T = None ("unexpected TypeError"); now it
+    says where it resumed and gives the uninterrupted result."""
+    from fastanneal import _checkpoint
+    inp, o = ck_input
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "ref.parquet", *CK_ARGS,
+                     "--checkpoint", o / "ck_ref", "-q")
+    assert rc == 0, err
+    real_save = _checkpoint.Checkpoint.save
+
+    def save(self, st):
+        real_save(self, st)
+        if st.phase == "polish":
+            raise KeyboardInterrupt
+    monkeypatch.setattr(_checkpoint.Checkpoint, "save", save)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *CK_ARGS,
+                     "--checkpoint", o / "ck")
+    assert rc == 130 and _ck_meta(o / "ck" / "anneal.npz")["phase"] == "polish"
+    monkeypatch.setattr(_checkpoint.Checkpoint, "save", real_save)
+    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *CK_ARGS,
+                     "--checkpoint", o / "ck")
+    assert rc == 0, err
+    assert "resumed from the checkpoint" in err and "after the annealing: polish" in err
+    ref, res = pq.read_table(o / "ref.parquet"), pq.read_table(o / "res.parquet")
+    assert res.column("cluster").equals(ref.column("cluster"))
+
+
 def test_sigkill_mid_run_then_resume(capsys, ck_input):
     """Kill -9 a real process once a checkpoint exists; the rerun equals an uninterrupted run."""
     inp, o = ck_input
