@@ -15,6 +15,8 @@ _LAZY = {
     "AnnealedKMeans": ("estimator", "AnnealedKMeans"),
     "MiniBatchAnnealedKMeans": ("estimator", "MiniBatchAnnealedKMeans"),
     "AnnealingWarning": ("_engine", "AnnealingWarning"),
+    "CheckpointWarning": ("_checkpoint", "CheckpointWarning"),
+    "SourceError": ("_protocol", "SourceError"),
     "Schedule": ("schedules", "Schedule"),
     "ConstantSchedule": ("schedules", "ConstantSchedule"),
     "GeometricSchedule": ("schedules", "GeometricSchedule"),

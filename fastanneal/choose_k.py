@@ -229,8 +229,10 @@ class KSuggestion:
         box or a ring hold some K over up to 1.22 in ``log T`` and are often
         :attr:`supported` (49 of 84 runs of ``benchmarks/study_unimodal.py``). The
         plateaus measure how long the path holds K, not whether clusters exist; a narrow
-        one is consistent with no cluster structure at all (iris, wine and overlapping
-        blobs have 0.65-1.2 too), so check the clusters before relying on K."""
+        one is consistent with no cluster structure at all -- and also common on clustered
+        low-dimensional data (iris, wine, the 2-D known-answer sets: 0.65-1.65), so True
+        does not say there are no clusters, only that the plateau does not show them:
+        check the clusters before relying on K."""
         i = int(np.nonzero(self.ks == self.best)[0][0])
         return bool(float(self.width[i]) <= NO_CLUSTER_WIDTH)
 
