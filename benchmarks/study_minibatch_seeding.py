@@ -4,8 +4,8 @@
 
 ``MiniBatchAnnealedKMeans`` seeds (k-means++, Lloyd and the re-allocation moves) on an
 in-memory sample of ``init_size`` rows. The rule before the twenty-fourth session,
-``max(100 K, 20,000)``, takes 20,000 of CLINC150's 22,500 rows: the seeding is then a
-full-batch fit, and the mini-batch route costs more than ``AnnealedKMeans`` itself. The rule
+``max(100 K, 20,000)``, takes 20,000 of CLINC150's 22,500 rows: the seeding is then nearly
+a full-batch fit, and the mini-batch route costs half of ``AnnealedKMeans``' time. The rule
 now caps the sample at a quarter of the rows (at least 20 per cluster). Same process, same
 seeds: both rules (passed as ``init_size``), ``AnnealedKMeans`` (full batch) and
 scikit-learn's ``MiniBatchKMeans`` (its defaults), on CLINC150 (cosine, K = 150) and on

@@ -1520,7 +1520,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             full.set_origin(None)           # the data's own frame until the fit decides
         if st is None:
             # (at most a quarter of the rows: on 22,500 rows the old max(100 K, 20,000)
-            # made the seeding a full-batch fit, slower than AnnealedKMeans itself)
+            # made the seeding nearly a full-batch fit, about half of AnnealedKMeans' time)
             init_size = int(self.init_size or max(20 * K, min(max(100 * K, 20_000),
                                                                full.n_rows // 4)))
             Xs, ws = full.sample(min(init_size, full.n_rows), rng)

@@ -828,9 +828,9 @@ def test_inertia_and_score_hold_with_a_few_rows_weighted_1e10(metric):
 
 def test_minibatch_seeding_sample_is_at_most_a_quarter_of_the_rows():
     """On 22,500 rows (CLINC150) the default seeding sample was 20,000 rows: the seeding
-    (k-means++, Lloyd, re-allocation) was a full-batch fit and the mini-batch route cost
-    more than AnnealedKMeans. The default now takes at most a quarter of the rows (at
-    least 20 per cluster); large data keep max(100 K, 20,000)."""
+    (k-means++, Lloyd, re-allocation) was nearly a full-batch fit, and the mini-batch
+    route cost half of AnnealedKMeans' time. The default now takes at most a quarter of
+    the rows (at least 20 per cluster); large data keep max(100 K, 20,000)."""
     from fastanneal import MiniBatchAnnealedKMeans
     rng = np.random.default_rng(4)
     means = rng.normal(size=(6, 4)) * 8
