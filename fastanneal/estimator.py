@@ -406,9 +406,20 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 if w.shape != d.shape:
                     raise ValueError(f"sample_weight.shape == {w.shape}, expected "
                                      f"({d.shape[0]},)!")
-                from .dask._chunks import checked_weights
-                w = w.rechunk({0: d.chunks[0]}).map_blocks(checked_weights, dtype=np.float64)
-                d = d * w
+                import dask
+                from .dask._chunks import raise_bad_weights, weight_stats
+                w = w.rechunk({0: d.chunks[0]})
+                # every chunk's faults, reported in row order (a check inside each chunk
+                # named whichever chunk failed first: "the first is row 2800" for rows
+                # that were all negative)
+                row0 = np.concatenate([[0], np.cumsum(w.chunks[0])]).astype(np.int64)
+                stats = [dask.delayed(weight_stats)(b, i, int(row0[i]))
+                         for i, b in enumerate(w.to_delayed().ravel())]
+                total, stats = dask.compute((d * w.astype(np.float64)).sum(), stats)
+                raise_bad_weights(stats)
+                if not sum(st["sum"] for st in stats) > 0:      # as for NumPy weights
+                    raise ValueError("sample_weight sums to zero: no row carries weight")
+                return -float(total)
             return -float(d.sum().compute())
         X = self._check_X(X)
         w = self._validate_weights(sample_weight, X.shape[0])

@@ -804,6 +804,12 @@ def test_inference_on_dask_input_is_lazy_and_equals_numpy(metric):
         for sw in (None, w, da.from_array(w, chunks=45)):
             ref = km.score(X, sample_weight=None if sw is None else w)
             assert km.score(Xd, sample_weight=sw) == pytest.approx(ref, rel=1e-12)
+        # every chunk's faults in row order (it named whichever chunk failed first)
+        with pytest.raises(ValueError, match=r"negative values \(300 rows; the first is "
+                                             r"row 0\)"):
+            km.score(Xd, sample_weight=-da.from_array(w, chunks=45))
+        with pytest.raises(ValueError, match="sums to zero"):
+            km.score(Xd, sample_weight=da.zeros(300, chunks=45))
         bad = w.copy()
         bad[222] = -1.0
         with pytest.raises(ValueError, match=r"negative values \(1 rows; the first is row "
