@@ -84,7 +84,10 @@ def embedding_block(arr, D, dtype, where, row0=0, column="embedding"):
             raise ValueError(f"column {column!r} has an embedding of length {int(lengths[i])} in "
                              f"{where}, row {row0 + i}; expected {D}")
     values = arr.flatten()
-    vals = values.to_numpy(zero_copy_only=False)   # nulls inside become NaN (caught later)
+    if values.null_count:           # a missing number, named as such (not "contains NaN")
+        i = int(np.argwhere(values.is_null().to_numpy(zero_copy_only=False))[0, 0]) // max(D, 1)
+        raise ValueError(f"column {column!r} has a missing number in {where}, row {row0 + i}")
+    vals = values.to_numpy(zero_copy_only=False)
     return np.ascontiguousarray(vals, dtype=dtype).reshape(n, D)
 
 

@@ -677,3 +677,19 @@ def test_a_file_without_the_column_is_named_as_missing(tmp_path):
     with pytest.raises(ValueError, match=r"weight column 'count' not found in .*part-1"):
         open_parquet(d, column="emb", weight="count")
     assert open_parquet(d, column="emb").n_rows == 1200
+
+
+def test_a_missing_number_inside_an_embedding_is_named_so(capsys, tmp_path):
+    """A null element inside an embedding list was converted to NaN and reported as
+    "contains NaN" out of core ("has a missing number" in memory): the file holds no NaN."""
+    X = np.random.default_rng(5).normal(size=(40, 4)).tolist()
+    X[13][2] = None
+    p = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"emb": pa.array(X, type=pa.list_(pa.float32()))}), p)
+    with pytest.raises(ValueError, match=r"'emb' has a missing number in n.parquet row group "
+                                         r"0, row 13"):
+        MiniBatchAnnealedKMeans(3, random_state=0).fit(open_parquet(p, column="emb"))
+    for extra in ([], ["--memory-limit", "1K"]):
+        rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 2,
+                          "-o", tmp_path / "r.csv", *extra)
+        assert rc == 2 and "missing number" in err and "row 14" in err and "NaN" not in err
