@@ -148,7 +148,9 @@ class KSuggestion:
         widest plateau when no plateau is a level.
     ranking : list of int
         Every K in ``[k_min, k_max]`` that appeared: ``best`` first, then by plateau width
-        (widest first; ties to the smaller K).
+        (widest first; ties to the smaller K), the K that are no clustering last: above half
+        of ``n_rows`` (fewer than two rows a cluster) or :attr:`trivial_k`. Those are never
+        ``best`` unless nothing else appeared (then :attr:`supported` is False).
     levels : list of int
         The natural levels, ascending: every K whose plateau is wider than two cooling
         steps and at least half the widest plateau or at least 1 in ``log T``. Nested data (clusters of clusters)
@@ -211,14 +213,15 @@ class KSuggestion:
         ``best`` is then only where the path happened to stop, not a K the data
         supports. True is relative to the other K, not a test that clusters exist: see
         :attr:`could_be_unclustered`."""
-        if self.trivial_k is not None and self.best == self.trivial_k:
-            return False        # (the only K in range: every distinct row its own cluster)
+        if (self.trivial_k is not None and self.best == self.trivial_k) or \
+                _granular(self.best, self.n_rows):
+            return False        # (only K of single rows in range: no clustering)
         step = -math.log(self.cooling)
         i = int(np.nonzero(self.ks == self.best)[0][0])
         wb = float(self.width[i])
         other = [w for k, w in zip(self.ks, self.width)
                  if int(k) != self.best and int(k) not in self.levels
-                 and int(k) != self.trivial_k]
+                 and int(k) != self.trivial_k and not _granular(k, self.n_rows)]
         runner = max(other) if other else 0.0
         return bool(wb > 2.0 * step + 1e-12 and wb >= 1.5 * runner)
 
@@ -372,7 +375,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
     trivial = k_max if k_max in phase.snapshots and source.n_distinct_rows(
         np.random.default_rng(EIG_SEED), k_max + 1) <= k_max else None
     out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last, cooling,
-                trivial)
+                trivial, int(source.n_rows))
     out.cooling = float(cooling)
     out.path_temperature = np.array([r[0] for r in phase.steps])
     out.path_clusters = np.array([r[1] for r in phase.steps], dtype=np.int64)
@@ -409,7 +412,8 @@ def natural_levels(ks, width, cooling):
     return [int(k) for k in ks[ok]]
 
 
-def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivial=None):
+def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivial=None,
+          n_rows=0):
     ks = np.arange(k_min, k_max + 1)
     m = ks.shape[0]
     width = np.zeros(m)
@@ -441,15 +445,24 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivi
         raise ValueError(f"the annealing path reached no K in {k_min}..{k_max}: it went from "
                          f"{lo} to {hi} clusters at one temperature (several clusters split "
                          f"together); widen the range (k_min <= {lo} or k_max >= {hi})")
-    order = sorted(seen, key=lambda k: (k == trivial, -width[k - k_min], k))
-    levels = [k for k in natural_levels(ks, width, cooling) if k != trivial]
+    # neither the level of distinct rows nor one with fewer than two rows a cluster is a
+    # clustering (K = n - 1 of n distinct rows held a plateau as wide as its closest pair
+    # is close, and was suggested over four obvious blobs)
+    excluded = {k for k in seen if k == trivial or _granular(k, n_rows)}
+    order = sorted(seen, key=lambda k: (k in excluded, k == trivial, -width[k - k_min], k))
+    levels = [k for k in natural_levels(ks, width, cooling) if k not in excluded]
     best = max(levels) if levels else order[0]
     order = [best] + [k for k in order if k != best]
     return KSuggestion(best=best, ranking=order, levels=levels, ks=ks, width=width, t_in=t_in,
                        t_out=t_out, hard_distortion=J, free_energy=F,
                        critical_temperature=float(T_c), k_max=int(k_max), trace=trace,
                        snapshots=phase.snapshots, temperature_start=float(T0),
-                       scale=float(scale), trivial_k=trivial)
+                       scale=float(scale), n_rows=int(n_rows), trivial_k=trivial)
+
+
+def _granular(k, n_rows):
+    """K above half the rows: fewer than two rows a cluster, the data's granularity."""
+    return bool(n_rows) and 2 * int(k) > int(n_rows)
 
 
 #: Rows of the sample the path runs on out of core (``suggest_k(max_rows=...)``).

@@ -699,7 +699,9 @@ def run_cluster(args, console):
             trivial = sug.trivial_k
             top = ", ".join(f"{r['k']} ({r['width']:.2f}"
                             + ("; every distinct point its own cluster: not a choice"
-                               if r['k'] == trivial else "") + ")"
+                               if r['k'] == trivial else
+                               "; fewer than two rows a cluster: not a choice"
+                               if 2 * r['k'] > sug.n_rows > 0 else "") + ")"
                             for r in sug.table()[:5])
             if sug.levels:
                 why = "the finest natural level of the phase-transition plateaus"

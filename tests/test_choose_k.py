@@ -218,6 +218,19 @@ def test_a_plateau_as_narrow_as_data_without_clusters_shows_is_flagged(capsys, t
     assert "data without clusters" in err and "check the clusters" in err
 
 
+def test_k_max_at_the_number_of_rows_does_not_suggest_single_rows():
+    """k_max = the number of distinct rows (a user saying "consider everything"): K = n - 1
+    held a plateau as wide as its closest pair is close and became the finest natural
+    level, suggested over four obvious blobs; a K with fewer than two rows a cluster is no
+    clustering and is never suggested."""
+    X, _ = blobs(4, 8, 10, n=50, seed=3)
+    s = fastanneal.suggest_k(X, k_max=200, random_state=0)
+    assert s.best == 4 and s.supported and all(k <= 100 for k in s.levels)
+    granular = [k for k in s.ranking if k > 100]          # fewer than 2 rows a cluster
+    assert granular and s.ranking[-len(granular):] == granular and granular[-1] == 200
+    assert fastanneal.AnnealedKMeans("auto", k_max=200, random_state=0).fit(X).n_clusters_ == 4
+
+
 def test_critical_phase_splits_effective_clusters_not_twins():
     """The rule shared by schedule="critical" and suggest_k: twins that have not separated
     yet (closer than sqrt(MERGE T)) are one effective cluster and are not split again; a
