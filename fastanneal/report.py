@@ -374,6 +374,12 @@ def _cluster_ref(k, labels):
     return f'<a href="#c{k}">#{k}</a> {_e(_short(lab, 40))}'
 
 
+def _cluster_td(k, labels):
+    """A table cell naming cluster ``k`` that sorts by its number (as text "#10" came
+    before "#2")."""
+    return f'<td data-v="{int(k)}">{_cluster_ref(int(k), labels)}</td>'
+
+
 def _clusters_table(rows, labels, near_idx, near_score, metric):
     sim = "cos" if metric == "cosine" else "d\u00b2"
     has_reps = any(r.get("representative_queries") for r in rows)
@@ -421,8 +427,8 @@ def _ambiguous_table(amb, labels):
         q = a.get("query")
         # rows count from 1, as central_row and every message of the command do
         body.append("<tr>" + _num_td(a["row"] + 1) + f"<td>{_e(_short(q, 90))}</td>"
-                    + f"<td>{_cluster_ref(a['cluster'], labels)}</td>"
-                    + f"<td>{_cluster_ref(a['runner_up'], labels)}</td>"
+                    + _cluster_td(a['cluster'], labels)
+                    + _cluster_td(a['runner_up'], labels)
                     + _num_td(a["probability"]) + _num_td(a.get("margin")) + "</tr>")
     return (f'<table id="ambiguous" class="ambiguous sortable"><thead><tr>{th}</tr></thead>'
             f"<tbody>{''.join(body)}</tbody></table>")
@@ -433,8 +439,8 @@ def _pairs_table(pairs, labels, sizes, metric):
     th = "".join(f"<th>{t}</th>" for t in ("cluster", "size", "cluster", "size", sim))
     body = []
     for a, b, s in pairs:
-        body.append("<tr>" + f"<td>{_cluster_ref(a, labels)}</td>" + _num_td(int(sizes[a]))
-                    + f"<td>{_cluster_ref(b, labels)}</td>" + _num_td(int(sizes[b]))
+        body.append("<tr>" + _cluster_td(a, labels) + _num_td(int(sizes[a]))
+                    + _cluster_td(b, labels) + _num_td(int(sizes[b]))
                     + _num_td(s, f"{s:.3f}") + "</tr>")
     return (f'<table id="pairs" class="pairs sortable"><thead><tr>{th}</tr></thead>'
             f"<tbody>{''.join(body)}</tbody></table>")

@@ -97,6 +97,11 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
     # first data row; the report counts rows from 1 (as central_row)
     assert f'data-v="{float(worst + 1)!r}"' in amb.split("</tr>")[1]
     assert f'href="#c{qc.runner_up_[worst]}"' in amb.split("</tr>")[1]
+    # cluster cells sort by number (as text "#10" sorted before "#2")
+    assert (f'<td data-v="{qc.runner_up_[worst]}"><a href="#c{qc.runner_up_[worst]}">'
+            in amb.split("</tr>")[1])
+    pairs = html[html.index('id="pairs"'):].split("</table>")[0]
+    assert '<td data-v="' in pairs and '<td><a href="#c' not in pairs
     with pytest.raises(ValueError, match="texts, embeddings"):
         fastanneal.QueryClusters(2).fit()
     with pytest.raises(ValueError, match="texts for"):
