@@ -419,19 +419,27 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivi
     width = np.zeros(m)
     t_in = np.full(m, np.nan)
     t_out = np.full(m, np.nan)
+    held = np.zeros(m, dtype=bool)
     steps = phase.steps
     for j, (T, k, _, _) in enumerate(steps):
         if not k_min <= k <= k_max:
             continue
         i = k - k_min
-        t_in[i] = T if np.isnan(t_in[i]) else max(t_in[i], T)
         if j + 1 < len(steps):
             T_next = steps[j + 1][0]
         else:
             T_next = T_out_last if (T_out_last is not None and k == k_max) else T
         T_next = min(T_next, T)
-        width[i] += math.log(T / max(T_next, 1e-300)) if T_next > 0 else 0.0
-        t_out[i] = T_next if np.isnan(t_out[i]) else min(t_out[i], T_next)
+        w = math.log(T / max(T_next, 1e-300)) if T_next > 0 else 0.0
+        width[i] += w
+        # the plateau's bounds come from the visits that held K over a range of
+        # temperatures; a transient count at one temperature (twins overshooting while
+        # they separate) set "T in" far above the plateau it was printed with
+        if w > 0 and not held[i]:
+            t_in[i], t_out[i], held[i] = T, T_next, True
+        elif w > 0 or not held[i]:
+            t_in[i] = T if np.isnan(t_in[i]) else max(t_in[i], T)
+            t_out[i] = T_next if np.isnan(t_out[i]) else min(t_out[i], T_next)
     J = np.full(m, np.nan)
     F = np.full(m, np.nan)
     for k, snap in phase.snapshots.items():
@@ -450,7 +458,9 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivi
     # is close, and was suggested over four obvious blobs)
     excluded = {k for k in seen if k == trivial or _granular(k, n_rows)}
     order = sorted(seen, key=lambda k: (k in excluded, k == trivial, -width[k - k_min], k))
-    levels = [k for k in natural_levels(ks, width, cooling) if k not in excluded]
+    # (measured against the widest plateau of a clustering: not against the granularity's)
+    w_levels = np.where(np.isin(ks, sorted(excluded)), 0.0, width)
+    levels = [k for k in natural_levels(ks, w_levels, cooling) if k not in excluded]
     best = max(levels) if levels else order[0]
     order = [best] + [k for k in order if k != best]
     return KSuggestion(best=best, ranking=order, levels=levels, ks=ks, width=width, t_in=t_in,

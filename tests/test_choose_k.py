@@ -188,8 +188,7 @@ def test_cli_k_auto_on_small_logs(capsys, tmp_path):
     rc, _, err = run(capsys, "cluster", src3, "-o", tmp_path / "b.csv", "--embedding-column",
                      "emb", "--k", "auto", "--k-max", 3, "--metric", "euclidean")
     assert rc == 0, err
-    assert "below K = 3, the number of distinct points" in err
-    assert "3 (" in err and "its own cluster: not a choice" in err
+    assert "chose K = 2" in err and "3 (" in err and "its own cluster: not a choice" in err
 
 
 def test_a_plateau_as_narrow_as_data_without_clusters_shows_is_flagged(capsys, tmp_path):
@@ -229,6 +228,27 @@ def test_k_max_at_the_number_of_rows_does_not_suggest_single_rows():
     granular = [k for k in s.ranking if k > 100]          # fewer than 2 rows a cluster
     assert granular and s.ranking[-len(granular):] == granular and granular[-1] == 200
     assert fastanneal.AnnealedKMeans("auto", k_max=200, random_state=0).fit(X).n_clusters_ == 4
+
+
+def test_plateau_bounds_come_from_the_temperatures_that_held_k():
+    """A count seen for one moment while twins separate (8 at T = 0.92, then 7 down to
+    0.51, then 8 again from 0.44) set K = 8's "T in" to 0.92: the table printed a bracket
+    far wider than the plateau beside it. Every K's bounds now bracket the temperatures
+    that held it."""
+    rng = np.random.default_rng(0)
+    for shape in ((4, 8), (200, 8), (3, 4), (2, 4), (1, 4), (5, 8), (1, 8)):
+        rng.normal(size=shape)              # (the draws before the reviewer's 10 rows)
+    X = rng.normal(size=(10, 4))
+    s = fastanneal.suggest_k(X, k_max=9, metric="euclidean", random_state=0)
+    T, k = s.path_temperature, s.path_clusters
+    for i, K in enumerate(s.ks):
+        if not s.width[i] > 0:
+            continue
+        held = [j for j in range(len(T) - 1) if k[j] == K and T[j + 1] < T[j]]
+        if K == s.k_max and k[-1] == K:
+            held.append(len(T) - 1)                   # (k_max: its plateau is predicted)
+        assert s.t_in[i] == pytest.approx(max(T[j] for j in held))
+        assert np.log(s.t_in[i] / s.t_out[i]) >= s.width[i] * (1 - 1e-12)
 
 
 def test_critical_phase_splits_effective_clusters_not_twins():
