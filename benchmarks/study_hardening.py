@@ -254,7 +254,10 @@ def part_trace(ds, seed=0):
     X, K = ds.X, ds.K
     # tol=0: every temperature runs its max_iter=4 soft-Lloyd iterations, so F_T can be
     # compared between iterations at one temperature (the default tol stops after one)
-    m, sec, msgs = fit(X, n_clusters=K, diagnostics="full", tol=0.0, random_state=seed)
+    # (stop_when_hard=False: the whole schedule, as the study is about; the default ends
+    # it once the partition has settled, here after 9 records instead of 81)
+    m, sec, msgs = fit(X, n_clusters=K, diagnostics="full", tol=0.0, random_state=seed,
+                       stop_when_hard=False)
     tr = m.trace_.as_dict()
     keep = ("step", "iteration", "temperature", "free_energy", "soft_distortion",
             "hard_distortion", "hardening_gap", "certificate_gap", "certificate_ok", "entropy")
