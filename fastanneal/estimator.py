@@ -1139,9 +1139,11 @@ def _check_labels_path(labels_path, X, name="labels_path"):
                                                      for p in X):
         inputs = list(X)
     elif hasattr(X, "__dask_graph__") or type(X).__name__ == "EmbeddingArrays":
-        # a Dask array read by read_parquet_embeddings (or made from one): its files
-        from .dask._inputs import parquet_inputs_of
-        inputs = parquet_inputs_of(X)
+        # a Dask array read by read_parquet_embeddings (or made from one): its files; a
+        # collection whose files cannot be told (a rebuilt graph) is kept off every file
+        # read_parquet_embeddings opened in this process
+        from .dask._inputs import every_parquet_input, parquet_inputs_of
+        inputs = parquet_inputs_of(X) or every_parquet_input()
     else:
         return
     from ._io import path_inside, same_file

@@ -565,11 +565,11 @@ def test_labels_path_may_not_touch_the_input(tmp_path):
     from fastanneal.dask import read_parquet_embeddings, write_labels
     E = read_parquet_embeddings(d, column="emb")
     C = np.zeros((3, E.X.shape[1]))
-    for X in (E, E.X, E.X[:100].astype(np.float64), str(d)):
+    for X in (E, E.X, E.X[:100].astype(np.float64), E.X.persist(), str(d)):
         for lp in (d, d / "labels", tmp_path):
             with pytest.raises(ValueError, match="path=.*holds it or lies inside it"):
                 write_labels(X, C, lp, overwrite=True)
-            if X is not E and X is not E.X:
+            if not (X is E or X is E.X):
                 continue
             with pytest.raises(ValueError, match="labels_path=.*holds it or lies inside"):
                 est.fit(X, labels_path=lp, overwrite=True)

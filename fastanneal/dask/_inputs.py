@@ -37,15 +37,25 @@ def parquet_inputs_of(x):
         return []
     graph = x.__dask_graph__()
     names = getattr(graph, "layers", None)
-    names = names.keys() if names is not None else graph.keys()
+    names = set(names.keys() if names is not None else graph.keys())
+    names.add(getattr(x, "name", None))
     out = set()
     for name in names:
         if isinstance(name, tuple):
             name = name[0]
-        if isinstance(name, str) and name.startswith(_READ_PREFIXES):
-            tok = name.split("-")[2]
-            out.update(_INPUT_PATHS.get(tok, ()))
+        if not isinstance(name, str):
+            continue
+        if name in _INPUT_PATHS:                 # the arrays themselves (kept by persist)
+            out.update(_INPUT_PATHS[name])
+        elif name.startswith(_READ_PREFIXES):
+            out.update(_INPUT_PATHS.get(name.split("-")[2], ()))
     return sorted(out)
+
+
+def every_parquet_input():
+    """Every path :func:`read_parquet_embeddings` opened in this process (for a writer
+    that cannot tell what a Dask collection reads: a persisted or rebuilt graph)."""
+    return sorted({p for paths in _INPUT_PATHS.values() for p in paths})
 
 
 class EmbeddingArrays(NamedTuple):
@@ -93,19 +103,42 @@ def _where(file, row_groups):
     return f"{name} row groups {row_groups[0]}-{row_groups[-1]}"
 
 
+def file_stamp(file):
+    """``(size, hash of the Parquet footer)`` of ``file``, or None when it cannot be read:
+    the footer holds every row group's size and column statistics, so a file rewritten
+    with other rows in the same layout changes it, while an identical copy of the file
+    (each machine its own, a touch, a sync tool) does not -- unlike the modification
+    time."""
+    import hashlib
+    try:
+        with open(file, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            if size < 12:
+                return (size, "")
+            f.seek(size - 8)
+            tail = f.read(8)
+            n = int.from_bytes(tail[:4], "little")
+            if tail[4:] != b"PAR1" or n > size - 12:
+                return (size, "")
+            f.seek(size - 8 - n)
+            return (size, hashlib.blake2b(f.read(n), digest_size=16).hexdigest())
+    except OSError:
+        return None
+
+
 def _unchanged(file, stamp):
-    """``file`` still has the size and modification time (``stamp``, ns) it had when the
+    """``file`` still has the size and Parquet footer (:func:`file_stamp`) it had when the
     dataset was opened: a file rewritten with the same row counts read other rows
     silently."""
     if stamp is None:
         return
-    try:
-        st = os.stat(file)
-    except OSError as e:
-        raise OSError(f"{file}: {e.strerror or e}") from None
-    if (st.st_size, st.st_mtime_ns) != tuple(stamp):
-        raise ValueError(f"{file} changed after read_parquet_embeddings opened it (size or "
-                         "modification time): open it again")
+    now = file_stamp(file)
+    if now is None:
+        raise OSError(f"{file}: cannot be read")
+    if tuple(now) != tuple(stamp):
+        raise ValueError(f"{file} changed after read_parquet_embeddings opened it (its size "
+                         "or its Parquet footer differs): open it again")
 
 
 def _planned(where, file, n, rows):
@@ -284,13 +317,7 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
                              [os.path.getmtime(f) if os.path.exists(f) else 0 for f in files])
     given = [path] if isinstance(path, (str, os.PathLike)) and os.path.exists(path) else files
     _INPUT_PATHS[tok] = sorted({os.fspath(p) for p in given} | set(files))
-    stamps = {}
-    for f in files:
-        try:
-            st = os.stat(f)
-            stamps[f] = (st.st_size, st.st_mtime_ns)
-        except OSError:
-            stamps[f] = None
+    stamps = {f: file_stamp(f) for f in files}
     for j, (f, rgs, rows) in enumerate(pieces):
         x = dask.delayed(read_parquet_piece, pure=True)(
             f, rgs, column, D, dtype, row0, rows=rows, stamp=stamps.get(f),
@@ -314,6 +341,9 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
     X = da.concatenate(blocks, axis=0)
     W = da.concatenate(wblocks) if weight is not None else None
     ids = da.concatenate(iblocks) if id is not None else None
+    for a in (X, W, ids):           # (the names survive persist(); the read layers do not)
+        if a is not None:
+            _INPUT_PATHS[a.name] = _INPUT_PATHS[tok]
     return EmbeddingArrays(X, W, ids)
 
 
