@@ -141,7 +141,8 @@ class AdaptiveSchedule(Schedule):
                                  f"{log_K:.4g}) returned {h!r}: it must return a finite "
                                  "entropy (nats)")
             return h
-        top = min(self._H0, log_K) if math.isfinite(self._H0) else log_K
+        h0 = getattr(self, "_H0", math.nan)
+        top = min(h0, log_K) if math.isfinite(h0) else log_K
         s = min(max(t / max(self.n_steps - 1, 1), 0.0), 1.0)
         return top + (min(self.H_end, top) - top) * s
 
@@ -176,8 +177,11 @@ class AdaptiveSchedule(Schedule):
         if log_K is None:
             log_K = math.log(K) if K > 1 else 0.0
         log_K = float(log_K)
-        if math.isfinite(H) and not math.isfinite(self._H0):
-            self._H0 = max(H, 0.0)
+        if not math.isfinite(getattr(self, "_H0", math.nan)):
+            # the first step's entropy (a state saved by an earlier version has no _H0:
+            # its history holds that entropy)
+            first = self.history_[0].get("entropy", math.nan) if self.history_ else H
+            self._H0 = max(float(first), 0.0) if math.isfinite(first) else math.nan
         # running statistics (they include the current step)
         if math.isfinite(H):
             self._n_H += 1

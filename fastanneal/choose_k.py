@@ -179,6 +179,10 @@ class KSuggestion:
         plateaus are measured on).
     n_rows : int
         The rows the path ran on (a sample's size with ``max_rows`` or out of core).
+    n_distinct : int
+        The rows that count for the granularity rule (a K above half of them is no
+        clustering): the distinct rows of weight > 0 when the path reached ``k_max``, else
+        the rows.
     """
     best: int
     ranking: list
@@ -199,6 +203,7 @@ class KSuggestion:
     path_temperature: np.ndarray = field(repr=False, default=None)
     path_clusters: np.ndarray = field(repr=False, default=None)
     n_rows: int = 0
+    n_distinct: int = 0
     #: ``k_max`` when it equals the number of distinct rows (every row its own cluster):
     #: never suggested and not counted against ``best`` in :attr:`supported`; else None
     trivial_k: int = None
@@ -213,15 +218,16 @@ class KSuggestion:
         ``best`` is then only where the path happened to stop, not a K the data
         supports. True is relative to the other K, not a test that clusters exist: see
         :attr:`could_be_unclustered`."""
+        n_g = self.n_distinct or self.n_rows
         if (self.trivial_k is not None and self.best == self.trivial_k) or \
-                _granular(self.best, self.n_rows):
+                _granular(self.best, n_g):
             return False        # (only K of single rows in range: no clustering)
         step = -math.log(self.cooling)
         i = int(np.nonzero(self.ks == self.best)[0][0])
         wb = float(self.width[i])
         other = [w for k, w in zip(self.ks, self.width)
                  if int(k) != self.best and int(k) not in self.levels
-                 and int(k) != self.trivial_k and not _granular(k, self.n_rows)]
+                 and int(k) != self.trivial_k and not _granular(k, n_g)]
         runner = max(other) if other else 0.0
         return bool(wb > 2.0 * step + 1e-12 and wb >= 1.5 * runner)
 
@@ -372,10 +378,16 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
     # stable at every temperature below its entry -- a plateau of the data's granularity,
     # not a clustering; it is never suggested (its own generator: the fit's stream stays)
     from ._sources import EIG_SEED
-    trivial = k_max if k_max in phase.snapshots and source.n_distinct_rows(
-        np.random.default_rng(EIG_SEED), k_max + 1) <= k_max else None
+    # ... and a K above half the distinct rows is their granularity too (counted once the
+    # path reached k_max: duplicates or zero weights made the row count too large)
+    n_eff = int(source.n_rows)
+    trivial = None
+    if k_max in phase.snapshots:
+        nd = int(source.n_distinct_rows(np.random.default_rng(EIG_SEED), 2 * k_max + 1))
+        trivial = k_max if nd <= k_max else None
+        n_eff = min(n_eff, nd)
     out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last, cooling,
-                trivial, int(source.n_rows))
+                trivial, n_eff)
     out.cooling = float(cooling)
     out.path_temperature = np.array([r[0] for r in phase.steps])
     out.path_clusters = np.array([r[1] for r in phase.steps], dtype=np.int64)
@@ -467,7 +479,8 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivi
                        t_out=t_out, hard_distortion=J, free_energy=F,
                        critical_temperature=float(T_c), k_max=int(k_max), trace=trace,
                        snapshots=phase.snapshots, temperature_start=float(T0),
-                       scale=float(scale), n_rows=int(n_rows), trivial_k=trivial)
+                       scale=float(scale), n_rows=int(n_rows), n_distinct=int(n_rows),
+                       trivial_k=trivial)
 
 
 def _granular(k, n_rows):

@@ -701,7 +701,8 @@ def run_cluster(args, console):
                             + ("; every distinct point its own cluster: not a choice"
                                if r['k'] == trivial else
                                "; fewer than two rows a cluster: not a choice"
-                               if 2 * r['k'] > sug.n_rows > 0 else "") + ")"
+                               if 2 * r['k'] > (sug.n_distinct or sug.n_rows) > 0
+                               else "") + ")"
                             for r in sug.table()[:5])
             if sug.levels:
                 why = "the finest natural level of the phase-transition plateaus"

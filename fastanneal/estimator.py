@@ -417,8 +417,12 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                          for i, b in enumerate(w.to_delayed().ravel())]
                 total, stats = dask.compute((d * w.astype(np.float64)).sum(), stats)
                 raise_bad_weights(stats)
-                if not sum(st["sum"] for st in stats) > 0:      # as for NumPy weights
+                W = sum(st["sum"] for st in stats)
+                if not W > 0:                                   # as for NumPy weights
                     raise ValueError("sample_weight sums to zero: no row carries weight")
+                if not math.isfinite(W):
+                    raise ValueError("sample_weight sums to infinity: rescale the weights "
+                                     "(only their ratios matter)")
                 return -float(total)
             return -float(d.sum().compute())
         X = self._check_X(X)

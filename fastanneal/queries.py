@@ -217,11 +217,16 @@ def _checked_ids(ids, n):
     if len(ids) != n:
         raise ValueError(f"{len(ids)} ids for {n} rows")
     for i, v in enumerate(ids):
-        if _missing(v):
-            raise ValueError(f"ids have a missing value ({v!r}) at row {i}")
+        if _missing(v) or (isinstance(v, str) and not v):
+            raise ValueError(f"ids have a missing or empty value ({v!r}) at row {i}")
     try:
         arr = pa.array(ids)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+    except OverflowError:
+        big = next(i for i, v in enumerate(ids)
+                   if isinstance(v, (int, np.integer)) and not -2 ** 63 <= int(v) < 2 ** 64)
+        raise ValueError(f"ids must fit in 64-bit integers (or be strings): row {big} holds "
+                         f"{ids[big]!r}") from None
+    except (pa.ArrowException, TypeError, ValueError):
         arr = None
     if arr is None or pa.types.is_nested(arr.type) or pa.types.is_null(arr.type):
         kind = _id_kind(ids[0]) if ids else None

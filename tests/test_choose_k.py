@@ -228,6 +228,11 @@ def test_k_max_at_the_number_of_rows_does_not_suggest_single_rows():
     granular = [k for k in s.ranking if k > 100]          # fewer than 2 rows a cluster
     assert granular and s.ranking[-len(granular):] == granular and granular[-1] == 200
     assert fastanneal.AnnealedKMeans("auto", k_max=200, random_state=0).fit(X).n_clusters_ == 4
+    # duplicated rows count once (400 rows, 200 distinct: K = 198, 199 are single rows)
+    s2 = fastanneal.suggest_k(np.repeat(X, 2, axis=0), k_max=200, random_state=0)
+    assert s2.best == 4 and s2.n_distinct == 200 and s2.n_rows == 400
+    granular = [k for k in s2.ranking if k > 100]
+    assert granular and s2.ranking[-len(granular):] == granular
 
 
 def test_plateau_bounds_come_from_the_temperatures_that_held_k():

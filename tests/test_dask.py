@@ -815,6 +815,8 @@ def test_inference_on_dask_input_is_lazy_and_equals_numpy(metric):
             km.score(Xd, sample_weight=-da.from_array(w, chunks=45))
         with pytest.raises(ValueError, match="sums to zero"):
             km.score(Xd, sample_weight=da.zeros(300, chunks=45))
+        with pytest.raises(ValueError, match="sums to infinity"):
+            km.score(Xd, sample_weight=da.full(300, 1e308, chunks=45))
         bad = w.copy()
         bad[222] = -1.0
         with pytest.raises(ValueError, match=r"negative values \(1 rows; the first is row "
