@@ -247,6 +247,11 @@ class InMemorySource:
     def labels(self, centers):
         return self.assign(centers)[0]
 
+    def objective(self, centers):
+        """``J`` at ``centers`` with each row's distance summed in float64."""
+        from ._moments import nearest_objective
+        return nearest_objective(self.X, self.w, centers, self.metric)[1]
+
     def fingerprint(self):
         return data_fingerprint(self.X, self.w, self.metric)
 

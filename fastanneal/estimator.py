@@ -900,6 +900,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         else:
             labels = source.labels(C) if source.n_rows <= 50_000_000 else None
             inertia = None
+        if inertia is None and hasattr(source, "objective"):
+            # the exact J of the other routes (Dask, streams, CUDA): one more pass, so that
+            # inertia_ = -score(X) there too
+            inertia = float(source.objective(C))
         mh = source.moments(C, 1.0, 2, None, hard_sums=False)
         counts = mh.hard_counts
         empty = int(np.sum(~(counts > 0)))

@@ -547,6 +547,12 @@ class CudaSource:
         from .._sources import n_distinct_rows
         return n_distinct_rows(self._X_host, self._w_host, rng, cap)
 
+    def objective(self, centers):
+        """``J`` at ``centers`` from the host copy of the rows, each distance summed in
+        float64 on the CPU (``inertia_`` as ``score`` computes it)."""
+        from .._moments import nearest_objective
+        return nearest_objective(self._X_host, self._w_host, centers, self.metric)[1]
+
     def labels(self, centers):
         return self.assign(centers)[0]
 

@@ -218,6 +218,16 @@ def chunk_labels(chunk, C, metric, nthreads):
     return assign(chunk.X, C, metric, _prepared=True)[0]
 
 
+def chunk_objective(chunk, C, objective_metric, nthreads):
+    """``sum w_i min_k d(x_i, c_k)`` of the chunk's rows, each distance summed in float64
+    (:func:`~fastanneal._moments.nearest_objective`: ``inertia_`` as ``score`` computes it)."""
+    set_threads(nthreads)
+    if chunk.rows == 0:
+        return 0.0
+    from .._moments import nearest_objective
+    return nearest_objective(chunk.X, chunk.w, C, objective_metric)[1]
+
+
 def chunk_bincount(chunk, labels, K):
     if labels is None:
         return np.array([chunk.w.sum()] + [0.0] * (K - 1))
@@ -330,6 +340,12 @@ class StreamedPasses:
 
     def mean(self):
         return self._reduce(chunk_weighted_sum)[:-1] / self.total_weight
+
+    def objective(self, centers):
+        """``J`` at ``centers`` with each row's distance summed in float64 (one pass)."""
+        J = self._reduce(chunk_objective, C=np.asarray(centers, np.float64),
+                         objective_metric=self.metric, nthreads=self.nthreads)
+        return 0.0 if J is None else float(J)
 
     def covariance(self, mean):
         from .._sources import COVARIANCE_MAX_D

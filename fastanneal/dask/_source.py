@@ -245,6 +245,15 @@ class DaskSource(_Submitter):
         return (np.ascontiguousarray(np.concatenate([p[0] for p in parts])),
                 np.concatenate([p[1] for p in parts]))
 
+    def objective(self, centers):
+        """``J`` at ``centers`` with each row's distance summed in float64 (a pass on the
+        workers; ``inertia_`` as ``score`` computes it)."""
+        cf = self.put(np.ascontiguousarray(centers, dtype=np.float64))
+        futs = self.client.map(ch.chunk_objective, self._chunks, C=cf,
+                               objective_metric=self.metric, nthreads=self._nthreads,
+                               pure=False)
+        return float(sum(self.client.gather(futs)))
+
     def labels(self, centers):
         """Hard labels of all rows as one NumPy array (gathered: for data that fits)."""
         futs = self._label_futures(centers)
