@@ -15,7 +15,6 @@ seconds and ARI over the seeds); writes JSON (default
 """
 import _peer_threads  # noqa: F401,I001 -- first: before scikit-learn loads OpenMP
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -85,11 +84,8 @@ def main(argv=None):
                   f" (min {min(aris):.3f})", flush=True)
     out = {"rows": rows, "seeds": a.seeds, "seconds": time.perf_counter() - t_all,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path = Path(a.json)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(path)
-    print(f"wrote {path} ({out['seconds']:.0f} s)")
+    import _study
+    _study.write_json(a.json, out)
 
 
 if __name__ == "__main__":

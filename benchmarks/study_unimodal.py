@@ -109,11 +109,8 @@ def main(argv=None):
     print(json.dumps(summary))
     out = {"rows": rows, "summary": summary, "seeds": a.seeds, "k_max": a.k_max, "n": N,
            "seconds": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path = Path(a.json)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(path)
-    print(f"wrote {path} ({out['seconds']:.0f} s)")
+    import _study
+    _study.write_json(a.json, out)
 
 
 if __name__ == "__main__":

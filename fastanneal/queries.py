@@ -217,8 +217,10 @@ def _checked_ids(ids, n):
     if len(ids) != n:
         raise ValueError(f"{len(ids)} ids for {n} rows")
     for i, v in enumerate(ids):
-        if _missing(v) or (isinstance(v, str) and not v):
-            raise ValueError(f"ids have a missing or empty value ({v!r}) at row {i}")
+        if _missing(v):
+            raise ValueError(f"ids have a missing value ({v!r}) at row {i}")
+        if isinstance(v, str) and not v:
+            raise ValueError(f"ids have an empty value ('') at row {i}")
     try:
         arr = pa.array(ids)
     except OverflowError:
