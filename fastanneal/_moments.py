@@ -537,6 +537,15 @@ def nearest_objective(X, w, centers, metric):
     return labels, float(np.asarray(w, dtype=np.float64) @ d)
 
 
+def nearest_objective_counts(X, w, centers, metric):
+    """``(J, hard_counts)``: :func:`nearest_objective`'s ``J`` and the weight of the rows
+    nearest to each center (a source's ``objective``: the final pass of a fit)."""
+    labels, d = nearest_distances(X, centers, metric)
+    w = np.asarray(w, dtype=np.float64)
+    K = np.asarray(centers).shape[0]
+    return float(w @ d), np.bincount(labels, weights=w, minlength=K).astype(np.float64)
+
+
 def nearest_distances(X, centers, metric):
     """``(labels, d)``: the labelling pass's nearest centers and each row's distance to the
     nearer of its two nearest centers summed element by element in float64 (see

@@ -248,9 +248,9 @@ class InMemorySource:
         return self.assign(centers)[0]
 
     def objective(self, centers):
-        """``J`` at ``centers`` with each row's distance summed in float64."""
-        from ._moments import nearest_objective
-        return nearest_objective(self.X, self.w, centers, self.metric)[1]
+        """``(J, hard_counts)`` at ``centers``, each row's distance summed in float64."""
+        from ._moments import nearest_objective_counts
+        return nearest_objective_counts(self.X, self.w, centers, self.metric)
 
     def fingerprint(self):
         return data_fingerprint(self.X, self.w, self.metric)

@@ -20,7 +20,7 @@ from ._engine import AnnealingWarning, EngineConfig, min_center_distance
 from ._minibatch import (MINIBATCH_SCHEDULES, ArrayStream, RunningMoments, StochasticEMRule,
                          check_learning)
 from ._moments import assign as _assign
-from ._moments import nearest_objective
+from ._moments import nearest_distances, nearest_objective
 from ._protocol import check_source
 from ._seeding import (check_n_clusters, critical_temperature, data_stats, initial_centers,
                        kmeans_plusplus, start_temperature)
@@ -889,23 +889,21 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         if reset is not None:
             reset()         # the final statistics by the full path: the same numbers whether
             #                 the polish ran here or a finished checkpoint was reused
-        if in_memory:
-            # final hard E-step so that labels_ == predict(X); J from each row's distance to
-            # the nearer of its two nearest centers summed in float64 (= -score(X); the
-            # pass's GEMM-form distances keep a float32 residue on every row)
-            if isinstance(source, InMemorySource):
-                labels, inertia = nearest_objective(source.X, source.w, C, source.metric)
-            else:
-                labels, inertia = source.labels(C), None       # (CUDA: its own pass)
+        # the final hard E-step: labels_ == predict(X), and J from each row's distance to
+        # the nearer of its two nearest centers summed in float64 (= -score(X); the
+        # moments pass's GEMM-form distances keep a float32 residue on every row, which a
+        # heavy weight multiplies), with the hard weight of each cluster
+        if in_memory and isinstance(source, InMemorySource):
+            labels, d = nearest_distances(source.X, C, source.metric)
+            inertia = float(source.w @ d)
+            counts = np.bincount(labels, weights=source.w, minlength=K).astype(np.float64)
         else:
-            labels = source.labels(C) if source.n_rows <= 50_000_000 else None
-            inertia = None
-        if inertia is None and hasattr(source, "objective"):
-            # the exact J of the other routes (Dask, streams, CUDA): one more pass, so that
-            # inertia_ = -score(X) there too
-            inertia = float(source.objective(C))
-        mh = source.moments(C, 1.0, 2, None, hard_sums=False)
-        counts = mh.hard_counts
+            labels = source.labels(C) if in_memory or source.n_rows <= 50_000_000 else None
+            if hasattr(source, "objective"):    # Dask, streams, CUDA: one pass for both
+                inertia, counts = source.objective(C)
+            else:                               # a user's source: its moments pass
+                mh = source.moments(C, 1.0, 2, None, hard_sums=False)
+                inertia, counts = float(mh.hard_distortion), mh.hard_counts
         empty = int(np.sum(~(counts > 0)))
         if K > 1 and empty and self.polish:
             # (after the polish, whose relocations fill every cluster they can; without it
@@ -920,7 +918,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                 "rows kept the relocations from filling them; a smaller n_clusters avoids "
                 "it", AnnealingWarning, stacklevel=3)
         self.labels_ = labels
-        self.inertia_ = inertia if inertia is not None else float(mh.hard_distortion)
+        self.inertia_ = float(inertia)
         self.cluster_weights_ = counts / counts.sum()
         self.temperature_ = float(result.temperature)
         self.temperature_start_ = float(T0)

@@ -1025,3 +1025,33 @@ def test_device_covariance_falls_back_to_the_host_when_it_does_not_fit(gpu, rng,
     np.testing.assert_allclose(src.covariance(mean), exact_covariance(X, w, mean),
                                rtol=1e-12)
     assert released == [1]
+
+
+@pytest.mark.parametrize("metric", [0, 1])
+def test_objective_is_exact_with_rows_weighing_1e10(gpu, rng, metric):
+    """A fit's final pass on the device: its J (inertia_) came from the float32 GEMM form,
+    22x too large with rows weighing 1e10 sitting on their centers; now each row's
+    distance to its center is summed in float64 on the host copy, with the hard counts."""
+    K, D = 4, 8
+    C = (rng.normal(size=(K, D)) * 3).astype(np.float32)
+    X = np.concatenate([c + rng.normal(size=(60, D)).astype(np.float32) for c in C])
+    X[:K] = C                                            # heavy rows on the centers
+    w = np.ones(len(X))
+    w[:K] = 1e10
+    Xs, Cs = X, C
+    if metric == 1:              # (a source holds prepared rows: unit rows for cosine)
+        Xs = (X / np.linalg.norm(X, axis=1, keepdims=True)).astype(np.float32)
+        Cs = C / np.linalg.norm(C, axis=1, keepdims=True)
+    U, V = Xs.astype(np.float64), Cs.astype(np.float64)
+    if metric == 1:
+        U = U / np.linalg.norm(U, axis=1, keepdims=True)
+        V = V / np.linalg.norm(V, axis=1, keepdims=True)
+    d = ((U[:, None] - V[None]) ** 2).sum(-1)
+    lab = d.argmin(1)
+    J, counts = gpu.CudaSource(Xs, w, metric).objective(Cs)
+    assert J == pytest.approx(float(w @ d.min(1)), rel=1e-9, abs=1e-6)
+    np.testing.assert_allclose(counts, np.bincount(lab, weights=w, minlength=K), rtol=1e-12)
+    if metric == 0:              # (through a fit once: the simulator is slow)
+        km = fastanneal.AnnealedKMeans(K, backend="cuda", random_state=0,
+                                       n_steps=3).fit(X, sample_weight=w)
+        assert km.inertia_ == pytest.approx(-km.score(X, sample_weight=w), rel=1e-9)

@@ -454,12 +454,12 @@ def test_worker_sigkill_mid_fit(client, monkeypatch):
 
     def moments(self, *a, **k):
         calls["n"] += 1
-        if calls["n"] == 6:
+        if calls["n"] == 5:       # (the fit makes 6 moments passes: more follow the kill)
             threading.Thread(target=killer, daemon=True).start()
         return orig(self, *a, **k)
     monkeypatch.setattr(DaskSource, "moments", moments)
     est = fa.AnnealedKMeans(6, **kw).fit(Xd)
-    assert killed.is_set() and calls["n"] > 6
+    assert killed.is_set() and calls["n"] > 5
     client.wait_for_workers(2, timeout=60)
     assert victim not in client.run(os.getpid).values()       # the worker was replaced
     np.testing.assert_array_equal(est.cluster_centers_, ref.cluster_centers_)

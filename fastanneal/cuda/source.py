@@ -548,10 +548,20 @@ class CudaSource:
         return n_distinct_rows(self._X_host, self._w_host, rng, cap)
 
     def objective(self, centers):
-        """``J`` at ``centers`` from the host copy of the rows, each distance summed in
-        float64 on the CPU (``inertia_`` as ``score`` computes it)."""
-        from .._moments import nearest_objective
-        return nearest_objective(self._X_host, self._w_host, centers, self.metric)[1]
+        """``(J, hard_counts)`` at ``centers``: the labels from the device, each row's
+        distance to its center summed in float64 on the host copy of the rows (O(n D),
+        no K term on the CPU; ``inertia_`` as ``score`` computes it)."""
+        from .. import _kernels as K_
+        labels = np.ascontiguousarray(self.labels(centers), dtype=np.int64)
+        C = np.ascontiguousarray(centers, dtype=np.float64)
+        d = np.empty(labels.shape[0])
+        if labels.shape[0]:
+            K_.labelled_distances_kernel(self._X_host, C, labels,
+                                         np.full_like(labels, -1),
+                                         int(self.metric), d)
+        w = np.asarray(self._w_host, dtype=np.float64)
+        return float(w @ d), np.bincount(labels, weights=w,
+                                         minlength=C.shape[0]).astype(np.float64)
 
     def labels(self, centers):
         return self.assign(centers)[0]

@@ -219,13 +219,15 @@ def chunk_labels(chunk, C, metric, nthreads):
 
 
 def chunk_objective(chunk, C, objective_metric, nthreads):
-    """``sum w_i min_k d(x_i, c_k)`` of the chunk's rows, each distance summed in float64
-    (:func:`~fastanneal._moments.nearest_objective`: ``inertia_`` as ``score`` computes it)."""
+    """``(J, hard_counts)`` of the chunk's rows: ``sum w_i min_k d(x_i, c_k)`` with each
+    distance summed in float64 (``inertia_`` as ``score`` computes it) and the weight
+    nearest to each center (:func:`~fastanneal._moments.nearest_objective_counts`)."""
     set_threads(nthreads)
     if chunk.rows == 0:
-        return 0.0
-    from .._moments import nearest_objective
-    return nearest_objective(chunk.X, chunk.w, C, objective_metric)[1]
+        return np.zeros(1 + C.shape[0])
+    from .._moments import nearest_objective_counts
+    J, counts = nearest_objective_counts(chunk.X, chunk.w, C, objective_metric)
+    return np.concatenate([[J], counts])    # (one array: chunks add up)
 
 
 def chunk_bincount(chunk, labels, K):
@@ -342,10 +344,13 @@ class StreamedPasses:
         return self._reduce(chunk_weighted_sum)[:-1] / self.total_weight
 
     def objective(self, centers):
-        """``J`` at ``centers`` with each row's distance summed in float64 (one pass)."""
-        J = self._reduce(chunk_objective, C=np.asarray(centers, np.float64),
-                         objective_metric=self.metric, nthreads=self.nthreads)
-        return 0.0 if J is None else float(J)
+        """``(J, hard_counts)`` at ``centers``, each row's distance summed in float64 (one
+        streaming pass)."""
+        C = np.asarray(centers, np.float64)
+        r = self._reduce(chunk_objective, C=C, objective_metric=self.metric,
+                         nthreads=self.nthreads)
+        r = np.zeros(1 + C.shape[0]) if r is None else r
+        return float(r[0]), r[1:]
 
     def covariance(self, mean):
         from .._sources import COVARIANCE_MAX_D

@@ -246,13 +246,15 @@ class DaskSource(_Submitter):
                 np.concatenate([p[1] for p in parts]))
 
     def objective(self, centers):
-        """``J`` at ``centers`` with each row's distance summed in float64 (a pass on the
-        workers; ``inertia_`` as ``score`` computes it)."""
-        cf = self.put(np.ascontiguousarray(centers, dtype=np.float64))
-        futs = self.client.map(ch.chunk_objective, self._chunks, C=cf,
-                               objective_metric=self.metric, nthreads=self._nthreads,
-                               pure=False)
-        return float(sum(self.client.gather(futs)))
+        """``(J, hard_counts)`` at ``centers``, each row's distance summed in float64 (one
+        pass on the workers, reduced in a tree)."""
+        C = np.ascontiguousarray(centers, dtype=np.float64)
+        cf = self.put(C)
+        r = self.tree(self.client.map(ch.chunk_objective, self._chunks, C=cf,
+                                      objective_metric=self.metric,
+                                      nthreads=self._nthreads, pure=False), ch.add_arrays)
+        r = r.result() if r is not None else np.zeros(1 + C.shape[0])
+        return float(r[0]), np.asarray(r[1:], dtype=np.float64)
 
     def labels(self, centers):
         """Hard labels of all rows as one NumPy array (gathered: for data that fits)."""
