@@ -261,11 +261,11 @@ def test_estimator_with_adaptive_schedule():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         km = AnnealedKMeans(3, schedule="adaptive", n_steps=10, random_state=0).fit(X)
-    # (from the auto start the entropy tracks the reference down; the run ends early once
-    # every row is one-hot at a fixed point, and says so)
-    assert 1 <= km.n_steps_ <= 10
-    if km.n_steps_ < 10:
-        assert km.hardened_step_ is not None or km.settled_step_ is not None
+    # from the auto start the entropy tracks the reference down and the run ends early,
+    # settled, near where it started (the reference from log K heated it ~50x first and
+    # ran all 10 steps)
+    assert km.n_steps_ < 10 and km.settled_step_ == km.n_steps_ - 1
+    assert km.temperature_ <= 1.5 * km.temperature_start_
     assert adjusted_rand_score(y, km.labels_) > 0.95
 
 

@@ -667,3 +667,14 @@ def test_a_user_source_that_breaks_the_protocol_is_named(tmp_path):
     with pytest.raises(SourceError, match="User.fingerprint returned int; expected a str"):
         fa.AnnealedKMeans(3, random_state=0, checkpoint=tmp_path / "ck").fit_source(
             User(fingerprint=lambda: 5))
+
+
+def test_the_warning_and_error_classes_the_docs_name_are_public():
+    """The docs tell users to filter CheckpointWarning and to catch SourceError; both were
+    importable only from private modules."""
+    import fastanneal
+    from fastanneal._checkpoint import CheckpointWarning
+    from fastanneal._protocol import SourceError
+    assert fastanneal.CheckpointWarning is CheckpointWarning
+    assert fastanneal.SourceError is SourceError
+    assert {"CheckpointWarning", "SourceError"} <= set(fastanneal.__all__)
