@@ -254,6 +254,12 @@ def test_plateau_bounds_come_from_the_temperatures_that_held_k():
             held.append(len(T) - 1)                   # (k_max: its plateau is predicted)
         assert s.t_in[i] == pytest.approx(max(T[j] for j in held))
         assert np.log(s.t_in[i] / s.t_out[i]) >= s.width[i] * (1 - 1e-12)
+    # k_max = the 10 rows: the widest plateau is the level of single rows (never a choice);
+    # natural levels are measured against the widest plateau of a clustering (against
+    # that one, K = 3 was no level, only the best of a flat ranking)
+    s10 = fastanneal.suggest_k(X, k_max=10, metric="euclidean", random_state=0)
+    assert s10.trivial_k == 10 and s10.width[-1] == s10.width.max()
+    assert s10.best == 3 and s10.levels == [3]
 
 
 def test_critical_phase_splits_effective_clusters_not_twins():

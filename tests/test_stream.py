@@ -573,6 +573,11 @@ def test_labels_path_may_not_touch_the_input(tmp_path):
                 continue
             with pytest.raises(ValueError, match="labels_path=.*holds it or lies inside"):
                 est.fit(X, labels_path=lp, overwrite=True)
+    # a collection whose files cannot be told (here not from the reader at all) stays off
+    # every file the reader opened in this process
+    import dask.array as dsa
+    with pytest.raises(ValueError, match="path=.*holds it or lies inside it"):
+        write_labels(dsa.from_array(E.X.compute()), C, d, overwrite=True)
     assert sorted(x.name for x in d.iterdir()) == ["a.parquet"]
 
 
