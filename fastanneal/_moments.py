@@ -538,12 +538,13 @@ def nearest_objective(X, w, centers, metric):
 
 
 def nearest_objective_counts(X, w, centers, metric):
-    """``(J, hard_counts)``: :func:`nearest_objective`'s ``J`` and the weight of the rows
-    nearest to each center (a source's ``objective``: the final pass of a fit)."""
+    """``(labels, J, hard_counts)``: :func:`nearest_objective` and the weight of the rows
+    nearest to each center (the final pass of a fit; a source's ``objective``)."""
     labels, d = nearest_distances(X, centers, metric)
     w = np.asarray(w, dtype=np.float64)
     K = np.asarray(centers).shape[0]
-    return float(w @ d), np.bincount(labels, weights=w, minlength=K).astype(np.float64)
+    return (labels, float(w @ d),
+            np.bincount(labels, weights=w, minlength=K).astype(np.float64))
 
 
 def nearest_distances(X, centers, metric):

@@ -250,7 +250,7 @@ class InMemorySource:
     def objective(self, centers):
         """``(J, hard_counts)`` at ``centers``, each row's distance summed in float64."""
         from ._moments import nearest_objective_counts
-        return nearest_objective_counts(self.X, self.w, centers, self.metric)
+        return nearest_objective_counts(self.X, self.w, centers, self.metric)[1:]
 
     def fingerprint(self):
         return data_fingerprint(self.X, self.w, self.metric)

@@ -20,7 +20,7 @@ from ._engine import AnnealingWarning, EngineConfig, min_center_distance
 from ._minibatch import (MINIBATCH_SCHEDULES, ArrayStream, RunningMoments, StochasticEMRule,
                          check_learning)
 from ._moments import assign as _assign
-from ._moments import nearest_distances, nearest_objective
+from ._moments import nearest_objective, nearest_objective_counts
 from ._protocol import check_source
 from ._seeding import (check_n_clusters, critical_temperature, data_stats, initial_centers,
                        kmeans_plusplus, start_temperature)
@@ -894,9 +894,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         # moments pass's GEMM-form distances keep a float32 residue on every row, which a
         # heavy weight multiplies), with the hard weight of each cluster
         if in_memory and isinstance(source, InMemorySource):
-            labels, d = nearest_distances(source.X, C, source.metric)
-            inertia = float(source.w @ d)
-            counts = np.bincount(labels, weights=source.w, minlength=K).astype(np.float64)
+            labels, inertia, counts = nearest_objective_counts(source.X, source.w, C,
+                                                               source.metric)
         else:
             labels = source.labels(C) if in_memory or source.n_rows <= 50_000_000 else None
             if hasattr(source, "objective"):    # Dask, streams, CUDA: one pass for both

@@ -226,7 +226,7 @@ def chunk_objective(chunk, C, objective_metric, nthreads):
     if chunk.rows == 0:
         return np.zeros(1 + C.shape[0])
     from .._moments import nearest_objective_counts
-    J, counts = nearest_objective_counts(chunk.X, chunk.w, C, objective_metric)
+    _, J, counts = nearest_objective_counts(chunk.X, chunk.w, C, objective_metric)
     return np.concatenate([[J], counts])    # (one array: chunks add up)
 
 
