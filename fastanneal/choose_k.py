@@ -218,18 +218,26 @@ class KSuggestion:
         ``best`` is then only where the path happened to stop, not a K the data
         supports. True is relative to the other K, not a test that clusters exist: see
         :attr:`could_be_unclustered`."""
-        n_g = self.n_distinct or self.n_rows
-        if (self.trivial_k is not None and self.best == self.trivial_k) or \
-                _granular(self.best, n_g):
+        if self.not_a_clustering(self.best):
             return False        # (only K of single rows in range: no clustering)
         step = -math.log(self.cooling)
         i = int(np.nonzero(self.ks == self.best)[0][0])
         wb = float(self.width[i])
         other = [w for k, w in zip(self.ks, self.width)
                  if int(k) != self.best and int(k) not in self.levels
-                 and int(k) != self.trivial_k and not _granular(k, n_g)]
+                 and not self.not_a_clustering(k)]
         runner = max(other) if other else 0.0
         return bool(wb > 2.0 * step + 1e-12 and wb >= 1.5 * runner)
+
+    def not_a_clustering(self, k):
+        """Why ``k`` is never suggested, or None: the level where every distinct row is
+        its own cluster (:attr:`trivial_k`), or fewer than two rows a cluster (``k`` above
+        half of :attr:`n_distinct`)."""
+        if self.trivial_k is not None and int(k) == self.trivial_k:
+            return "every distinct point its own cluster"
+        if _granular(k, self.n_distinct or self.n_rows):
+            return "fewer than two rows a cluster"
+        return None
 
     @property
     def could_be_unclustered(self):
@@ -404,6 +412,14 @@ def _merged(snap, metric):
 #: regular cascade that holds some K for a while): 1.22 over 84 runs of
 #: ``benchmarks/study_unimodal.py``, where the known-K sets' true K held 0.65-5.96.
 NO_CLUSTER_WIDTH = 1.25
+
+def unclustered_note(width):
+    """What the commands say beside a supported K whose plateau (``width`` in ``log T``)
+    is no wider than data without clusters show (:attr:`KSuggestion.could_be_unclustered`)."""
+    return (f"its plateau is {width:.2f} in log T; data without clusters (a single "
+            f"Gaussian, a uniform box) shows plateaus up to {NO_CLUSTER_WIDTH:g} too: check "
+            "the clusters before relying on K")
+
 
 #: A K is a natural level when its plateau is at least this fraction of the widest one ...
 LEVEL_FRACTION = 0.5

@@ -698,11 +698,8 @@ def run_cluster(args, console):
             sug = est.k_suggestion_
             trivial = sug.trivial_k
             top = ", ".join(f"{r['k']} ({r['width']:.2f}"
-                            + ("; every distinct point its own cluster: not a choice"
-                               if r['k'] == trivial else
-                               "; fewer than two rows a cluster: not a choice"
-                               if 2 * r['k'] > (sug.n_distinct or sug.n_rows) > 0
-                               else "") + ")"
+                            + (f"; {sug.not_a_clustering(r['k'])}: not a choice"
+                               if sug.not_a_clustering(r['k']) else "") + ")"
                             for r in sug.table()[:5])
             if sug.levels:
                 why = "the finest natural level of the phase-transition plateaus"
@@ -714,12 +711,9 @@ def run_cluster(args, console):
             console.note(f"chose K = {K}: {why} (ranked, with plateau widths in log T: "
                          f"{top})")
             if sug.supported and sug.could_be_unclustered:
-                from .choose_k import NO_CLUSTER_WIDTH
+                from .choose_k import unclustered_note
                 wb = float(sug.width[int(np.nonzero(sug.ks == K)[0][0])])
-                console.note(f"note: K = {K}'s plateau is {wb:.2f} in log T; data without "
-                             "clusters (a single Gaussian, a uniform box) shows plateaus up "
-                             f"to {NO_CLUSTER_WIDTH:g} too: check the clusters before "
-                             "relying on K")
+                console.note(f"note: K = {K}: {unclustered_note(wb)}")
             if not est.k_suggestion_.supported:
                 console.note("warning: no clear plateau: no K in the range survives a clearly "
                              "wider range of temperatures than the others (query embeddings "
@@ -859,10 +853,8 @@ def run_suggest(args, console):
                   "below the critical temperature; a K range that leaves out the data's own "
                   "level gives this too)")
         elif s.could_be_unclustered:
-            from .choose_k import NO_CLUSTER_WIDTH
-            print(f"its plateau is no wider than {NO_CLUSTER_WIDTH:g} in log T, as on data "
-                  "without clusters (a single Gaussian, a uniform box): check the clusters "
-                  "before relying on K")
+            from .choose_k import unclustered_note
+            print(unclustered_note(float(s.width[int(np.nonzero(s.ks == s.best)[0][0])])))
     if args.plot:
         with OutputSet() as outs:
             if str(args.plot).lower().endswith(".svg"):
