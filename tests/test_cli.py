@@ -641,27 +641,36 @@ def _ck_meta(path):
         return json.loads(str(z["meta"]))
 
 
+def _run_interrupted(capsys, monkeypatch, stop_here, inp, out, *args):
+    """``fastanneal cluster INP -o OUT ARGS`` interrupted (KeyboardInterrupt) right after
+    the checkpoint of the first state for which ``stop_here(st)`` holds; ``(rc, stderr)``."""
+    from fastanneal import _checkpoint
+    real_save = _checkpoint.Checkpoint.save
+
+    def save(self, st):
+        real_save(self, st)
+        if stop_here(st):
+            raise KeyboardInterrupt
+    monkeypatch.setattr(_checkpoint.Checkpoint, "save", save)
+    try:
+        rc, _, err = run(capsys, "cluster", inp, "-o", out, *args)
+    finally:
+        monkeypatch.setattr(_checkpoint.Checkpoint, "save", real_save)
+    return rc, err
+
+
 @pytest.mark.parametrize("schedule", ["geometric", "critical"])
 def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatch, schedule):
-    from fastanneal import _checkpoint
     inp, o = ck_input
     args = CK_ARGS + ["--schedule", schedule]
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "ref.parquet", *args,
                      "--checkpoint", o / "ck_ref", "-q")
     assert rc == 0, err
-    real_save = _checkpoint.Checkpoint.save
-
-    def save(self, st):
-        real_save(self, st)
-        if st.step == 4:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(_checkpoint.Checkpoint, "save", save)
-    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
-                     "--checkpoint", o / "ck")
+    rc, err = _run_interrupted(capsys, monkeypatch, lambda st: st.step == 4, inp,
+                               o / "res.parquet", *args, "--checkpoint", o / "ck")
     assert rc == 130
     assert not (o / "res.parquet").exists() and not (o / "res.clusters.csv").exists()
     assert _ck_meta(o / "ck" / "anneal.npz")["step"] == 4
-    monkeypatch.setattr(_checkpoint.Checkpoint, "save", real_save)
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
                      "--checkpoint", o / "ck")
     assert rc == 0, err
@@ -699,22 +708,13 @@ def test_run_interrupted_in_its_polish_resumes(capsys, ck_input, monkeypatch):
     """Killed after the annealing (the checkpoint in its polish phase, where the state has
     no temperature), the rerun died formatting T = None ("unexpected TypeError"); now it
     says where it resumed and gives the uninterrupted result."""
-    from fastanneal import _checkpoint
     inp, o = ck_input
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "ref.parquet", *CK_ARGS,
                      "--checkpoint", o / "ck_ref", "-q")
     assert rc == 0, err
-    real_save = _checkpoint.Checkpoint.save
-
-    def save(self, st):
-        real_save(self, st)
-        if st.phase == "polish":
-            raise KeyboardInterrupt
-    monkeypatch.setattr(_checkpoint.Checkpoint, "save", save)
-    rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *CK_ARGS,
-                     "--checkpoint", o / "ck")
+    rc, err = _run_interrupted(capsys, monkeypatch, lambda st: st.phase == "polish", inp,
+                               o / "res.parquet", *CK_ARGS, "--checkpoint", o / "ck")
     assert rc == 130 and _ck_meta(o / "ck" / "anneal.npz")["phase"] == "polish"
-    monkeypatch.setattr(_checkpoint.Checkpoint, "save", real_save)
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *CK_ARGS,
                      "--checkpoint", o / "ck")
     assert rc == 0, err
