@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._engine import AnnealState
+from ._engine import AnnealState, Unsaveable
 from ._io import atomic_save_npz
 
 VERSION = 2
@@ -58,12 +58,13 @@ def resolve_path(path):
 class Checkpoint:
     """Save / load :class:`AnnealState` for one fit (``key``: :func:`params_key`)."""
 
-    def __init__(self, path, key, n_clusters, n_features, extra=None):
+    def __init__(self, path, key, n_clusters, n_features, extra=None, required_extra=()):
         self.path = resolve_path(path)
         self.key = key
         self.K = int(n_clusters)
         self.D = int(n_features)
         self.extra = dict(extra or {})     # estimator values to restore (T_c, ...)
+        self.required_extra = tuple(required_extra)   # (finite numbers, checked on load)
         self.saved = 0
         self.trace = None
 
@@ -74,18 +75,21 @@ class Checkpoint:
         arrays = {"centers": np.asarray(st.centers, dtype=np.float64)}
         if st.log_masses is not None:
             arrays["log_masses"] = np.asarray(st.log_masses, dtype=np.float64)
-        rule_json = {}
-        for k, v in st.rule_state.items():
-            if isinstance(v, np.ndarray):
-                arrays[f"rule_{k}"] = np.asarray(v, dtype=np.float64)
-            else:
-                rule_json[k] = v
+        rule_json, arule_json = {}, {}
+        for prefix, state, js in (("rule_", st.rule_state, rule_json),
+                                  ("arule_", st.anneal_rule_state, arule_json)):
+            for k, v in state.items():
+                if isinstance(v, np.ndarray):
+                    arrays[f"{prefix}{k}"] = np.asarray(v, dtype=np.float64)
+                else:
+                    js[k] = v
         rows = self.trace._rows if self.trace is not None else []
         meta = dict(version=VERSION, key=self.key, phase=st.phase, step=st.step,
                     phase_step0=st.phase_step0, temperature=st.temperature, T_start=st.T_start,
                     T_end=st.T_end, scale=st.scale, n_iter=st.n_iter,
                     relocations=st.relocations, rng_state=st.rng_state,
-                    schedule_state=st.schedule_state, rule_json=rule_json, last=st.last,
+                    schedule_state=st.schedule_state, rule_json=rule_json,
+                    arule_json=arule_json, last=st.last,
                     converged=st.converged, extra=self.extra, trace=rows)
         arrays["meta"] = np.array(json.dumps(meta, default=_json_default))
         atomic_save_npz(self.path, **arrays)
@@ -130,14 +134,35 @@ class Checkpoint:
         if lm is not None and (lm.shape != (C.shape[0],) or np.isnan(lm).any()):
             raise ValueError("bad log masses")
         rule = dict(meta["rule_json"])
+        arule = dict(meta.get("arule_json") or {})
         for k, v in data.items():
-            if k.startswith("rule_"):
-                if not np.isfinite(v).all():
-                    raise ValueError(f"{k} contains NaN or infinity")
-                rule[k[5:]] = v
+            for prefix, into in (("rule_", rule), ("arule_", arule)):
+                if k.startswith(prefix):
+                    if not np.isfinite(v).all():
+                        raise ValueError(f"{k} contains NaN or infinity")
+                    into[k[len(prefix):]] = v
         T = meta["temperature"]
-        if T is not None and not (isinstance(T, (int, float)) and math.isfinite(T) and T >= 0):
+        if T is not None and not (isinstance(T, (int, float)) and not isinstance(T, bool)
+                                  and math.isfinite(T) and T > 0):
             raise ValueError(f"bad temperature {T!r}")
+        if T is None and phase in ("critical", "anneal"):
+            raise ValueError(f"no temperature in phase {phase!r}")
+        for name in ("T_start", "T_end", "scale"):
+            v = meta[name]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                    or not math.isfinite(v):
+                raise ValueError(f"bad {name} {v!r}")
+        _check_rng_state(meta["rng_state"])
+        extra = meta["extra"]
+        if not isinstance(extra, dict):
+            raise ValueError("bad extra values")
+        for name in self.required_extra:
+            v = extra.get(name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"bad or missing {name} {v!r}")
+        trace = meta["trace"]
+        if not isinstance(trace, list) or not all(isinstance(r, dict) for r in trace):
+            raise ValueError("bad trace records")
         st = AnnealState(centers=C.copy(), temperature=T, T_start=float(meta["T_start"]),
                          T_end=float(meta["T_end"]), scale=float(meta["scale"]),
                          log_masses=None if lm is None else lm.copy(), phase=phase,
@@ -145,7 +170,7 @@ class Checkpoint:
                          n_iter=int(meta["n_iter"]), relocations=int(meta["relocations"]),
                          rng_state=meta["rng_state"], schedule_state=meta["schedule_state"],
                          rule_state=rule, last=dict(meta["last"]),
-                         converged=bool(meta["converged"]))
+                         converged=bool(meta["converged"]), anneal_rule_state=arule)
         st.trace_rows = list(meta["trace"])
         st.extra = dict(meta["extra"])
         return st
@@ -156,7 +181,23 @@ class Checkpoint:
         return None
 
 
+def _check_rng_state(state):
+    """``ValueError`` unless ``state`` is a state NumPy's named bit generator accepts."""
+    if state is None:
+        return
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    bg = getattr(np.random, name, None) if isinstance(name, str) else None
+    if not (isinstance(bg, type) and issubclass(bg, np.random.BitGenerator)):
+        raise ValueError("bad random generator state")
+    try:
+        bg().state = state
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"bad random generator state ({e})") from None
+
+
 def _json_default(v):
+    if isinstance(v, Unsaveable):
+        raise TypeError(v.message)
     if isinstance(v, np.generic):
         return v.item()
     if isinstance(v, np.ndarray):

@@ -17,10 +17,10 @@ import contextlib
 import functools
 import inspect
 import logging
-import sys
 import math
 import numbers
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -142,6 +142,9 @@ class AnnealState:
     rule_state: dict = field(default_factory=dict)
     last: dict = field(default_factory=dict)     # free energy etc. of the last annealing pass
     converged: bool = False
+    # the annealing rule's state when its phase ended (a mini-batch fit reads its running
+    # prior and counts after the polish: a fit resumed in or after the polish had lost them)
+    anneal_rule_state: dict = field(default_factory=dict)
     last_moments: object = field(default=None, repr=False)   # not saved in checkpoints
 
 
@@ -559,6 +562,7 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
         rule.begin(ctx, st)
         _loop(ctx, st, rule, schedule, None, hook, delay)
         st.phase = "polish"
+        st.anneal_rule_state = st.rule_state
         st.rule_state = {}
         if hook is not None:
             hook(st)
@@ -576,6 +580,10 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
     if st.phase == "reallocate":
         reallocate_state(ctx, st, hook)
         st.phase = "done"
+        # the moves drew from the generator: a finished state must carry its state as it
+        # is now (the estimator saves it, and the next run of n_init, or the probability
+        # temperature's sample, continue from it when the fit is resumed)
+        st.rng_state = ctx.rng.bit_generator.state
         if len(ctx.trace):
             log.info("re-allocation: %d codevector(s) moved, J=%.6g",
                      int(st.rule_state.get("moves", 0)), ctx.trace[-1]["hard_distortion"])
@@ -652,17 +660,25 @@ def _loop(ctx, st, rule, schedule, critical, hook, delay):
                                    n_distinct=K - n_coinc, n_clusters=K,
                                    extra={"scale": ctx.scale,
                                           "entropy_max": entropy_max(cfg.resp, K)})
-            T = checked_temperature(schedule, schedule.next_temperature(sstate),
-                                    st.step - st.phase_step0)
+            try:
+                T_next = schedule.next_temperature(sstate)
+            except StopIteration:           # (an iterator the schedule reads ran out)
+                raise ValueError(f"{type(schedule).__name__}.next_temperature raised "
+                                 f"StopIteration after step {st.step - st.phase_step0}; a "
+                                 "schedule ends by returning None") from None
+            T = checked_temperature(schedule, T_next, st.step - st.phase_step0)
             st.schedule_state = schedule_state_dict(schedule)
-            if T is not None and hardened(ctx, st, rule, res, n_coinc):
+            # the early ends hold because every colder temperature would change nothing: a
+            # schedule that goes hotter next (a re-heat, an adaptive step up) runs on
+            colder = T is not None and T <= st.last["temperature"]
+            if colder and hardened(ctx, st, rule, res, n_coinc):
                 st.last["hardened_step"] = int(st.step)
                 if cfg.verbose:
                     log.info("hard at step %d (T=%.4g): every row one-hot, centers at a fixed "
                              "point; the colder temperatures are left to the polish",
                              st.step, st.last["temperature"])
                 T = None
-            elif T is not None and settled(ctx, st, rule, res, n_coinc, J_prev, ent, dmin):
+            elif colder and settled(ctx, st, rule, res, n_coinc, J_prev, ent, dmin):
                 st.last["settled_step"] = int(st.step)
                 if cfg.verbose:
                     log.info("settled at step %d (T=%.4g): J changed by less than %.0e "
@@ -783,32 +799,85 @@ class _OneStep:
 # ---------------------------------------------------------------------------- schedules
 def schedule_state_dict(schedule):
     """JSON-able internal state of a schedule (its public and private attributes,
-    ``__slots__`` included)."""
+    ``__slots__`` included). NumPy arrays, tuples and dicts with keys other than strings
+    are tagged so that :func:`load_schedule_state` gives them back as they were; anything
+    else that is not a number, string, bool or None becomes an :class:`Unsaveable` naming
+    the attribute (a checkpoint could not give it back: writing one is an error)."""
     out = {}
     for k, v in schedule_attrs(schedule).items():
         if callable(v):
             continue
-        out[k] = _jsonable(v)
+        try:
+            out[k] = _jsonable(v)
+        except TypeError as e:
+            # (a fit without checkpoints never saves it: only writing the file fails)
+            out[k] = Unsaveable(f"{type(schedule).__name__}.{k} cannot be saved in a "
+                                f"checkpoint ({e}): keep a schedule's state in numbers, "
+                                "strings, lists, tuples, dicts or NumPy arrays, or fit "
+                                "without checkpoint=")
     return out
+
+
+class Unsaveable:
+    """A schedule attribute a checkpoint cannot hold; writing one raises ``TypeError``
+    with ``message``."""
+
+    def __init__(self, message):
+        self.message = message
 
 
 def load_schedule_state(schedule, d):
     for k, v in d.items():
         if callable(getattr(schedule, k, None)):
             continue
-        setattr(schedule, k, v)
+        setattr(schedule, k, _from_jsonable(v))
+
+
+_TAG = "__fastanneal__"
 
 
 def _jsonable(v):
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, np.generic):
-        return v.item()
+    if isinstance(v, np.generic) and v.dtype.kind in "biuf":
+        v = v.item()
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
     if isinstance(v, np.ndarray):
-        return v.tolist()
-    return v
+        if v.dtype.kind not in "biuf":
+            raise TypeError(f"an array of dtype {v.dtype}")
+        return {_TAG: "ndarray", "dtype": v.dtype.str, "shape": list(v.shape),
+                "data": v.ravel().tolist()}
+    if isinstance(v, dict):
+        if all(isinstance(k, str) for k in v) and _TAG not in v:
+            return {k: _jsonable(x) for k, x in v.items()}
+        return {_TAG: "dict", "items": [[_jsonable(k), _jsonable(x)] for k, x in v.items()]}
+    if isinstance(v, tuple):
+        return {_TAG: "tuple", "items": [_jsonable(x) for x in v]}
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    raise TypeError(f"type {type(v).__name__}")
+
+
+def _from_jsonable(v):
+    if isinstance(v, list):
+        return [_from_jsonable(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    tag = v.get(_TAG)
+    if tag == "ndarray":
+        return np.array(v["data"], dtype=np.dtype(v["dtype"])).reshape(v["shape"])
+    if tag == "tuple":
+        return tuple(_from_jsonable(x) for x in v["items"])
+    if tag == "dict":
+        return {_hashable(_from_jsonable(k)): _from_jsonable(x) for k, x in v["items"]}
+    return {k: _from_jsonable(x) for k, x in v.items()}
+
+
+def _hashable(k):
+    return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
 
 
 # ---------------------------------------------------------------------------- polish

@@ -19,7 +19,7 @@ Two passes:
    the rows of ``dL/dX`` and per-thread sums ``sum_i g_ik x_i``, ``sum_i g_ik`` for ``dL/dC``.
 
 Both passes call the same row routine (:func:`_row_probs`: softmax without truncation of
-small entries, or entmax-1.5 with the shared exact thresholds of :mod:`fastanneal._kernels`),
+small entries but those below ``2^-968``, or entmax-1.5 with the shared exact thresholds of :mod:`fastanneal._kernels`),
 so the responsibilities of pass 2 are bit-identical to those behind ``N`` and ``S``.
 
 The row ranges run on fastanneal's threads (``fastanneal/_pool.py``: serial kernels, range 0
@@ -77,14 +77,21 @@ def _fill_distances(P, xsq, csq, metric, K, m, G):
                 G[i, k] = d if d > 0.0 else 0.0
 
 
+#: Softmax responsibilities below this (2^-968: 54 bits above the smallest normal float64)
+#: are dropped by the gradient passes (see :func:`_row_probs`).
+R_MIN = 2.0 ** -968
+
+
 @njit(cache=True, nogil=True)
 def _row_probs(G, i, T, resp, cand, cidx, sort_max):
     """Replace the distance row ``G[i]`` by the responsibilities ``r_i`` (unweighted) of the
     logits ``-G[i] / T``; return the row's entropy (Shannon for softmax, Tsallis-1.5 for
     entmax-1.5, as in :class:`fastanneal.Moments`).
 
-    Softmax keeps every entry (``exp`` underflows to 0 only below ``e^-745``): the loss is
-    differentiated exactly, not the sparsified moments. Entmax-1.5 (docs/theory.md section 4.2):
+    Softmax keeps every entry of at least ``R_MIN = 2^-968`` (the ordinary moments drop
+    everything below ``2^-53`` of the row's largest): the loss is differentiated exactly,
+    not the sparsified moments, but for entries so small that their sums would be
+    subnormal (a few significant bits). Entmax-1.5 (docs/theory.md section 4.2):
     with ``z' = (z - max z) / 2`` only ``z' > -1`` can be in the support.
     """
     K = G.shape[1]
@@ -121,7 +128,12 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
         sez += e * z
         G[i, k] = e
     for k in range(K):
-        G[i, k] /= s
+        r = G[i, k] / s
+        # a responsibility too small to sum with full precision is dropped (both passes
+        # call this routine, so they see the same ones): a center that only such entries
+        # reach had its soft centroid S_k / N_k from subnormal sums, a few bits of it,
+        # and the separation gradient through it exploded (572 instead of ~0)
+        G[i, k] = r if r >= R_MIN else 0.0
     return math.log(s) - sez / s
 
 

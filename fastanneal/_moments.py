@@ -15,8 +15,8 @@ import numpy as np
 from . import _config
 from . import _kernels as K_
 from ._validation import (as_float_matrix, as_weights, check_range, check_rows,
-                          centered_rows, check_temperature, metric_code, normalize_rows,
-                          resp_code)
+                          centered_rows, check_temperature, check_temperature_for, metric_code,
+                          normalize_rows, resp_code)
 
 _RESP_NAMES = {0: "softmax", 1: "entmax15", 2: "hard"}
 _METRIC_NAMES = {0: "euclidean", 1: "cosine"}
@@ -379,6 +379,7 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
         raise ValueError("at least one center is required")
     rc = resp_code(responsibilities)
     T = check_temperature(T, allow_zero=(rc == 2))
+    check_temperature_for(T, X, C)
     w = as_weights(weights, X.shape[0], "weights")
     with np.errstate(over="ignore"):
         W = float(w.sum())
@@ -423,6 +424,7 @@ def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prio
     X, C, mc, _ = _prepare(X, centers, metric)
     rc = resp_code(kind)
     T = check_temperature(T, allow_zero=(rc == 2))
+    check_temperature_for(T, X, C)
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
     log_prior = _check_log_prior(log_prior, C.shape[0])
     use_prior = log_prior is not None
@@ -499,7 +501,9 @@ def assign(X, centers, metric="euclidean", _prepared=False, return_second=False)
     labels : (n,) int64 array
         The nearest center of every row.
     d_min : (n,) float64 array
-        The squared distance to it.
+        The squared distance to it, in the GEMM form ``|x|^2 + |c|^2 - 2 x.c`` (absolute
+        rounding of about the dtype's epsilon times ``|x|^2``; :func:`nearest_distances`
+        sums it element by element).
     margin : (n,) float64 array
         ``d_(2) - d_(1)``, the gap to the second-nearest center.
     second : (n,) int64 array
@@ -559,6 +563,30 @@ def nearest_distances(X, centers, metric):
         C = np.ascontiguousarray(centers, dtype=np.float64)
         K_.labelled_distances_kernel(X, C, labels, second, mc, d)
     return labels, d
+
+
+def exact_nearest_distances(X, centers, D2, metric):
+    """``D2`` (n x K squared distances in GEMM form) with each row's two smallest entries
+    replaced by the distances summed element by element in float64 (see
+    :func:`nearest_objective`): the GEMM form's rounding (~1e-7 |x|^2 in float32) is an
+    absolute error, so it is the small distances -- a row on or near its center -- that it
+    spoils; ``sqrt`` makes it visible (``transform``: 5e-4 instead of 0). In place; returns
+    ``D2``."""
+    n, K = D2.shape
+    if n == 0 or K == 0:
+        return D2
+    mc = metric if isinstance(metric, int) else metric_code(metric)
+    X = np.ascontiguousarray(X)
+    C = np.ascontiguousarray(centers, dtype=np.float64)
+    none = np.full(n, -1, dtype=np.int64)
+    near = np.argpartition(D2, 1, axis=1)[:, :2] if K > 1 else np.zeros((n, 1), np.int64)
+    rows = np.arange(n)
+    d = np.empty(n, dtype=np.float64)
+    for j in range(near.shape[1]):
+        idx = np.ascontiguousarray(near[:, j], dtype=np.int64)
+        K_.labelled_distances_kernel(X, C, idx, none, mc, d)
+        D2[rows, idx] = d
+    return D2
 
 
 def entmax15(Z, method="sort"):

@@ -1,4 +1,5 @@
 """Input checks shared by every entry point: each failure names the problem."""
+import math
 import numbers
 
 import numpy as np
@@ -35,6 +36,14 @@ def check_not_sparse(X, name="X"):
                         "first, e.g. TruncatedSVD)")
 
 
+def float_dtype_of(dt):
+    """The working dtype of an input dtype: float32 stays float32 (big-endian ``>f4`` too,
+    in native byte order), everything else becomes float64."""
+    dt = np.dtype(dt)
+    return np.dtype(np.float32) if dt.kind == "f" and dt.itemsize == 4 \
+        else np.dtype(np.float64)
+
+
 def as_float_matrix(X, name="X", dtype=None, allow_empty=True, finite=True):
     """Return X as a C-contiguous float32/float64 2-D array (float32 stays float32; other
     dtypes become float64), after checking shape and (``finite``) finiteness."""
@@ -51,7 +60,7 @@ def as_float_matrix(X, name="X", dtype=None, allow_empty=True, finite=True):
     if X.ndim != 2:
         raise ValueError(f"{name} must be 2-D (n_samples, n_features); got shape {X.shape}")
     if dtype is None:
-        dtype = X.dtype if X.dtype in (np.float32, np.float64) else np.float64
+        dtype = float_dtype_of(X.dtype)
     X = np.ascontiguousarray(X, dtype=dtype)
     if X.shape[1] == 0:
         raise ValueError(f"{name} has 0 features; at least 1 is required")
@@ -186,12 +195,14 @@ def check_range(X, name="X", where="", too_small=True):
         raise ValueError(
             f"{name}{at} holds values too small for {X.dtype} arithmetic: the largest row norm "
             f"is {norm:.3g} (at least {lo:.3g} is needed), so squared distances would underflow;"
-            f" rescale the data (multiply it by about {1 / norm:.0e})")
+            f" rescale the data (multiply it by about 1e{-math.floor(math.log10(norm))})")
 
 
 def as_weights(sample_weight, n, name="sample_weight"):
     if sample_weight is None:
         return np.ones(n, dtype=np.float64)
+    if np.iscomplexobj(sample_weight):
+        raise ValueError(f"{name} holds complex numbers; expected real numbers")
     w = np.asarray(sample_weight, dtype=np.float64)
     if w.ndim == 0:
         w = np.full(n, float(w))
@@ -216,6 +227,27 @@ def check_temperature(T, allow_zero=False):
         raise ValueError(f"temperature T={T!r} is below the smallest normal float64 "
                          f"({np.finfo(np.float64).tiny:.3g}): -d/T overflows")
     return T
+
+
+def check_temperature_for(T, X, C):
+    """``ValueError`` when ``T > 0`` is so small against the squared distances of the rows
+    ``X`` to the centers ``C`` that ``d / T`` overflows float64 (the logits would be
+    ``-inf - (-inf)``). Bound: ``d <= (max |x| + max |c|)^2``, from the largest absolute
+    entries first (one pass) and the row norms only when that bound is too loose."""
+    if not T > 0 or X.size == 0 or C.size == 0:
+        return
+    big = np.finfo(np.float64).max
+    with np.errstate(over="ignore"):
+        ax = float(np.abs(X).max()) * math.sqrt(X.shape[1])
+        ac = float(np.abs(C).max()) * math.sqrt(C.shape[1])
+        if (ax + ac) ** 2 < T * big:
+            return
+        bound = (max_row_norm(X) + max_row_norm(C)) ** 2
+    if bound < T * big:
+        return
+    raise ValueError(f"temperature T={T!r} is too small for this data: squared distances up "
+                     f"to about {bound:.3g} make d/T overflow float64; use T of at least "
+                     f"{bound / big:.3g} (or rescale the data)")
 
 
 #: Rows whose norms are all within this many machine epsilons of 1 count as unit already.

@@ -27,8 +27,8 @@ from ._seeding import (check_n_clusters, critical_temperature, data_stats, initi
 from ._sources import InMemorySource
 from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
-from ._validation import (centered_rows, check_range, far_from_origin, metric_code,
-                          normalize_rows, resp_code, shifted_rows)
+from ._validation import (centered_rows, check_range, far_from_origin, float_dtype_of,
+                          metric_code, normalize_rows, resp_code, shifted_rows)
 from .schedules import CriticalSchedule, make_schedule
 
 __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kmeans_plusplus"]
@@ -72,9 +72,12 @@ def _n_distinct_rows(X, rng, cap):
 
 def _distance_rows(X, C, metric):
     """:meth:`AnnealedKMeans.transform` of prepared rows (module level: Dask ships it)."""
-    from ._moments import pairwise_distances
-    return np.sqrt(pairwise_distances(X, C, metric="cosine" if metric == "cosine"
-                                      else "euclidean"))
+    from ._moments import exact_nearest_distances, pairwise_distances
+    metric = "cosine" if metric == "cosine" else "euclidean"
+    D2 = pairwise_distances(X, C, metric=metric)
+    # a row on its center is at distance 0, not at the square root of the GEMM form's
+    # rounding (5e-4 for float32 rows of norm ~10): each row's two nearest exactly
+    return np.sqrt(exact_nearest_distances(X, C, D2, metric))
 
 
 def _proba_rows(X, C, T, metric, kind, log_prior):
@@ -140,8 +143,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             raise ValueError("responsibilities must be 'softmax' or 'entmax15' for fitting")
         _positive_int(self, "n_steps")
         # (a temperature, or a factor of one, must leave T and 1/T finite: see
-        # check_temperature; 1e-300 keeps T_end = ratio * T_start a normal float64 for any
-        # T_start the data allows)
+        # check_temperature; T_end = ratio * T_start is checked once T_start is known:
+        # _end_temperature)
         r = self.temperature_end_ratio
         if not (_real(r) and 1e-300 <= r <= 1):
             raise ValueError(f"temperature_end_ratio must be in (0, 1] (at least 1e-300); got "
@@ -194,6 +197,9 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         return np.random.default_rng(rs)
 
     def _validate_X(self, X, reset):
+        dt = getattr(X, "dtype", None)
+        if isinstance(dt, np.dtype) and not dt.isnative and float_dtype_of(dt) == np.float32:
+            X = np.asarray(X, dtype=np.float32)     # big-endian float32 stays float32
         X = validate_data(self, X, reset=reset, dtype=[np.float64, np.float32], order="C",
                           accept_sparse=False)
         if metric_code(self.metric) == 1:
@@ -246,7 +252,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             out[k] = v
         return dict(out, estimator=type(self).__name__)
 
-    def _make_checkpoint(self, source, K, run=None):
+    def _make_checkpoint(self, source, K, run=None, required=("T0",)):
         if self.checkpoint is None:
             return None
         from ._checkpoint import Checkpoint, params_key, resolve_path
@@ -254,7 +260,9 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if run is not None:
             path = path.with_name(f"{path.stem}.run{run}{path.suffix}")
         key = params_key(source.fingerprint(), dict(self._fit_params(), run=run))
-        return Checkpoint(path, key, K, source.n_features)
+        # ``required``: the values a resumed fit reads back from the file's extra (a file
+        # edited by hand without them is a bad file: a warning and a fresh start)
+        return Checkpoint(path, key, K, source.n_features, required_extra=required)
 
     def _centered(self, X, w):
         """``(rows, origin)``: Euclidean rows far from the origin relative to their spread
@@ -331,8 +339,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         """A lazy (n, K) Dask array of ``fn(rows, C)`` per row chunk of the Dask input ``X``
         (rows validated like a fit's and measured from ``origin``; the rows' dtype)."""
         from .dask import map_rows
-        dt = np.dtype(getattr(X, "dtype", np.float64))
-        dt = dt if dt in (np.float32, np.float64) else np.dtype(np.float64)
+        dt = float_dtype_of(getattr(X, "dtype", np.float64))
         return map_rows(X, np.asarray(C, dtype=np.float64), self.metric, origin, fn, dt)
 
     def _probability_rule(self, temperature):
@@ -344,6 +351,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             T = self.temperature_
         else:
             try:
+                if isinstance(temperature, (bool, np.bool_)):
+                    raise TypeError
                 T = float(temperature)
             except (TypeError, ValueError):
                 raise ValueError(f"temperature must be None, 'final' or a number > 0; got "
@@ -450,6 +459,9 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         adaptive schedules decide their next temperature from full passes). A batch whose
         rows all weigh zero leaves a started fit as it is (scikit-learn's
         ``MiniBatchKMeans`` refuses it); it cannot start one."""
+        if getattr(self, "backend", None) == "cuda":
+            raise ValueError("partial_fit runs on the CPU; backend='cuda' applies to fit "
+                             "(leave backend unset for partial_fit)")
         first = not hasattr(self, "_partial_state")
         fitted = first and hasattr(self, "cluster_centers_")
         X = self._validate_X(X, reset=first and not fitted)
@@ -506,7 +518,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         ``"critical"`` is deterministic annealing from just above ``T_c = 2 lambda_max(C)``
         with all centers at the mean (clusters split at their critical temperatures).
     n_steps : int, default=20
-        Temperatures of the geometric / linear / constant schedules.
+        Temperatures of the geometric / linear / constant schedules; the step budget of
+        ``"adaptive"``.
     init : {"k-means++", "mean", "random"} or array (K, D), default="k-means++"
     n_init : int, default=1
         Independent runs; the one with the lowest final inertia is kept.
@@ -538,7 +551,9 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         current default client, else starts an embedded LocalCluster and closes it after fit.
     random_state : int, RandomState, Generator or None
     diagnostics : {"summary", "full"}, default="summary"
-        ``"summary"``: one trace record per temperature; ``"full"``: one per iteration.
+        ``"summary"``: one trace record per temperature; ``"full"``: one per iteration
+        (the critical phase of ``schedule="critical"`` records once per temperature either
+        way).
         The hard objective ``J`` comes with every moments pass at no extra cost, so both
         record it.
     verbose : int, default=0
@@ -593,7 +608,9 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         (mean entropy <= 0.05 nats) and every codevector resolving a cell of its own; the
         colder steps would only harden the last boundary rows (section 6.9,
         ``settled_step_``; measured by ``benchmarks/study_settle.py``). ``False`` runs every
-        temperature. Only the soft-Lloyd solver without mass priors, with ``polish=True``.
+        temperature. Only the soft-Lloyd solver without mass priors, with ``polish=True``;
+        never where the schedule's next temperature is hotter (a custom schedule that cools
+        and later re-heats should pass ``False``: the early end assumes it keeps cooling).
     anchor_weight : float, default=0.0
         Adds ``anchor_weight * F_T / W`` to the loss: the pure loss lets centers drift away
         from the data in Euclidean space (see ``benchmarks/bench_regimes.py``); 1.0 helped.
@@ -719,7 +736,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             # the solver's numbers, named by their parameter before any pass over the data
             for name, lo, none_ok in (("learning_rate", "> 0", False),
                                       ("separation_weight", None, False),
-                                      ("phi_margin", "> 0", True), ("phi_eps", "> 0", True)):
+                                      ("phi_margin", "> 0", True), ("phi_eps", "> 0", True),
+                                      ("anchor_weight", None, False)):
                 v = getattr(self, name)
                 if v is None and none_ok:
                     continue
@@ -786,6 +804,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                              "(mini-batch annealing fits a given K): choose K with "
                              "fastanneal.suggest_k on a sample of the rows, then fit with "
                              "that K")
+        if self.backend == "cuda":
+            raise ValueError("backend='cuda' runs full-batch fits; mini-batch annealing "
+                             "(batch_size=) runs on the CPU or on Dask: set batch_size=None "
+                             "for the GPU, or leave backend unset")
         if self.solver != "lloyd" or int(self.n_init) != 1:
             raise ValueError(f"batch_size (mini-batch annealing) runs one stochastic-EM fit: "
                              f"solver='lloyd' and n_init=1 only; got solver={self.solver!r}, "
@@ -960,7 +982,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         snap = sug.snapshots[K]
         C, p = _merged(snap, source.metric)
         T0 = sug.temperature_start
-        T_end = float(self.temperature_end_ratio) * T0
+        T_end = _end_temperature(self.temperature_end_ratio, T0)
         self._mass_constrained = True
         cfg = self._engine_config(K, 0, True)
         trace = Trace()
@@ -1008,7 +1030,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                                     200_000 if in_memory else 0)
             T0 = start_temperature(ts, source, C, rng, K, T_c, stats.scale,
                                    self.auto_start_fraction, critical=from_mean, stacklevel=5)
-            T_end = float(self.temperature_end_ratio) * T0
+            T_end = _end_temperature(self.temperature_end_ratio, T0)
             if transitions:
                 st = E.critical_state(C[0], T0, T_end, stats.scale)
             else:
@@ -1077,13 +1099,27 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         result.hard_objective_final = float(trace["hard_distortion"][-1])
 
 
+def _end_temperature(ratio, T_start):
+    """``T_end = ratio * T_start``, a ``ValueError`` naming the ratio where it is not a normal
+    float64 (data at a tiny scale with a tiny ratio: the schedules would reach T = 0)."""
+    T_start = float(T_start)
+    T_end = float(ratio) * T_start
+    tiny = float(np.finfo(np.float64).tiny)
+    if T_start > 0 and not T_end >= tiny:       # (T_start = 0: rows without any spread)
+        raise ValueError(f"temperature_end_ratio={ratio!r} times the start temperature "
+                         f"{T_start:.3g} is {T_end:.3g}, below the smallest normal float64 "
+                         f"({tiny:.3g}); use a ratio of at least {tiny / T_start:.3g} (or "
+                         "rescale the data)")
+    return T_end
+
+
 def _schedule_temperature(schedule, t, T_start, T_end, n_steps):
     """Temperature of update ``t`` of ``partial_fit`` (held at ``T_end`` after ``n_steps``)."""
     if schedule == "constant" or n_steps <= 1:
         return float(T_start)
     j = min(t, n_steps - 1) / (n_steps - 1)
     if schedule == "linear":
-        return float(T_start + (T_end - T_start) * j)
+        return float(T_start * (1.0 - j) + T_end * j)
     return float(T_start * (T_end / T_start) ** j)
 
 
@@ -1197,7 +1233,8 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None, refine_init=True
         C = _reallocated_seeds(src, C, rng, stats.scale)
     T0 = start_temperature(est.temperature_start, src, C, rng, K, T_c, stats.scale,
                            est.auto_start_fraction, stacklevel=5)
-    return C, float(T0), float(est.temperature_end_ratio) * float(T0), float(T_c), stats.scale
+    return (C, float(T0), _end_temperature(est.temperature_end_ratio, T0), float(T_c),
+            stats.scale)
 
 
 def _reallocated_seeds(src, C, rng, scale):
@@ -1529,7 +1566,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                              "their ratios matter)")
         kd, lo = check_learning(self.learning_decay, self.learning_offset)
         n_steps = int(self.n_steps)
-        ckpt = self._make_checkpoint(full, K)
+        ckpt = self._make_checkpoint(full, K, required=("T0", "T_c", "perm_seed"))
         st = ckpt.load() if ckpt is not None else None
         resumed = st is not None
         trace = Trace()
@@ -1620,6 +1657,10 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 bar.close()
         if ckpt is not None:
             ckpt.save(st)
+        if st.anneal_rule_state:
+            # resumed in or after the polish, the rule did not run here: its running prior
+            # and counts as the annealing left them (a no-op for a run that annealed here)
+            rule.load_state_dict(st.anneal_rule_state)
         C = self._set_centers(result.centers, getattr(full, "origin", None), full.dtype)
         self._scale, self._rows_seen = float(st.scale), int(full.n_rows)
         T_final = result.temperature

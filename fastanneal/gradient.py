@@ -16,7 +16,7 @@ from . import _grad_kernels as G_
 from . import _kernels as K_
 from ._moments import blas_single_thread
 from ._validation import (as_float_matrix, as_weights, centered_rows, check_range,
-                          check_temperature, metric_code)
+                          check_temperature, check_temperature_for, metric_code)
 
 _PHIS = {"identity": G_.PHI_IDENTITY, "log": G_.PHI_LOG, "hinge": G_.PHI_HINGE}
 _RESPS = {"softmax": 0, "entmax15": 1}
@@ -178,8 +178,9 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
     if C.shape[1] != X.shape[1]:
         raise ValueError(f"centers have {C.shape[1]} features but X has {X.shape[1]}")
     check_range(X, "X")
-    check_range(C, "centers")
+    check_range(C, "centers", too_small=False)    # (centers near 0 are harmless)
     T = check_temperature(T)
+    check_temperature_for(T, X, C)
     lam = _check_real(lam, "lam")
     mc = metric_code(metric)
     try:
@@ -349,6 +350,12 @@ def value_and_grad_from_source(source, C, T, resp, lam, pc, margin=0.0, eps=0.0)
     else:
         m = source.moments(C, T, resp, None, hard_sums=False)
         N, S, H, W = m.N, m.S, m.entropy, float(m.weight)
+    if not 2.0 ** -1000 < W < 2.0 ** 1000:
+        # (value_and_grad rescales its weights; a source's are its own: 1 / W would
+        # overflow, or W itself, and every gradient turn NaN)
+        raise ValueError(f"the weights sum to {W:.3g}, outside the range in which the "
+                         "gradient's 1/W stays finite; multiply sample_weight by a constant "
+                         "(only their ratios matter)")
     mu, empty, sep, Gmu = separation_terms(N, S, pc, margin, eps)
     gm = source.grad_moments(C, T, resp, GradGlobals(mu, Gmu, N, W, float(lam)))
     gC, gS = center_gradients(C, T, source.metric, gm)

@@ -186,7 +186,8 @@ class LinearSchedule(_InterpolatedSchedule):
     """``T_j`` linear from ``T_start`` to ``T_end`` over ``n_steps`` steps."""
 
     def _at(self, s):
-        return self.T_start + (self.T_end - self.T_start) * s
+        # (T_start + (T_end - T_start) s cancels to 0 at s = 1 when T_end << T_start)
+        return self.T_start * (1.0 - s) + self.T_end * s
 
 
 class CriticalSchedule(Schedule):

@@ -1055,3 +1055,37 @@ def test_objective_is_exact_with_rows_weighing_1e10(gpu, rng, metric):
         km = fastanneal.AnnealedKMeans(K, backend="cuda", random_state=0,
                                        n_steps=3).fit(X, sample_weight=w)
         assert km.inertia_ == pytest.approx(-km.score(X, sample_weight=w), rel=1e-9)
+
+
+def test_a_checkpoint_resumes_on_the_other_backend(gpu, tmp_path):
+    """The backend is not part of a checkpoint's key (docs/guide/resume.md): the CUDA
+    source's fingerprint carried a "cuda:" prefix, so a CPU rerun replaced the finished
+    GPU file without a word (and the reverse)."""
+    rng = np.random.default_rng(0)
+    X = np.concatenate([rng.normal(size=(20, 4)) + 8 * np.eye(4)[k] for k in range(3)])
+    for first, second in (("cuda", "cpu"), ("cpu", "cuda")):
+        kw = dict(n_steps=3, random_state=0, checkpoint=tmp_path / f"ck_{first}")
+        a = fastanneal.AnnealedKMeans(3, backend=first, **kw).fit(X)
+        b = fastanneal.AnnealedKMeans(3, backend=second, **kw).fit(X)
+        assert b.checkpoint_info_["finished"] is True
+        np.testing.assert_array_equal(b.cluster_centers_, a.cluster_centers_)
+
+
+def test_cuda_moments_refuses_what_moments_refuses(gpu):
+    X = np.random.default_rng(1).normal(size=(20, 3))
+    with pytest.raises(ValueError, match="no cluster has mass"):
+        gpu.cuda_moments(X, X[:3], 1.0, log_prior=np.full(3, -np.inf))
+    with pytest.raises(ValueError, match="weights sum to infinity"):
+        gpu.cuda_moments(X, X[:3], 1.0, weights=np.full(20, 1e308))
+    with pytest.raises(ValueError, match="too small for this data"):
+        gpu.cuda_moments(X * 1e30, X[:3] * 1e30, 1e-250)
+
+
+def test_backend_cuda_is_not_dropped_by_the_cpu_only_routes():
+    """``batch_size=`` and ``partial_fit`` run on the CPU: with ``backend="cuda"`` they
+    fitted there without a word (no GPU needed, none used)."""
+    X = np.random.default_rng(0).normal(size=(40, 3))
+    with pytest.raises(ValueError, match="backend='cuda' runs full-batch fits"):
+        fastanneal.AnnealedKMeans(3, backend="cuda", batch_size=10).fit(X)
+    with pytest.raises(ValueError, match="partial_fit runs on the CPU"):
+        fastanneal.AnnealedKMeans(3, backend="cuda", random_state=0).partial_fit(X)

@@ -16,6 +16,7 @@ import numba
 import numpy as np
 import pytest
 
+import fastanneal
 from fastanneal import _config
 from fastanneal.gradient import Loss, value_and_grad
 
@@ -431,3 +432,42 @@ def test_temperature_below_the_smallest_normal_float_is_refused(rng):
     import fastanneal
     with pytest.raises(ValueError, match="smallest normal"):
         fastanneal.moments(X, X[:2], 1e-310)
+
+
+def test_a_center_reached_only_by_vanishing_responsibilities_has_no_wild_gradient():
+    """Responsibilities below the smallest normal float64 kept a few significant bits:
+    the soft centroid ``S_k / N_k`` of a center only they reach came out wrong (0.9 ->
+    1.0) and its gradient exploded as T fell by 2 % (norm 7.8e-6 -> 8.9 -> 572, the
+    separation term jumping with it). Such entries are dropped in both passes now."""
+    rng = np.random.default_rng(0)
+    X = np.r_[rng.normal(size=(50, 2)) * 0.3 + [-3, 0], rng.normal(size=(50, 2)) * 0.3 + [3, 0]]
+    C = np.array([[-3.0, 0.0], [3.0, 0.0], [0.0, 6.0]])
+    d = ((X[:, None] - C[None]) ** 2).sum(-1)
+    gap = float((d[:, 2] - d.min(1)).min())
+    seps, norms = [], []
+    for ratio in (600, 650, 700, 730, 740, 744):
+        r = fastanneal.value_and_grad(X, C, gap / ratio)
+        assert np.isfinite(r.value) and np.isfinite(r.grad_centers).all()
+        seps.append(r.separation)
+        norms.append(float(np.linalg.norm(r.grad_centers[2])))
+    assert max(norms) < 1e-3
+    # the separation term takes one of two values: with the far center's centroid, or
+    # (once it is out of reach) without it -- nothing in between
+    assert all(min(abs(s - seps[0]), abs(s - seps[-1])) < 1e-6 * seps[0] for s in seps)
+
+
+def test_gradient_inputs_at_the_edges():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(30, 3))
+    C = rng.normal(size=(4, 3))
+    with pytest.raises(ValueError, match="too small for this data"):
+        fastanneal.value_and_grad(X * 1e30, C * 1e30, 1e-250)
+    # centers near 0 against unit-scale rows are harmless (they were "too small")
+    res = fastanneal.value_and_grad(X, C * 1e-200, 1.0)
+    assert np.isfinite(res.value) and np.isfinite(res.grad_centers).all()
+    with pytest.raises(ValueError, match="anchor_weight must be a finite number"):
+        fastanneal.AnnealedKMeans(4, solver="gradient", anchor_weight="x").fit(X)
+    # weights summing to less than 2^-1000: a clear error, not NaN gradients
+    with pytest.raises(ValueError, match=r"the weights sum to .* multiply sample_weight"):
+        fastanneal.AnnealedKMeans(4, solver="gradient", polish=False, reallocate=False,
+                                  random_state=0).fit(X, sample_weight=np.full(30, 1e-315))

@@ -1094,3 +1094,73 @@ def test_vectorised_sums_do_not_depend_on_where_the_heap_put_a_scratch_vector():
         fed = [line for line in ir.splitlines() if phi.search(line) and "memcheck" in line]
         assert not fed, (name, fed[:3])
         assert re.search(r"fadd reassoc", ir), name     # (and the sums are re-associated)
+
+
+# ----------------------------------------------------------------- inputs at the edges
+def test_a_temperature_too_small_for_the_distances_is_named():
+    """``d / T`` overflowing float64 made every logit ``-inf - (-inf)``: a ZeroDivisionError
+    inside the softmax kernel, zero mass from entmax (T passed ``check_temperature``)."""
+    X = np.array([[0.5, 1e5], [0.5, -1e5]])
+    C = np.array([[0.0, 0.0], [1.0, 0.0]])
+    for call in (lambda: fa.moments(X, C, 1e-300),
+                 lambda: fa.moments(X, C, 1e-300, responsibilities="entmax15"),
+                 lambda: fa.responsibilities(X, C, 1e-300),
+                 lambda: fa.value_and_grad(X, C, 1e-300)):
+        with pytest.raises(ValueError, match=r"T=1e-300 is too small for this data: squared "
+                                             r"distances up to about 1e\+10"):
+            call()
+    # just inside the range: the exact one-hot answer (a tie: both rows split evenly)
+    m = fa.moments(X, C, 1e-290)
+    np.testing.assert_allclose(m.N, [1.0, 1.0])
+    np.testing.assert_allclose(
+        fa.moments(X, C, 1e-290, responsibilities="entmax15").N, [1.0, 1.0])
+
+
+def test_big_endian_float32_stays_float32():
+    rng = np.random.default_rng(11)
+    X = rng.standard_normal((40, 3)).astype(">f4")
+    C = X[:3].astype(np.float64)
+    assert fa.pairwise_distances(X, C).dtype == np.float32
+    assert fa.responsibilities(X, C, 1.0).dtype == np.float32
+    est = fa.AnnealedKMeans(3, random_state=0).fit(X.astype(np.float32))
+    for out in (est.predict_proba(X), est.transform(X)):
+        assert out.dtype == np.float32
+    np.testing.assert_array_equal(est.predict(X), est.predict(X.astype(np.float32)))
+
+
+def test_errors_at_the_edges_name_the_problem():
+    X = np.random.default_rng(2).standard_normal((50, 3))
+    with pytest.raises(ValueError, match=r"multiply it by about 1e310"):
+        fa.moments(np.full((2, 2), 1e-310), [[0.0, 0.0]], 1.0)
+    with pytest.raises(ValueError, match="weights holds complex numbers"):
+        fa.moments(X, X[:2], 1.0, weights=np.ones(50, complex))
+    est = fa.AnnealedKMeans(2, random_state=0).fit(X)
+    with pytest.raises(ValueError, match="temperature must be None, 'final' or a number"):
+        est.predict_proba(X, temperature=True)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transform_is_exact_near_the_centers(metric, dtype):
+    """``transform`` took the square root of GEMM-form distances: a float32 row on its
+    center was 5e-4 away from it (the rounding ~3e-7 |x|^2, square-rooted); each row's two
+    nearest are now summed element by element, as scikit-learn's are exact there."""
+    rng = np.random.default_rng(0)
+    X = (rng.normal(size=(300, 8)) * 3 + 2).astype(dtype)
+    est = fa.AnnealedKMeans(3, metric=metric, random_state=0).fit(X)
+    C = est.cluster_centers_
+    assert est.transform(C).dtype == dtype
+    np.testing.assert_array_equal(np.diag(est.transform(C)), 0.0)
+    X64, C64 = X.astype(np.float64), C.astype(np.float64)
+    if metric == "cosine":
+        X64 = X64 / np.linalg.norm(X64, axis=1, keepdims=True)
+        C64 = C64 / np.linalg.norm(C64, axis=1, keepdims=True)
+    ref = np.sqrt(((X64[:, None] - C64[None]) ** 2).sum(-1))
+    got = est.transform(X)
+    near = np.sort(ref, axis=1)[:, :2]
+    # the two nearest: to the dtype's rounding of the distance itself; the rest: of |x|^2
+    eps = np.finfo(dtype).eps
+    np.testing.assert_allclose(np.sort(got, axis=1)[:, :2], near, rtol=8 * eps,
+                               atol=1e-12)
+    scale = float(np.max(np.sum(X64 ** 2, axis=1)))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=np.sqrt(16 * eps * scale))

@@ -267,3 +267,77 @@ def test_a_quiet_step_before_a_late_transition_does_not_end_the_schedule(data_se
     on = fit(X, n_clusters=8, random_state=seed)
     off = fit(X, n_clusters=8, random_state=seed, stop_when_hard=False)
     assert on.inertia_ == pytest.approx(off.inertia_, rel=1e-6)
+
+
+class _Reheat:
+    """Cools from T_start to 0.05 T_start in ``half`` steps, jumps to 20 T_start, cools
+    again (a re-heating schedule: only the plain ``next_temperature`` protocol)."""
+
+    def __init__(self, half=6):
+        self.half = half
+        self.T_start = None
+
+    def start(self, T_start, T_end):
+        self.T_start = T_start
+
+    def next_temperature(self, state):
+        j = state.step + 1
+        if j >= 2 * self.half:
+            return None
+        f = (j % self.half) / (self.half - 1)
+        return self.T_start * 0.05 ** f if j % self.half else 20.0 * self.T_start
+
+
+def test_a_schedule_that_goes_hotter_next_is_not_ended_early():
+    """The early ends hold because each COLDER temperature would change nothing: this fit
+    settled at the last step before the re-heat and ended there (6 of 12 temperatures, J
+    6023.9 against the full schedule's 6049.6, other centers)."""
+    rng = np.random.default_rng(7)
+    X = (2.5 * rng.standard_normal((6, 4)))[rng.integers(0, 6, 1500)] + \
+        rng.standard_normal((1500, 4))
+    kw = dict(n_clusters=6, random_state=1, reallocate=False)
+    on = fit(X, schedule=_Reheat(), **kw)
+    off = fit(X, schedule=_Reheat(), stop_when_hard=False, **kw)
+    T = np.asarray(on.trace_["temperature"])
+    assert on.n_steps_ == off.n_steps_ == 12
+    assert T[6] > T[5]                              # the re-heat ran
+    assert_array_equal(on.cluster_centers_, off.cluster_centers_)
+
+
+def test_a_schedule_whose_iterator_runs_out_says_so():
+    class Gen:
+        def start(self, T_start, T_end):
+            self._it = iter([T_start / 2, T_start / 4])
+
+        def next_temperature(self, state):
+            return next(self._it)
+
+    X, _ = separated(0)
+    with pytest.raises(ValueError, match="Gen.next_temperature raised StopIteration after "
+                                         "step 2; a schedule ends by returning None"):
+        fit(X, n_clusters=6, schedule=Gen(), random_state=0, stop_when_hard=False)
+
+
+def test_linear_schedule_and_partial_fit_end_at_a_tiny_end_ratio():
+    """``T_start + (T_end - T_start) s`` cancelled to 0 at ``s = 1`` for ratios below
+    1.1e-16 (an error after step 18; partial_fit divided by zero)."""
+    X, _ = separated(0)
+    est = fit(X, n_clusters=6, schedule="linear", temperature_end_ratio=1e-17,
+              stop_when_hard=False, random_state=0)
+    T = np.asarray(est.trace_["temperature"])
+    assert T[-2] == pytest.approx(1e-17 * est.temperature_start_, rel=1e-12)
+    p = AnnealedKMeans(6, schedule="linear", temperature_end_ratio=1e-17, n_steps=3,
+                       random_state=0)
+    for i in range(4):
+        p.partial_fit(X[120 * i:120 * (i + 1)])
+    assert p.temperature_ == pytest.approx(1e-17 * p._partial_state.T_start, rel=1e-12)
+
+
+def test_an_end_temperature_below_the_smallest_normal_is_named():
+    X, _ = separated(0)
+    for est in (AnnealedKMeans(6, temperature_end_ratio=1e-300, random_state=0),
+                AnnealedKMeans(6, temperature_end_ratio=1e-300, random_state=0,
+                               batch_size=100)):
+        with pytest.raises(ValueError, match=r"temperature_end_ratio=1e-300 times the start "
+                                             r"temperature .* below the smallest normal"):
+            est.fit(X * 1e-5)

@@ -13,15 +13,18 @@ responsibilities are at most this fraction of ``rows * K`` is accumulated by the
 scatter instead of the dense ``G^T X`` GEMM; default 0.08: on an H200 the scatter of a
 fully dense chunk took 8-9x the dense GEMM, so the crossover is near 0.11).
 """
+import math
+
 import numpy as np
 
 from .. import _config
 from . import _blas
 from .._kernels import (N_SCALARS, RESP_HARD, S_ENTROPY, S_FREE, S_HARD, S_MARGIN, S_NNZ,
                         S_ROWS, S_SOFT_DIST, S_WEIGHT)
-from .._moments import _METRIC_NAMES, _RESP_NAMES, Moments, _prepare, _unshift, log_eps_for
+from .._moments import (_METRIC_NAMES, _RESP_NAMES, Moments, _check_log_prior, _prepare,
+                        _unshift, log_eps_for)
 from .._sources import _about, power_iteration_eigs
-from .._validation import as_weights, check_temperature, resp_code
+from .._validation import as_weights, check_temperature, check_temperature_for, resp_code
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_SPARSE_FRACTION = 0.08
@@ -568,7 +571,9 @@ class CudaSource:
 
     def fingerprint(self):
         from .._sources import data_fingerprint
-        return "cuda:" + data_fingerprint(self._X_host, self._w_host, self.metric)
+        # the in-memory source's fingerprint: a checkpoint written on one backend resumes
+        # on the other (docs/guide/resume.md: the backend does not change the result)
+        return data_fingerprint(self._X_host, self._w_host, self.metric)
 
     def close(self):
         self._X = self._w = self._xsq = self._Xv = None
@@ -640,13 +645,14 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
         raise ValueError("at least one center is required")
     rc = resp_code(responsibilities)
     T = check_temperature(T, allow_zero=(rc == RESP_HARD))
+    check_temperature_for(T, X, C)
     w = as_weights(weights, X.shape[0], "weights")
-    if log_prior is not None:
-        log_prior = np.asarray(log_prior, dtype=np.float64)
-        if log_prior.shape != (C.shape[0],):
-            raise ValueError(f"log_prior must have shape ({C.shape[0]},); got {log_prior.shape}")
-        if np.isnan(log_prior).any() or (log_prior == np.inf).any():
-            raise ValueError("log_prior contains NaN or +inf")
+    with np.errstate(over="ignore"):
+        W = float(w.sum())
+    if not math.isfinite(W):
+        raise ValueError(f"weights sum to infinity (largest weight {float(w.max()):.3g}): "
+                         "the moments are sums weighted by them; rescale the weights")
+    log_prior = _check_log_prior(log_prior, C.shape[0])
     return _unshift(CudaSource(X, w, mc, products).moments(C, T, rc, log_prior, hard_sums),
                     shift)
 

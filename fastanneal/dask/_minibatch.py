@@ -13,8 +13,8 @@ from .. import _config
 from .._engine import _project
 from .._io import temp_folder
 from .._moments import Moments
-from .._validation import (as_float_matrix, check_range, far_from_origin, metric_code,
-                           normalize_rows)
+from .._validation import (as_float_matrix, check_range, far_from_origin, float_dtype_of,
+                           metric_code, normalize_rows)
 from . import _chunks as ch
 from ._cluster import resolve_client
 from ._inputs import as_dask_inputs, is_dask_collection
@@ -355,7 +355,7 @@ def _prepared_block(x, metric, origin, block_info):
         row0, index = int(loc[0][0]), int(block_info[0]["chunk-location"][0])
         expect = (loc[0][1] - loc[0][0], loc[1][1] - loc[1][0])
     x = np.asarray(x)
-    dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
+    dtype = float_dtype_of(x.dtype)
     return ch.prepare_chunk(x, None, index, row0, metric, dtype, origin=origin,
                             expect=expect)
 
@@ -423,7 +423,7 @@ def predict_labels(X, centers, metric="euclidean", origin=None):
         origin = np.asarray(origin, dtype=np.float64)
     else:
         dt = getattr(X, "dtype", np.float64)
-        origin = _centers_origin(C, mc, dt if dt in (np.float32, np.float64) else np.float64)
+        origin = _centers_origin(C, mc, float_dtype_of(dt))
         if origin is not None:
             C = C - origin
     if is_dask_collection(X):
