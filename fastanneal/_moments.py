@@ -100,7 +100,10 @@ class Moments:
     entropy : float
         ``sum w H_i`` (Shannon for softmax, Tsallis-1.5 for entmax15).
     free_energy : float
-        ``sum w F_i``; softmax ``F_i = -T LSE_k(log p_k - d_ik / T)``.
+        ``sum w F_i``; softmax ``F_i = -T LSE_k(log p_k - d_ik / T)``; entmax15
+        ``F_i = sum_k r_ik d_ik - T H_i`` (Tsallis), without a prior term: with a
+        ``log_prior`` the prior shapes ``r`` but is not in ``F``, and ``J - F >= 0`` need
+        not hold (it holds without one).
     hard_distortion : float
         ``J = sum w min_k d_ik``.
     hard_counts : (K,) float64 array
