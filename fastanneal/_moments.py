@@ -544,28 +544,30 @@ def nearest_objective(X, w, centers, metric):
     return labels, float(np.asarray(w, dtype=np.float64) @ d)
 
 
-def nearest_objective_counts(X, w, centers, metric):
+def nearest_objective_counts(X, w, centers, metric, return_margin=False):
     """``(labels, J, hard_counts)``: :func:`nearest_objective` and the weight of the rows
-    nearest to each center (the final pass of a fit; a source's ``objective``)."""
-    labels, d = nearest_distances(X, centers, metric)
+    nearest to each center (the final pass of a fit; a source's ``objective``); with
+    ``return_margin`` also every row's margin ``d_(2) - d_(1)`` (as :func:`assign`)."""
+    out = nearest_distances(X, centers, metric, return_margin=return_margin)
+    labels, d = out[:2]
     w = np.asarray(w, dtype=np.float64)
     K = np.asarray(centers).shape[0]
     return (labels, float(w @ d),
-            np.bincount(labels, weights=w, minlength=K).astype(np.float64))
+            np.bincount(labels, weights=w, minlength=K).astype(np.float64)) + out[2:]
 
 
-def nearest_distances(X, centers, metric):
+def nearest_distances(X, centers, metric, return_margin=False):
     """``(labels, d)``: the labelling pass's nearest centers and each row's distance to the
     nearer of its two nearest centers summed element by element in float64 (see
-    :func:`nearest_objective`)."""
+    :func:`nearest_objective`); with ``return_margin`` also the pass's margins."""
     mc = metric if isinstance(metric, int) else metric_code(metric)
-    labels, _, _, second = assign(X, centers, mc, _prepared=True, return_second=True)
+    labels, _, margin, second = assign(X, centers, mc, _prepared=True, return_second=True)
     n = X.shape[0]
     d = np.empty(n, dtype=np.float64)
     if n:
         C = np.ascontiguousarray(centers, dtype=np.float64)
         K_.labelled_distances_kernel(X, C, labels, second, mc, d)
-    return labels, d
+    return (labels, d, margin) if return_margin else (labels, d)
 
 
 def exact_nearest_distances(X, centers, D2, metric):

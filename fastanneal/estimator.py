@@ -37,7 +37,8 @@ __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kme
 #: ``probability_temperature_ = PROBABILITY_MARGIN_FRACTION * median margin``: measured on
 #: CLINC150 and its ten domains by ``benchmarks/study_calibration.py``.
 PROBABILITY_MARGIN_FRACTION = 0.25
-#: Rows sampled (without replacement, from the fit's random stream) for that median.
+#: Rows sampled (without replacement, from the fit's random stream) for that median where
+#: the fit's final pass does not see every row in memory (Dask, out of core, CUDA).
 PROBABILITY_SAMPLE = 20_000
 
 
@@ -48,9 +49,14 @@ def probability_temperature(X, w, centers, metric, fraction=PROBABILITY_MARGIN_F
     ``fallback`` when there is no positive margin (K = 1, all rows on borders)."""
     from ._moments import assign as _assign_public
     K = np.asarray(centers).shape[0]
+    margin = _assign_public(X, centers, metric)[2] if K > 1 and X.shape[0] else None
+    return margin_temperature(margin, w, fraction, fallback)
+
+
+def margin_temperature(margin, w, fraction=PROBABILITY_MARGIN_FRACTION, fallback=None):
+    """:func:`probability_temperature` from the rows' margins (None: no margin)."""
     w = np.asarray(w, dtype=np.float64)
-    if K > 1 and X.shape[0]:
-        _, _, margin = _assign_public(X, centers, metric)
+    if margin is not None and len(margin):
         m = np.asarray(margin, dtype=np.float64)
         ok = np.isfinite(m) & (w > 0)
         if ok.any():
@@ -364,16 +370,23 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
         return T, self.responsibilities, logp
 
-    def _set_probability_temperature(self, source, rng, centers):
-        """``probability_temperature_`` from a sample of the fitted rows (after the fit;
-        ``centers`` in the source's frame)."""
-        Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
+    def _set_probability_temperature(self, source, rng, centers, margin=None):
+        """``probability_temperature_`` from the margins of every row when the final pass
+        gave them (``margin``: in memory, no extra pass), else from a sample of the fitted
+        rows (after the fit; ``centers`` in the source's frame)."""
         T = float(self.temperature_)
         # no positive margin (K = 1, all rows on borders) and no positive final temperature
         # (rows without spread: the critical schedule's T_c is 0): any T gives the same
         # probabilities there (one cluster, or rows with equal distances)
+        fallback = T if math.isfinite(T) and T > 0 else 1.0
+        if margin is not None:
+            self.probability_temperature_ = margin_temperature(
+                margin if np.asarray(centers).shape[0] > 1 else None, source.w,
+                fallback=fallback)
+            return
+        Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
         self.probability_temperature_ = probability_temperature(
-            Xs, ws, centers, self.metric, fallback=T if math.isfinite(T) and T > 0 else 1.0)
+            Xs, ws, centers, self.metric, fallback=fallback)
 
     def _set_centers(self, C, origin, dtype):
         """``cluster_centers_`` (the data's frame, ``dtype``) from the fit's centers ``C``
@@ -629,8 +642,9 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         (difference on digits at ``temperature_end_ratio=0.8``: 0.07 % of the gap).
     temperature_ : float, final annealing temperature
     probability_temperature_ : float
-        The temperature of :meth:`predict_proba`: 0.25 times the median margin
-        ``d_(2) - d_(1)`` of (a sample of up to 20,000) fitted rows.
+        The temperature of :meth:`predict_proba`: 0.25 times the weighted median margin
+        ``d_(2) - d_(1)`` of the fitted rows (in memory: every row, from the final
+        labelling pass; Dask, out of core, CUDA: a sample of up to 20,000).
     temperature_start_ : float
     critical_temperature_ : float, ``T_c = 2 lambda_max(C)``
     cluster_weights_ : (K,) array, mass of each cluster (sums to 1)
@@ -915,9 +929,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         # the nearer of its two nearest centers summed in float64 (= -score(X); the
         # moments pass's GEMM-form distances keep a float32 residue on every row, which a
         # heavy weight multiplies), with the hard weight of each cluster
+        margin = None
         if in_memory and isinstance(source, InMemorySource):
-            labels, inertia, counts = nearest_objective_counts(source.X, source.w, C,
-                                                               source.metric)
+            labels, inertia, counts, margin = nearest_objective_counts(
+                source.X, source.w, C, source.metric, return_margin=True)
         else:
             labels = source.labels(C) if in_memory or source.n_rows <= 50_000_000 else None
             if hasattr(source, "objective"):    # Dask, streams, CUDA: one pass for both
@@ -953,7 +968,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.hardened_step_ = result.hardened_step
         self.settled_step_ = result.settled_step
         self.trace_ = trace
-        self._set_probability_temperature(source, rng, C)
+        self._set_probability_temperature(source, rng, C, margin)
         return self
 
     def _fit_auto(self, source, rc, rng, stats, t0):
@@ -1419,7 +1434,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     temperature_, temperature_start_, critical_temperature_ : float
         The critical temperature is that of the seeding sample.
     probability_temperature_ : float
-        The temperature of :meth:`predict_proba` (0.25 x the median margin of a sample).
+        The temperature of :meth:`predict_proba` (0.25 x the median margin: of every row in
+        memory, of a sample of up to 20,000 out of core).
     seeding_rows_ : int
         Rows of the seeding sample (``init_size`` or its default).
     n_batches_, n_steps_, n_passes_, n_iter_ : int
@@ -1666,12 +1682,13 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         T_final = result.temperature
         logp = running.log_prior(K) if self.mass_constrained else None
         # ---------------------------------------------------------- final pass
-        inertia = None
+        inertia = margin = None
         if isinstance(stream, ArrayStream):
             mf = full.moments(C, T_final, rc, logp, hard_sums=False)
             # the labels' own distances, summed in float64, give inertia_ (= -score(X), as
             # AnnealedKMeans; the pass's GEMM-form distances keep a float32 residue per row)
-            self.labels_, inertia = nearest_objective(full.X, full.w, C, full.metric)
+            self.labels_, inertia, _, margin = nearest_objective_counts(
+                full.X, full.w, C, full.metric, return_margin=True)
             self.labels_path_ = None
         else:
             mf, self.labels_path_ = stream.final_pass(C, T_final, rc, logp, labels_path,
@@ -1701,7 +1718,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         self.batch_chunks_ = int(batch_chunks)
         self.trace_ = trace
         self._mass_constrained = bool(self.mass_constrained)
-        self._set_probability_temperature(full, rng, C)
+        self._set_probability_temperature(full, rng, C, margin)
         if result.relocations:
             warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
                           AnnealingWarning, stacklevel=3)
