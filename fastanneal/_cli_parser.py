@@ -166,8 +166,9 @@ def build_parser():
     ps.add_argument("--embedding-column", required=True, metavar="COL",
                     help="column with the vectors (a list of floats per row)")
     ps.add_argument("--weight-column", metavar="COL", help="sample weights (>= 0)")
-    ps.add_argument("--k-max", type=int, default=50, metavar="N",
-                    help="the most clusters considered (default 50)")
+    ps.add_argument("--k-max", type=int, default=None, metavar="N",
+                    help="the most clusters considered (default 50, or the rows with weight "
+                         "> 0 if fewer)")
     ps.add_argument("--k-min", type=int, default=2, metavar="N", help="default 2")
     ps.add_argument("--metric", choices=["cosine", "euclidean"], default="cosine")
     ps.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")

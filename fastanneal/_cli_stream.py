@@ -335,7 +335,7 @@ def fit_stream(log, args, console):
         except ParquetReadError as e:
             raise CLIError(f"cannot read {e}") from None
         except ValueError as e:
-            raise CLIError(f"cannot rank K: {_as_flags(e)}") from None
+            raise CLIError(f"cannot rank K: {_as_flags(e, args)}") from None
     kw = dict(n_clusters=int(args.k) if suggestion is None else int(suggestion.best),
               metric=args.metric,
               responsibilities=args.responsibilities, schedule=args.schedule,

@@ -181,8 +181,9 @@ class KSuggestion:
         The rows the path ran on (a sample's size with ``max_rows`` or out of core).
     n_distinct : int
         The rows that count for the granularity rule (a K above half of them is no
-        clustering): the distinct rows of weight > 0 when the path reached ``k_max``, else
-        the rows.
+        clustering): when the path reached ``k_max``, the distinct rows of weight > 0,
+        counted only until more than ``2 k_max`` were found (beyond that a lower bound:
+        all the rule needs); else the rows.
     """
     best: int
     ranking: list
@@ -485,7 +486,11 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivi
     # clustering (K = n - 1 of n distinct rows held a plateau as wide as its closest pair
     # is close, and was suggested over four obvious blobs)
     excluded = {k for k in seen if k == trivial or _granular(k, n_rows)}
-    order = sorted(seen, key=lambda k: (k in excluded, k == trivial, -width[k - k_min], k))
+    # (widths equal up to rounding tie, and ties go to the smaller K: a width is a sum of
+    # log(T / T_next), and one cooling step summed in another order differed in its last
+    # bits, which ranked K differently for float32 and float64 rows)
+    order = sorted(seen, key=lambda k: (k in excluded, k == trivial,
+                                        -round(float(width[k - k_min]), 9), k))
     # (measured against the widest plateau of a clustering: not against the granularity's)
     w_levels = np.where(np.isin(ks, sorted(excluded)), 0.0, width)
     levels = [k for k in natural_levels(ks, w_levels, cooling) if k not in excluded]
@@ -588,6 +593,12 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
         source, _ = est._make_source(X, sample_weight)
     try:
         if max_rows is not None and (source.n_rows > max_rows or source is X):
+            if isinstance(k_max, (int, np.integer)) and not isinstance(k_max, bool) and \
+                    int(max_rows) < k_max <= source.n_rows:
+                raise ValueError(f"k_max={k_max} is larger than max_rows={int(max_rows)}, "
+                                 "the rows of the sample the path runs on (the data has "
+                                 f"{source.n_rows}); give a larger max_rows or a smaller "
+                                 "k_max")
             Xs, ws = source.sample(min(int(max_rows), source.n_rows), rng)
             Xs, ws = np.ascontiguousarray(Xs), np.asarray(ws, np.float64)
             if getattr(source, "origin", None) is None:

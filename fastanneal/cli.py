@@ -663,11 +663,7 @@ def run_cluster(args, console):
             timings["embed"] = dt
         D = X.shape[1] if X is not None else log.dim
         if args.metric == "cosine" and X is not None:
-            for b in range(0, n, 65536):            # in row blocks: no N x D temporary
-                zero = ~(np.abs(X[b:b + 65536]).max(axis=1) > 0)     # no overflow
-                if zero.any():
-                    raise CLIError(f"{src}: row {b + int(np.argmax(zero)) + 1} has an all-zero "
-                                   "embedding; the cosine metric needs non-zero vectors")
+            _refuse_zero_rows(X, src)
         # K above the distinct embeddings (exact, on the rows as the fit sees them: unit
         # rows for cosine) and values out of range are the estimator's checks: its
         # ValueError becomes a one-line "cannot cluster: ..." (no second copy of X here)
@@ -803,9 +799,21 @@ def run_cluster(args, console):
     return 0
 
 
+def _refuse_zero_rows(X, src):
+    """The cosine metric needs non-zero vectors: the first all-zero row, numbered from 1."""
+    for b in range(0, X.shape[0], 65536):           # in row blocks: no N x D temporary
+        zero = ~(np.abs(X[b:b + 65536]).max(axis=1) > 0)     # no overflow
+        if zero.any():
+            raise CLIError(f"{src}: row {b + int(np.argmax(zero)) + 1} has an all-zero "
+                           "embedding; the cosine metric needs non-zero vectors")
+
+
 def run_suggest(args, console):
     """``fastanneal suggest-k``: rank K by plateau width; prints a table, writes only --plot."""
     from .choose_k import suggest_k
+    args.k_max_defaulted = args.k_max is None
+    if args.k_max is None:
+        args.k_max = DEFAULT_K_MAX
     if args.k_min < 2:
         raise CLIError(f"--k-min must be >= 2; got {args.k_min}")
     if args.k_max < args.k_min:
@@ -827,6 +835,13 @@ def run_suggest(args, console):
     n = table.num_rows
     w = weight_vector(table, args.weight_column, src) if args.weight_column else np.ones(n)
     X = embedding_matrix(table, args.embedding_column, src)
+    if args.metric == "cosine":
+        _refuse_zero_rows(X, src)
+    n_live = int((w > 0).sum())
+    if args.k_max_defaulted and args.k_max > n_live >= max(2, args.k_min):
+        console.note(f"--k-max: {n_live} (the rows with weight > 0; the default is "
+                     f"{DEFAULT_K_MAX})")
+        args.k_max = n_live
     # --k-max above the distinct rows and values out of range: the library's exact checks
     console.note(f"following the phase transitions of {n:,} rows up to {args.k_max} clusters")
     t0 = time.perf_counter()
@@ -834,7 +849,7 @@ def run_suggest(args, console):
         s = suggest_k(X, k_max=int(args.k_max), k_min=int(args.k_min), sample_weight=w,
                       metric=args.metric, random_state=int(args.seed))
     except ValueError as e:
-        raise CLIError(f"cannot rank K: {_as_flags(e)}") from None
+        raise CLIError(f"cannot rank K: {_as_flags(e, args)}") from None
     dt = time.perf_counter() - t0
     if args.quiet:
         print(s.best)

@@ -189,6 +189,51 @@ def test_cli_k_auto_on_small_logs(capsys, tmp_path):
                      "emb", "--k", "auto", "--k-max", 3, "--metric", "euclidean")
     assert rc == 0, err
     assert "chose K = 2" in err and "3 (" in err and "its own cluster: not a choice" in err
+    # out of core: the same hint on the default (it was lost there)
+    rc, _, err = run(capsys, "cluster", src3, "-o", tmp_path / "c.csv", "--embedding-column",
+                     "emb", "--k", "auto", "--metric", "euclidean", "--memory-limit", "1K")
+    assert rc == 2 and "distinct points" in err and "--k-max is the default" in err
+    # suggest-k takes the same default (it refused the 20-row log: "--k-max 50 is larger")
+    rc, out, err = run(capsys, "suggest-k", src, "--embedding-column", "emb",
+                       "--metric", "euclidean")
+    assert rc == 0, err
+    assert "--k-max: 20 (the rows with weight > 0; the default is 50)" in err
+
+
+def test_suggest_k_names_a_zero_row_from_one_and_max_rows_in_its_errors(capsys, tmp_path):
+    from test_cli import make_table, run, write_any
+    table, X, _ = make_table(n=20, D=8, K=4)
+    E = np.array(X, dtype=np.float32)
+    E[5] = 0.0                                        # the 6th row
+    t = pa.table({"query": [f"q {i}" for i in range(20)],
+                  "emb": pa.FixedSizeListArray.from_arrays(pa.array(E.ravel()), 8)})
+    src = write_any(t, tmp_path / "zero.parquet")
+    for cmd in (["suggest-k", src, "--embedding-column", "emb", "--k-max", 4],
+                ["cluster", src, "-o", tmp_path / "z.csv", "--embedding-column", "emb",
+                 "--k", 3]):
+        rc, _, err = run(capsys, *cmd)
+        assert rc == 2 and "row 6 has an all-zero embedding" in err, err
+    Y = np.random.default_rng(0).normal(size=(500, 3))
+    with pytest.raises(ValueError, match="k_max=300 is larger than max_rows=200"):
+        fastanneal.suggest_k(Y, k_max=300, max_rows=200)
+
+
+def test_k_of_equal_plateaus_rank_smaller_first_on_every_dtype():
+    """Plateaus of one cooling step each differed in their last bits (sums of log(T /
+    T_next) in another order), so float32 rows ranked 4, 7, 8 above 2 and float64 rows
+    below it; equal widths now tie, and ties go to the smaller K."""
+    rng = np.random.default_rng(1)
+    centers = rng.normal(size=(5, 3)) * 8
+    X = np.concatenate([c + rng.normal(size=(n, 3))
+                        for c, n in zip(centers, [40, 30, 20, 60, 25])])
+    rankings = [fastanneal.suggest_k(Z, k_max=10, random_state=0).ranking
+                for Z in (X, X.astype(np.float32))]
+    assert rankings[0] == rankings[1]
+    s = fastanneal.suggest_k(X, k_max=10, random_state=0)
+    w = dict(zip((int(k) for k in s.ks), s.width))
+    ranked = [k for k in s.ranking[1:] if k in w]
+    for a, b in zip(ranked, ranked[1:]):              # widths fall; equal ones by K
+        assert round(w[a], 9) > round(w[b], 9) or (round(w[a], 9) == round(w[b], 9) and a < b)
 
 
 def test_a_plateau_as_narrow_as_data_without_clusters_shows_is_flagged(capsys, tmp_path):
