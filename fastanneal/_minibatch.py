@@ -242,8 +242,13 @@ def sample_plan(chunk_rows, n_target, rng, min_chunks=8):
     """Which rows of which chunks make a sample of about ``n_target`` rows: at least
     ``min_chunks`` random chunks (data stored in cluster order would bias a sample of one
     chunk), enough of them to hold ``n_target`` rows, rows per chunk proportional to the
-    chunk sizes (largest remainders). Returns ``{chunk: sorted local row indices}``."""
+    chunk sizes (largest remainders). Returns ``{chunk: sorted local row indices}``.
+    A target of every row takes every row in order without drawing from ``rng`` (as an
+    in-memory source's ``sample``: a fit's seeds then do not depend on how the rows are
+    split into chunks or row groups)."""
     nonempty = [i for i in range(len(chunk_rows)) if chunk_rows[i] > 0]
+    if n_target >= sum(int(chunk_rows[i]) for i in nonempty):
+        return {i: np.arange(int(chunk_rows[i])) for i in nonempty}
     order = [int(i) for i in rng.permutation(nonempty)]
     mean_rows = float(np.mean([chunk_rows[i] for i in nonempty]))
     m = min(len(order), max(min_chunks, math.ceil(n_target / mean_rows)))

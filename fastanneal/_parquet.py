@@ -535,14 +535,15 @@ class ParquetStream(_passes_base()):
         from .dask import _chunks as ch
         from .dask._minibatch import _AtomicFolder
         folder = _AtomicFolder(labels_path, overwrite) if labels_path is not None else None
+        C64 = np.ascontiguousarray(C, dtype=np.float64)
         C = np.ascontiguousarray(C, dtype=self.dtype)
         m = None
         try:
             for c in self.passes():
                 mi = ch.chunk_moments(c, C, T, self.metric, resp, log_prior, False, 0)
                 mi.S = mi.S[:, :0].copy()
+                lab = ch.exact_final_labels(c, C64, self.metric, 0, mi)   # (exact J too)
                 if folder is not None:
-                    lab = ch.chunk_labels(c, C, self.metric, 0)
                     ch.write_label_part(folder.tmp, c.index, c.row0, lab,
                                         getattr(c, "ids", None) if with_ids else None)
                 m = mi if m is None else m + mi

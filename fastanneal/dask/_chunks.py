@@ -218,6 +218,21 @@ def chunk_labels(chunk, C, metric, nthreads):
     return assign(chunk.X, C, metric, _prepared=True)[0]
 
 
+def exact_final_labels(chunk, C, metric, nthreads, m):
+    """The chunk's hard labels, with ``m.hard_distortion`` (its moments at the same
+    centers) replaced by the exact ``J`` of those labels: each row's distance to the nearer
+    of its two nearest centers summed in float64 (``inertia_`` as ``score`` computes it;
+    the moments pass's GEMM-form float32 distances keep ~1e-7 |x|^2 a row, which heavy
+    weights multiply). One labelling pass, as the labels alone cost."""
+    set_threads(nthreads)
+    if chunk.rows == 0:
+        return np.zeros(0, dtype=np.int64)
+    from .._moments import nearest_distances
+    labels, d = nearest_distances(chunk.X, C, metric)
+    m.hard_distortion = float(np.asarray(chunk.w, dtype=np.float64) @ d)
+    return labels
+
+
 def chunk_objective(chunk, C, objective_metric, nthreads):
     """``(J, hard_counts)`` of the chunk's rows: ``sum w_i min_k d(x_i, c_k)`` with each
     distance summed in float64 (``inertia_`` as ``score`` computes it) and the weight
@@ -283,20 +298,24 @@ def union_capped(*parts, cap):
 # ------------------------------------------------------------------------- streaming passes
 def stream_chunk(x, w, ids, index, row0, metric, dtype, C, T, resp, log_prior, hard_sums,
                  nthreads, out_dir=None, with_labels=False, name="X", keep_S=False,
-                 origin=None, expect=None, row_base=0):
+                 origin=None, expect=None, row_base=0, final=False, C_exact=None):
     """Read, validate and reduce one chunk in a streaming pass (nothing stays in memory).
 
     Returns the chunk's Moments (``S`` dropped unless ``hard_sums`` or ``keep_S``: the final
     pass only needs the scalars and hard counts). With ``out_dir``, writes ``part-{index:06d}.parquet`` with the
-    columns ``row`` (global row number), ``id`` (when ids are given) and ``label``.
+    columns ``row`` (global row number), ``id`` (when ids are given) and ``label``; with
+    labels (or ``final``, a fit's final pass), the moments' ``hard_distortion`` is the
+    exact ``J`` (:func:`exact_final_labels`; at ``C_exact``, the float64 centers, when
+    given: ``C`` is in the rows' dtype).
     """
     chunk = prepare_chunk(x, w, index, row0, metric, dtype, name, origin, row_base,
                           expect=expect)
     m = chunk_moments(chunk, C, T, metric, resp, log_prior, hard_sums, nthreads)
     if not (hard_sums or keep_S):
         m.S = m.S[:, :0].copy()
-    if out_dir is not None or with_labels:
-        labels = chunk_labels(chunk, C, metric, nthreads)
+    if out_dir is not None or with_labels or final:
+        labels = exact_final_labels(chunk, C if C_exact is None else C_exact, metric,
+                                    nthreads, m)
     if out_dir is not None:
         write_label_part(out_dir, index, row0, labels, ids)
     if with_labels:
