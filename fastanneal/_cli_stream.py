@@ -181,7 +181,8 @@ class ParquetLog:
             if c is not None and c not in names:
                 raise InputError(f"{path}: {what} {c!r} not found (columns: {cols})")
         if args.truth_column and args.truth_column not in names:
-            raise InputError(f"{path}: truth column {args.truth_column!r} not found")
+            raise InputError(f"{path}: truth column {args.truth_column!r} not found "
+                             f"(columns: {cols})")
         self.has_text = args.text_column in names
         if getattr(args, "text_column_given", args.text_column != "query") and \
                 not self.has_text:

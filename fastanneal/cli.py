@@ -134,6 +134,9 @@ def _steps_done(est):
     """The annealing stage's count: ``20 temperature steps``, or, where the schedule
     hardened or settled (``stop_when_hard``), ``3 temperature steps (hard from step 2:
     ...)``."""
+    if (getattr(est, "checkpoint_info_", None) or {}).get("finished"):
+        return (f"{est.n_steps_} temperature steps read from the finished checkpoint "
+                "(nothing annealed)")
     h = getattr(est, "hardened_step_", None)
     s = getattr(est, "settled_step_", None)
     if h is not None:
@@ -144,6 +147,10 @@ def _steps_done(est):
         return (f"{est.n_steps_} temperature steps (settled at step {s}: J changed by < "
                 f"{SETTLE_TOL:.0e}; the colder ones left to the polish)")
     return f"{est.n_steps_} temperature steps"
+
+
+def _reused(est):
+    return bool((getattr(est, "checkpoint_info_", None) or {}).get("finished"))
 
 
 def _hash_update_texts(h, texts):
@@ -624,7 +631,8 @@ def run_cluster(args, console):
         truth = None
         if args.truth_column and not stream:
             if args.truth_column not in table.column_names:
-                raise CLIError(f"{src}: truth column {args.truth_column!r} not found")
+                raise CLIError(f"{src}: truth column {args.truth_column!r} not found "
+                               f"(columns: {', '.join(table.column_names)})")
             truth = table.column(args.truth_column).to_pylist()
             from ._cli_results import truth_missing
             # the rows that carry a truth label (a missing one is no class)
@@ -681,7 +689,9 @@ def run_cluster(args, console):
                 warm_up(X.dtype if X is not None else log.dtype, args.metric,
                         args.responsibilities)
         with console.stage("annealing", done=lambda dt: f"{_steps_done(fit.estimator)}, "
-                           f"{fit.estimator.n_iter_} passes in {dt:.1f} s"):
+                           f"{fit.estimator.n_iter_} passes"
+                           f"{' (as saved)' if _reused(fit.estimator) else ''} "
+                           f"in {dt:.1f} s"):
             if route == "stream":
                 from ._cli_stream import fit_stream
                 fit = fit_stream(log, args, console)

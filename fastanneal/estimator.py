@@ -225,9 +225,11 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if w.shape != (n,):
             raise ValueError(f"sample_weight.shape == {w.shape}, expected ({n},)!")
         if not np.isfinite(w).all():
-            raise ValueError("sample_weight contains NaN or infinity")
+            raise ValueError(f"sample_weight contains NaN or infinity (first at row "
+                             f"{int(np.argmax(~np.isfinite(w)))})")
         if (w < 0).any():
-            raise ValueError("sample_weight contains negative values")
+            raise ValueError(f"sample_weight contains negative values (first at row "
+                             f"{int(np.argmax(w < 0))})")
         with np.errstate(over="ignore"):
             total = w.sum()
         if not total > 0 and not (allow_zero and n > 0 and total == 0):

@@ -109,9 +109,17 @@ class QueryClusters:
                   random_state=self.random_state, **self.params)
         if self.n_clusters == "auto":
             kw["k_max"] = self.k_max          # checked by the estimator (no int() rounding)
-        est = AnnealedKMeans(**kw).fit(X, sample_weight=w)
+        try:
+            est = AnnealedKMeans(**kw).fit(X, sample_weight=w)
+        except ValueError as e:
+            if self.n_clusters == "auto" and "k_max=" in str(e) and self.k_max == 50:
+                raise ValueError(f"{e} (k_max is QueryClusters' default, 50: give a smaller "
+                                 "k_max=)") from None
+            raise
         w = est._validate_weights(w, n)
-        Xv = X if X.dtype in (np.float32, np.float64) else X.astype(np.float64)
+        Xv = X if X.dtype in (np.float32, np.float64) and X.dtype.isnative \
+            else X.astype(np.float32 if X.dtype.kind == "f" and X.dtype.itemsize == 4
+                          else np.float64)
         lab = label_clusters(est, np.ascontiguousarray(Xv), w, texts, ids,
                              int(self.n_representatives))
         self.estimator_ = est
@@ -239,7 +247,11 @@ def _checked_ids(ids, n):
                          f"{ids[odd]!r}" + (f", row 0 {type(ids[0]).__name__} {ids[0]!r}"
                                             if odd else ""))
     if len(set(ids)) != n:
-        raise ValueError("ids are not unique")
+        first = {}
+        for i, v in enumerate(ids):
+            if v in first:
+                raise ValueError(f"ids are not unique: {v!r} at rows {first[v]} and {i}")
+            first[v] = i
     return ids
 
 

