@@ -23,7 +23,11 @@ import numpy as np
 from ._engine import AnnealState, Unsaveable
 from ._io import atomic_save_npz
 
-VERSION = 2
+#: 3 (December 2026): the annealing rule's final state kept after its phase, the generator's
+#: state after the re-allocation moves, schedule state with its types: a file of version 2
+#: resumed some fits (mini-batch in its polish, n_init after a finished run) to other
+#: results, so it is a bad file now (a warning, and the fit starts over).
+VERSION = 3
 FILE_NAME = "anneal.npz"
 
 
@@ -183,8 +187,6 @@ class Checkpoint:
 
 def _check_rng_state(state):
     """``ValueError`` unless ``state`` is a state NumPy's named bit generator accepts."""
-    if state is None:
-        return
     name = state.get("bit_generator") if isinstance(state, dict) else None
     bg = getattr(np.random, name, None) if isinstance(name, str) else None
     if not (isinstance(bg, type) and issubclass(bg, np.random.BitGenerator)):

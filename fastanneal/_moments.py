@@ -382,7 +382,6 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
         raise ValueError("at least one center is required")
     rc = resp_code(responsibilities)
     T = check_temperature(T, allow_zero=(rc == 2))
-    check_temperature_for(T, X, C)
     w = as_weights(weights, X.shape[0], "weights")
     with np.errstate(over="ignore"):
         W = float(w.sum())
@@ -390,6 +389,8 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
         raise ValueError(f"weights sum to infinity (largest weight {float(w.max()):.3g}): "
                          "the moments are sums weighted by them; rescale the weights")
     log_prior = _check_log_prior(log_prior, C.shape[0])
+    if rc != 2:                          # (hard assignments never divide by T)
+        check_temperature_for(T, X, C, ties_only=rc == 0 and log_prior is None)
     return _unshift(compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums), shift)
 
 
@@ -427,9 +428,10 @@ def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prio
     X, C, mc, _ = _prepare(X, centers, metric)
     rc = resp_code(kind)
     T = check_temperature(T, allow_zero=(rc == 2))
-    check_temperature_for(T, X, C)
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
     log_prior = _check_log_prior(log_prior, C.shape[0])
+    if rc != 2:
+        check_temperature_for(T, X, C, ties_only=rc == 0 and log_prior is None)
     use_prior = log_prior is not None
     logp = log_prior if use_prior else np.zeros(C.shape[0])
     out = np.empty((X.shape[0], C.shape[0]), dtype=X.dtype)
@@ -583,12 +585,18 @@ def exact_nearest_distances(X, centers, D2, metric):
     mc = metric if isinstance(metric, int) else metric_code(metric)
     X = np.ascontiguousarray(X)
     C = np.ascontiguousarray(centers, dtype=np.float64)
-    none = np.full(n, -1, dtype=np.int64)
-    near = np.argpartition(D2, 1, axis=1)[:, :2] if K > 1 else np.zeros((n, 1), np.int64)
     rows = np.arange(n)
+    # the two smallest by two vectorised argmins (np.argpartition over the n x K array
+    # took twice the distances' own time and an n x K index array)
+    first = np.ascontiguousarray(D2.argmin(axis=1), dtype=np.int64)
+    if K > 1:
+        keep = D2[rows, first]
+        D2[rows, first] = np.inf
+        second = np.ascontiguousarray(D2.argmin(axis=1), dtype=np.int64)
+        D2[rows, first] = keep
+    none = np.full(n, -1, dtype=np.int64)
     d = np.empty(n, dtype=np.float64)
-    for j in range(near.shape[1]):
-        idx = np.ascontiguousarray(near[:, j], dtype=np.int64)
+    for idx in (first, second) if K > 1 else (first,):      # (second: set where K > 1)
         K_.labelled_distances_kernel(X, C, idx, none, mc, d)
         D2[rows, idx] = d
     return D2

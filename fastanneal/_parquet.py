@@ -542,8 +542,8 @@ class ParquetStream(_passes_base()):
             for c in self.passes():
                 mi = ch.chunk_moments(c, C, T, self.metric, resp, log_prior, False, 0)
                 mi.S = mi.S[:, :0].copy()
-                lab = ch.exact_final_labels(c, C64, self.metric, 0, mi)   # (exact J too)
-                if folder is not None:
+                if folder is not None:      # (the labels' exact J replaces the GEMM form)
+                    lab = ch.exact_final_labels(c, C64, self.metric, 0, mi)
                     ch.write_label_part(folder.tmp, c.index, c.row0, lab,
                                         getattr(c, "ids", None) if with_ids else None)
                 m = mi if m is None else m + mi

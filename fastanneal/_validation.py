@@ -229,25 +229,46 @@ def check_temperature(T, allow_zero=False):
     return T
 
 
-def check_temperature_for(T, X, C):
+def check_temperature_for(T, X, C, ties_only=True):
     """``ValueError`` when ``T > 0`` is so small against the squared distances of the rows
-    ``X`` to the centers ``C`` that ``d / T`` overflows float64 (the logits would be
-    ``-inf - (-inf)``). Bound: ``d <= (max |x| + max |c|)^2``, from the largest absolute
-    entries first (one pass) and the row norms only when that bound is too loose."""
+    ``X`` to the centers ``C`` that a row's logits turn into ``-inf - (-inf)``: its nearest
+    distance ``d_1 / T`` overflows float64 and (``ties_only``, the moments kernels) its
+    runner-up is within ``64 T`` (a clear margin takes the one-hot shortcut first: those
+    rows were always right). Cheap where it is clearly fine: a bound ``d <= (max|x| sqrt(D)
+    + max|c| sqrt(D))^2`` from the largest entries (no temporary); only below it are the
+    distances computed (float64, in row blocks)."""
     if not T > 0 or X.size == 0 or C.size == 0:
         return
     big = np.finfo(np.float64).max
     with np.errstate(over="ignore"):
-        ax = float(np.abs(X).max()) * math.sqrt(X.shape[1])
-        ac = float(np.abs(C).max()) * math.sqrt(C.shape[1])
+        ax = float(max(X.max(), -X.min())) * math.sqrt(X.shape[1])
+        ac = float(max(C.max(), -C.min())) * math.sqrt(C.shape[1])
         if (ax + ac) ** 2 < T * big:
             return
-        bound = (max_row_norm(X) + max_row_norm(C)) ** 2
-    if bound < T * big:
+    C64 = np.asarray(C, dtype=np.float64)
+    csq = np.einsum("ij,ij->i", C64, C64)
+    worst = 0.0
+    for b in range(0, X.shape[0], 8192):
+        Xb = np.asarray(X[b:b + 8192], dtype=np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            D2 = np.einsum("ij,ij->i", Xb, Xb)[:, None] + csq[None, :] - 2.0 * (Xb @ C64.T)
+        np.maximum(D2, 0.0, out=D2)
+        if D2.shape[1] > 1:
+            two = np.partition(D2, 1, axis=1)
+            d1, margin = two[:, 0], two[:, 1] - two[:, 0]
+        else:
+            d1, margin = D2[:, 0], np.full(D2.shape[0], np.inf)
+        bad = d1 >= T * big
+        if ties_only:
+            bad &= margin <= 64.0 * T
+        if bad.any():
+            worst = max(worst, float(d1[bad].max()))
+    if worst == 0.0:
         return
     raise ValueError(f"temperature T={T!r} is too small for this data: squared distances up "
-                     f"to about {bound:.3g} make d/T overflow float64; use T of at least "
-                     f"{bound / big:.3g} (or rescale the data)")
+                     f"to about {worst:.3g} make d/T overflow float64"
+                     f"{' where rows are tied between centers' if ties_only else ''}; use T "
+                     f"of at least {worst / big:.3g} (or rescale the data)")
 
 
 #: Rows whose norms are all within this many machine epsilons of 1 count as unit already.

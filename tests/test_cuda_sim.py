@@ -1078,7 +1078,8 @@ def test_cuda_moments_refuses_what_moments_refuses(gpu):
     with pytest.raises(ValueError, match="weights sum to infinity"):
         gpu.cuda_moments(X, X[:3], 1.0, weights=np.full(20, 1e308))
     with pytest.raises(ValueError, match="too small for this data"):
-        gpu.cuda_moments(X * 1e30, X[:3] * 1e30, 1e-250)
+        gpu.cuda_moments(np.array([[0.5, 1e5], [0.5, -1e5]]), np.array([[0.0, 0.0],
+                                                                          [1.0, 0.0]]), 1e-300)
 
 
 def test_backend_cuda_is_not_dropped_by_the_cpu_only_routes():

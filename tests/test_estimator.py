@@ -859,3 +859,18 @@ def test_probability_temperature_uses_every_row_in_memory(minibatch):
     cw = np.cumsum(w[order])
     med = m[order][np.searchsorted(cw, 0.5 * cw[-1])]
     assert est.probability_temperature_ == pytest.approx(0.25 * med, rel=1e-9)
+
+
+def test_probability_temperature_above_the_row_cap_draws_from_the_margins(monkeypatch):
+    """Above PROBABILITY_ALL_ROWS the weighted median (a sort) takes that many margins
+    drawn from the final pass's: close to every row's median, not a second pass."""
+    import fastanneal.estimator as E
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((24_000, 6)) + rng.integers(0, 6, (24_000, 1)) * 2.5
+    full = AnnealedKMeans(6, random_state=0).fit(X)
+    monkeypatch.setattr(E, "PROBABILITY_ALL_ROWS", 4_000)
+    capped = AnnealedKMeans(6, random_state=0).fit(X)
+    np.testing.assert_array_equal(capped.cluster_centers_, full.cluster_centers_)
+    assert capped.probability_temperature_ != full.probability_temperature_
+    assert capped.probability_temperature_ == pytest.approx(full.probability_temperature_,
+                                                            rel=0.05)

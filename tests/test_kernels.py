@@ -1114,6 +1114,17 @@ def test_a_temperature_too_small_for_the_distances_is_named():
     np.testing.assert_allclose(m.N, [1.0, 1.0])
     np.testing.assert_allclose(
         fa.moments(X, C, 1e-290, responsibilities="entmax15").N, [1.0, 1.0])
+    # rows with a clear runner-up take the one-hot shortcut (always right): not refused;
+    # entmax, a prior and the gradient have no shortcut (entmax returned zero mass)
+    rng = np.random.default_rng(0)
+    Y = rng.normal(size=(100, 4)) * 1e3
+    want = fa.moments(Y, Y[:3], 1e-200).N
+    np.testing.assert_array_equal(fa.moments(Y, Y[:3], 1e-305).N, want)
+    np.testing.assert_array_equal(fa.moments(Y, Y[:3], 1e-305, responsibilities="hard").N,
+                                  want)
+    for kw in (dict(responsibilities="entmax15"), dict(log_prior=np.log([0.2, 0.3, 0.5]))):
+        with pytest.raises(ValueError, match="too small for this data"):
+            fa.moments(Y, Y[:3], 1e-305, **kw)
 
 
 def test_big_endian_float32_stays_float32():

@@ -481,12 +481,26 @@ def _bad_trace(path):
     _rewrite(path, meta={"trace": [1, 2]})
 
 
+def _null_rng_state(path):
+    _rewrite(path, meta={"rng_state": None})
+
+
+def _negative_scale(path):
+    _rewrite(path, meta={"scale": -1.0})
+
+
+def _version_2(path):
+    """A file of the version before the annealing rule's state was kept after its phase."""
+    _rewrite(path, meta={"version": 2})
+
+
 BAD = {"garbage": _garbage, "truncated": _truncated, "nan_centers": _nan_centers,
        "wrong_shape": _wrong_shape, "too_many_clusters": _too_many_clusters,
        "other_version": _other_version, "pickled": _pickled,
        "nan_temperature": _nan_temperature, "zero_temperature": _zero_temperature,
        "bad_rng_state": _bad_rng_state, "no_start_temperature": _no_start_temperature,
-       "bad_trace": _bad_trace}
+       "bad_trace": _bad_trace, "null_rng_state": _null_rng_state,
+       "negative_scale": _negative_scale, "version_2": _version_2}
 
 
 @pytest.mark.parametrize("finished", [True, False], ids=["finished", "mid-run"])
@@ -817,3 +831,18 @@ def test_a_schedule_state_no_file_can_hold_is_named_and_only_stops_checkpoints(d
                                         r"checkpoint"):
         fa.AnnealedKMeans(5, schedule=_IteratorSchedule(), random_state=0,
                           checkpoint=tmp_path / "ck").fit(data)
+
+
+def test_a_minibatch_file_without_its_seeding_values_is_a_bad_file(data, tmp_path):
+    """A mini-batch fit reads T_c and the batch permutation's seed back from the file: a
+    file without them (edited by hand) crashed with a KeyError; it is a bad file now."""
+    ck = tmp_path / "ck"
+    kw = dict(random_state=0, n_steps=6, batch_size=250, checkpoint=ck)
+    a = fa.MiniBatchAnnealedKMeans(5, **kw).fit(data)
+    meta = read_meta(ck / "anneal.npz")
+    extra = {k: v for k, v in meta["extra"].items() if k != "perm_seed"}
+    _rewrite(ck / "anneal.npz", meta={"extra": extra})
+    with pytest.warns(CheckpointWarning, match="perm_seed"):
+        b = fa.MiniBatchAnnealedKMeans(5, **kw).fit(data)
+    assert b.checkpoint_info_["finished"] is False
+    assert_array_equal(b.cluster_centers_, a.cluster_centers_)

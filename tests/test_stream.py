@@ -706,7 +706,7 @@ def test_inertia_is_exact_on_the_streamed_and_dask_routes(tmp_path, route, minib
     """inertia_ of a full-batch fit over a stream or a Dask array came from the final pass's
     GEMM-form float32 distances: 5.6x the exact J with five rows weighing 1e10, while
     score() (exact) gave J -- now one more pass sums each row's exact distance there too.
-    The mini-batch routes' final pass (its labelling pass) sums them too (2.4e-7 off)."""
+    The mini-batch routes' final pass sums them too where it writes labels (2.4e-7 off)."""
     K, D = 7, 16
     rng = np.random.default_rng(777001)
     X = np.concatenate([c + rng.normal(size=(200, D))
@@ -718,16 +718,18 @@ def test_inertia_is_exact_on_the_streamed_and_dask_routes(tmp_path, route, minib
         pq.write_table(pa.table({"emb": pa.array(list(X), type=pa.list_(pa.float32())),
                                  "w": w}), p, row_group_size=200)
         src = open_parquet(p, column="emb", weight="w")
-        km = (fastanneal.MiniBatchAnnealedKMeans(K, random_state=3).fit(src) if minibatch
+        km = (fastanneal.MiniBatchAnnealedKMeans(K, random_state=3).fit(
+                  src, labels_path=tmp_path / "labels") if minibatch
               else fastanneal.AnnealedKMeans(K, random_state=3).fit_source(src))
     else:
         da = pytest.importorskip("dask.array")
         import dask
-        est = fastanneal.AnnealedKMeans(K, random_state=3, batch_size=400 if minibatch
-                                        else None)
+        est = (fastanneal.MiniBatchAnnealedKMeans(K, random_state=3, batch_size=400)
+               if minibatch else fastanneal.AnnealedKMeans(K, random_state=3))
         with dask.config.set(scheduler="synchronous"):
             km = est.fit(da.from_array(X, chunks=(200, D)),
-                         sample_weight=da.from_array(w, chunks=200))
+                         sample_weight=da.from_array(w, chunks=200),
+                         **({"labels_path": tmp_path / "labels"} if minibatch else {}))
     C = km.cluster_centers_.astype(np.float64)
     J = float((w * ((X.astype(np.float64)[:, None] - C[None]) ** 2).sum(-1).min(1)).sum())
     # (the mini-batch fit measures its float32 rows from its origin, each rounded once

@@ -24,7 +24,8 @@ from .._kernels import (N_SCALARS, RESP_HARD, S_ENTROPY, S_FREE, S_HARD, S_MARGI
 from .._moments import (_METRIC_NAMES, _RESP_NAMES, Moments, _check_log_prior, _prepare,
                         _unshift, log_eps_for)
 from .._sources import _about, power_iteration_eigs
-from .._validation import as_weights, check_temperature, check_temperature_for, resp_code
+from .._validation import (as_weights, check_temperature, check_temperature_for,
+                           resp_code)
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_SPARSE_FRACTION = 0.08
@@ -645,7 +646,6 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
         raise ValueError("at least one center is required")
     rc = resp_code(responsibilities)
     T = check_temperature(T, allow_zero=(rc == RESP_HARD))
-    check_temperature_for(T, X, C)
     w = as_weights(weights, X.shape[0], "weights")
     with np.errstate(over="ignore"):
         W = float(w.sum())
@@ -653,6 +653,8 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
         raise ValueError(f"weights sum to infinity (largest weight {float(w.max()):.3g}): "
                          "the moments are sums weighted by them; rescale the weights")
     log_prior = _check_log_prior(log_prior, C.shape[0])
+    if rc != RESP_HARD:
+        check_temperature_for(T, X, C, ties_only=rc == 0 and log_prior is None)
     return _unshift(CudaSource(X, w, mc, products).moments(C, T, rc, log_prior, hard_sums),
                     shift)
 

@@ -295,7 +295,7 @@ def _final_pass(plan, C, T, resp, log_prior, window, labels_path=None, overwrite
         m = plan.stream(ch.stream_chunk, window, out_dir=folder.tmp if folder else None,
                         with_ids=with_ids, C=cf, T=float(T), resp=int(resp),
                         log_prior=log_prior, hard_sums=False, nthreads=plan.nthreads,
-                        final=True, C_exact=c64)
+                        C_exact=c64)
     except BaseException:
         if folder is not None:
             folder.abort()
