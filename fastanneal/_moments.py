@@ -377,6 +377,14 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
     ``(K - 1) eps`` -- no more than the dtype's own rounding across a ``K``-term sum. Entmax-1.5
     zeros are exact. The free energy keeps its certificate ``0 <= J - F <= T W log K`` exactly.
     """
+    X, C, mc, shift, rc, T, w, log_prior = checked_moments_args(
+        X_block, centers, T, weights, metric, responsibilities, log_prior)
+    return _unshift(compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums), shift)
+
+
+def checked_moments_args(X_block, centers, T, weights, metric, responsibilities, log_prior):
+    """The arguments of :func:`moments` (and ``cuda_moments``) checked and prepared:
+    ``(X, C, metric_code, shift, resp_code, T, w, log_prior)``."""
     X, C, mc, shift = _prepare(X_block, centers, metric)
     if C.shape[0] < 1:
         raise ValueError("at least one center is required")
@@ -391,7 +399,7 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
     log_prior = _check_log_prior(log_prior, C.shape[0])
     if rc != 2:                          # (hard assignments never divide by T)
         check_temperature_for(T, X, C, ties_only=rc == 0 and log_prior is None)
-    return _unshift(compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums), shift)
+    return X, C, mc, shift, rc, T, w, log_prior
 
 
 def _check_log_prior(log_prior, K):

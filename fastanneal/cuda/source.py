@@ -13,19 +13,14 @@ responsibilities are at most this fraction of ``rows * K`` is accumulated by the
 scatter instead of the dense ``G^T X`` GEMM; default 0.08: on an H200 the scatter of a
 fully dense chunk took 8-9x the dense GEMM, so the crossover is near 0.11).
 """
-import math
-
 import numpy as np
 
 from .. import _config
 from . import _blas
-from .._kernels import (N_SCALARS, RESP_HARD, S_ENTROPY, S_FREE, S_HARD, S_MARGIN, S_NNZ,
-                        S_ROWS, S_SOFT_DIST, S_WEIGHT)
-from .._moments import (_METRIC_NAMES, _RESP_NAMES, Moments, _check_log_prior, _prepare,
-                        _unshift, log_eps_for)
+from .._kernels import (N_SCALARS, S_ENTROPY, S_FREE, S_HARD, S_MARGIN, S_NNZ, S_ROWS,
+                        S_SOFT_DIST, S_WEIGHT)
+from .._moments import _METRIC_NAMES, _RESP_NAMES, Moments, _unshift, log_eps_for
 from .._sources import _about, power_iteration_eigs
-from .._validation import (as_weights, check_temperature, check_temperature_for,
-                           resp_code)
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_SPARSE_FRACTION = 0.08
@@ -641,20 +636,9 @@ def cuda_moments(X, centers, T, weights=None, metric="euclidean", responsibiliti
         When no usable CUDA GPU (or the numba-cuda simulator) is present.
     """
     _require_cuda()
-    X, C, mc, shift = _prepare(X, centers, metric)
-    if C.shape[0] < 1:
-        raise ValueError("at least one center is required")
-    rc = resp_code(responsibilities)
-    T = check_temperature(T, allow_zero=(rc == RESP_HARD))
-    w = as_weights(weights, X.shape[0], "weights")
-    with np.errstate(over="ignore"):
-        W = float(w.sum())
-    if not math.isfinite(W):
-        raise ValueError(f"weights sum to infinity (largest weight {float(w.max()):.3g}): "
-                         "the moments are sums weighted by them; rescale the weights")
-    log_prior = _check_log_prior(log_prior, C.shape[0])
-    if rc != RESP_HARD:
-        check_temperature_for(T, X, C, ties_only=rc == 0 and log_prior is None)
+    from .._moments import checked_moments_args
+    X, C, mc, shift, rc, T, w, log_prior = checked_moments_args(
+        X, centers, T, weights, metric, responsibilities, log_prior)
     return _unshift(CudaSource(X, w, mc, products).moments(C, T, rc, log_prior, hard_sums),
                     shift)
 
