@@ -299,8 +299,18 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
 
     def _in_frame(self, X):
         """``(X, centers)`` measured from the fit's origin: the same distances, computed
-        without the rounding of large norms."""
+        without the rounding of large norms. A fit without one (its rows were near enough
+        the origin for ITS dtype) measures rows of a coarser dtype from the centers' mean
+        when they are far for that dtype: float32 rows after a float64 fit of rows offset
+        by 1e6 got half their labels from float32 rounding of |x|^2."""
         C, origin = self._frame_centers()
+        if origin is None and X.shape[0] and np.dtype(X.dtype) != np.dtype(C.dtype) \
+                and metric_code(self.metric) == 0:
+            from .dask._minibatch import _centers_origin
+            C64 = np.asarray(C, dtype=np.float64)
+            origin = _centers_origin(C64, 0, X.dtype)
+            if origin is not None:
+                return shifted_rows(X, origin), C64 - origin
         return (X if origin is None else shifted_rows(X, origin)), C
 
     def predict(self, X):
