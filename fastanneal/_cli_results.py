@@ -404,12 +404,22 @@ def print_summary(console, args, output, clusters_path, report, n, K, fit, timin
     if top:
         console.out("largest clusters:")
         for r in top:
-            cq = r["central_query"]
-            cq = "" if cq is None else (cq if len(cq) <= 48 else cq[:45] + "...")
-            console.out(f"  {r['cluster']:>4}  {r['size']:>7,}  {r['label'][:36]:<36}  {cq}")
+            cq = _printable(r["central_query"] or "")
+            cq = cq if len(cq) <= 48 else cq[:45] + "..."
+            label = _printable(r["label"] or "")[:36]
+            console.out(f"  {r['cluster']:>4}  {r['size']:>7,}  {label:<36}  {cq}")
     console.out(f"rows:     {output}")
     console.out(f"clusters: {clusters_path}")
     if report:
         console.out(f"report:   {report}")
 
 
+
+
+def _printable(text):
+    """``text`` for a terminal line: control characters (escape sequences, newlines,
+    carriage returns: a query log holds text typed by strangers) shown as ``\\x1b`` and
+    the like instead of acted on."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -590,8 +590,10 @@ def _unlink(p):
 
 class OutputSet:
     """Several output files committed together: each is written to a temporary file next to
-    its target; :meth:`commit` renames them all into place; leaving the ``with`` block by an
-    exception (or :meth:`discard`) removes the temporary files, so nothing partial is left."""
+    its target; :meth:`commit` renames them all into place, one after the other (a kill
+    between two renames can leave one new file beside an older one); leaving the ``with``
+    block by an exception (or :meth:`discard`) removes the temporary files, so nothing
+    partial is left."""
 
     def __init__(self):
         self._pending = []
@@ -636,7 +638,8 @@ def _vector_strings(col):
         fmt = "%.9g" if M.dtype == np.float32 else ("%.17g" if M.dtype.kind == "f" else "%d")
         S = np.char.mod(fmt, M)
         return pa.array(["[" + ", ".join(r) + "]" for r in S], type=pa.string())
-    return pa.array([None if v is None else json.dumps(v, default=str) for v in col.to_pylist()],
+    return pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=str)
+                     for v in col.to_pylist()],
                     type=pa.string())
 
 

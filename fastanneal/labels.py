@@ -59,14 +59,52 @@ get give know let like much need tell want
 """.split())
 
 
+#: Chinese and Japanese (Han, kana) are written without spaces between words: a run of
+#: them is no word but a phrase, and is cut into overlapping character bigrams (the usual
+#: CJK analysis of search engines; most Chinese words have two characters). Thai, Lao,
+#: Khmer and Myanmar are too, but their words are longer than two characters and need a
+#: dictionary: a run of them stays one token (words separated by spaces are tokens).
+_NO_SPACE = re.compile("[\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff"
+                       "\uf900-\ufaff\U00020000-\U0002fa1f]+")
+
+
+def _split_no_space(tok):
+    """``tok`` with each run of a script without spaces cut into character bigrams (a
+    lone character stays, and the length rule drops it); other parts are kept whole."""
+    if not _NO_SPACE.search(tok):
+        return [tok]
+    out, pos = [], 0
+    for m in _NO_SPACE.finditer(tok):
+        if m.start() > pos:
+            out.append(tok[pos:m.start()])
+        # (units: a base character with the combining marks after it -- Thai vowel and
+        # tone marks -- so that no bigram starts with a mark)
+        units = []
+        for c in m.group():
+            if units and unicodedata.category(c)[0] == "M":
+                units[-1] += c
+            else:
+                units.append(c)
+        out.extend(["".join(units)] if len(units) < 2 else
+                   [units[i] + units[i + 1] for i in range(len(units) - 1)])
+        pos = m.end()
+    if pos < len(tok):
+        out.append(tok[pos:])
+    return out
+
+
 def tokenize(text, stop_words=STOP_WORDS):
-    """Lower-case word tokens of at least 2 characters (digits kept), minus stop words."""
+    """Lower-case word tokens of at least 2 characters (digits kept), minus stop words;
+    runs of Chinese or Japanese characters become overlapping character bigrams (no space
+    between their words). Thai and the like: words separated by spaces, else a run is one
+    token (no dictionary segmenter is bundled)."""
     if not text:
         return []
     # composed forms (a decomposed "café" is the same word) and one apostrophe (phones
     # type "don’t": the stop word is "don't")
     text = unicodedata.normalize("NFC", str(text)).lower().replace("\u2019", "'")
-    return [t for t in _token_re().findall(text) if len(t) >= 2 and t not in stop_words]
+    return [t for tok in _token_re().findall(text) for t in _split_no_space(tok)
+            if len(t) >= 2 and t not in stop_words]
 
 
 #: ngram range -> {text: its n-grams}: the tokenizer's cache, shared by the term counts of
@@ -86,6 +124,11 @@ class TermCounts:
         self.n_clusters = int(n_clusters)
         self.ngram_range = ngram_range
         self.per_class = [Counter() for _ in range(self.n_clusters)]
+        # rows holding each bigram, per cluster (unweighted): "a bigram must recur" is
+        # about rows, not weight (weighted, every one-off bigram of an integer query
+        # frequency passed and none of a fractional one: labels changed with the weights'
+        # scale)
+        self.bigram_rows = [Counter() for _ in range(self.n_clusters)]
         self._cache = _GRAMS.setdefault(tuple(ngram_range), {})
 
     def add(self, texts, labels, weights=None):
@@ -109,24 +152,34 @@ class TermCounts:
         if len(cache) > self.CACHE:
             cache.clear()
         per_class = self.per_class
+        bigram_rows = self.bigram_rows
         for text, lab, wi in zip(texts, labels.tolist(), w.tolist()):
             if wi <= 0:
                 continue
             grams = cache.get(text)
             if grams is None:
+                if len(cache) >= self.CACHE:        # (the bound holds within a call too)
+                    cache.clear()
                 toks = tokenize(text)
                 grams = []
                 for size in range(lo, hi + 1):
                     grams.extend(" ".join(toks[i:i + size])
-                                 for i in range(len(toks) - size + 1))
+                                 for i in range(len(toks) - size + 1)
+                                 # (not across the overlapping character bigrams of a
+                                 # run without spaces: "修改 改密" is "修改密" again)
+                                 if size == 1 or not all(_NO_SPACE.match(t)
+                                                         for t in toks[i:i + size]))
                 # one string object per distinct n-gram, shared by every cached text that
                 # has it (query logs repeat their words: the cache's lists otherwise hold
                 # a copy per text)
                 grams = tuple([sys.intern(g) for g in grams])
                 cache[text] = grams
             cnt = per_class[lab]
+            rows = bigram_rows[lab]
             for g in grams:
                 cnt[g] += wi
+                if " " in g:
+                    rows[g] += 1
 
     def merge(self, other):
         """Add the counts of ``other`` (the counts of other rows): the same counts as one
@@ -134,6 +187,8 @@ class TermCounts:
         if other.n_clusters != self.n_clusters or other.ngram_range != self.ngram_range:
             raise ValueError("cannot merge term counts of different clusterings")
         for mine, theirs in zip(self.per_class, other.per_class):
+            mine.update(theirs)
+        for mine, theirs in zip(self.bigram_rows, other.bigram_rows):
             mine.update(theirs)
         return self
 
@@ -156,15 +211,16 @@ class TermCounts:
         nonempty = [s for s in sizes if s > 0]
         A = (sum(nonempty) / len(nonempty)) if nonempty else 0.0
         out = []
-        for cnt, size in zip(self.per_class, sizes):
+        for cnt, size, rows in zip(self.per_class, sizes, self.bigram_rows):
             if size <= 0:
                 out.append([])
                 continue
             scored = []
             for term, tf in cnt.items():
                 s = tf / size * math.log1p(A / total[term])
-                # a bigram must beat being two unigrams: only keep it when it recurs
-                if " " in term and tf < 2:
+                # a bigram must beat being two unigrams: only keep it when it recurs (in
+                # two rows of the cluster, whatever their weights)
+                if " " in term and rows[term] < 2:
                     continue
                 scored.append((s, term))
             scored.sort(key=lambda st: (-st[0], st[1]))
@@ -208,18 +264,19 @@ def short_labels(terms, n_terms=3, top_n=8):
         words = set()
         for t, _ in tl:
             parts = t.split(" ")
-            if all(p in words for p in parts):
-                continue
             if len(parts) > 1:
-                # a bigram replaces the unigrams it contains ("pin" -> "change pin")
+                # a bigram replaces the unigrams it contains ("pin" -> "change pin"; both
+                # "red" and "car" -> "red car"), unless it would repeat a word of another
+                # chosen term
                 inside = [i for i, c in enumerate(chosen) if c in parts]
-                if inside:
+                mine = {chosen[i] for i in inside}
+                if inside and all(p in mine or p not in words for p in parts):
                     chosen[inside[0]] = t
                     chosen = [c for i, c in enumerate(chosen) if i not in inside[1:]]
                     words.update(parts)
                     continue
-                if any(p in words for p in parts):
-                    continue          # would repeat a word of a chosen bigram
+            if any(p in words for p in parts):
+                continue              # would repeat a chosen word
             words.update(parts)
             if len(chosen) < n_terms:
                 chosen.append(t)

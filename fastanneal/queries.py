@@ -80,6 +80,15 @@ class QueryClusters:
         if texts is not None:
             # a missing text (None, NaN, pd.NA) stays missing: not the query "nan"
             texts = [None if _missing(t) else str(t) for t in texts]
+            for i, t in enumerate(texts):
+                if t is not None and not t.isascii():
+                    try:
+                        t.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise ValueError(
+                            f"text at row {i} is not valid Unicode: {t[e.start]!r} at "
+                            f"character {e.start} is half of a surrogate pair (a truncated "
+                            "emoji?); the outputs are UTF-8: fix or drop the row") from None
         if embeddings is None:
             from .cli import _load_embedder, distinct_texts
             if any(t is None for t in texts):
@@ -174,8 +183,10 @@ class QueryClusters:
 
     def write(self, path, fmt=None):
         """Write :meth:`assignments` to ``path`` (format from the extension: .csv, .tsv,
-        .parquet, .jsonl) and :meth:`cluster_info` to ``<stem>.clusters.<ext>``, both
-        atomically (temporary files renamed into place together). Returns the two paths."""
+        .parquet, .jsonl) and :meth:`cluster_info` to ``<stem>.clusters.<ext>`` (``ext``
+        the format's own: ``x.pq`` -> ``x.clusters.parquet``, ``x.ndjson`` ->
+        ``x.clusters.jsonl``), each written complete to a temporary file, then both renamed
+        into place. Returns the two paths."""
         from ._io import OutputSet, check_writable, output_format, sidecar, write_table
         self._check()
         named = output_format(path)

