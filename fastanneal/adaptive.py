@@ -73,6 +73,8 @@ class AdaptiveSchedule(Schedule):
     history_ : list of dict
         One entry per call of :meth:`next_temperature`: ``step, T, entropy, H_ref, sigma_H,
         grad_norm, grad_mean, entropy_term, grad_term, T_next`` (``T_next`` None at the end).
+        An estimator runs a copy of the schedule it is given: after a fit read
+        ``estimator.schedule_.history_``.
     """
 
     def __init__(self, n_steps=30, eta=1.0, beta=0.5, T_min_ratio=0.005, T_max_ratio=50.0,

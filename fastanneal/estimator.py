@@ -3,6 +3,7 @@
 input, out of core over Dask chunks or Parquet row groups). Both share
 :class:`_BaseAnnealedKMeans` (validation, inference) and run the one engine loop of
 :mod:`fastanneal._engine`; seeding lives in :mod:`fastanneal._seeding`."""
+import copy
 import functools
 import math
 import numbers
@@ -186,7 +187,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         return rc
 
     #: the private state a fit leaves beside its ``..._`` attributes
-    _FIT_STATE = ("_partial_state", "_origin", "_scale", "_rows_seen", "_mass_constrained")
+    _FIT_STATE = ("_partial_state", "_origin", "_scale", "_rows_seen", "_mass_constrained",
+                  "_run_schedule")
 
     def _forget_fit(self):
         """A new fit starts unfitted: nothing of an earlier fit survives it (``k_suggestion_``
@@ -538,7 +540,9 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         :func:`fastanneal.suggest_k`), then the fit continues from that state;
         ``n_clusters_`` and ``k_suggestion_`` say what was chosen and why. The path is
         its own schedule: ``init``, ``n_init``, ``schedule``, ``n_steps``,
-        ``temperature_start`` and ``mass_constrained`` do not apply there.
+        ``temperature_start`` and ``mass_constrained`` do not apply there. A K above the
+        number of distinct rows (of weight > 0) is an error, not a warning as in
+        scikit-learn's KMeans: the fit would hold coincident centers.
     k_max : int or None, default=None
         The most clusters ``n_clusters="auto"`` considers (required there; the path's cost
         grows with it).
@@ -690,6 +694,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         temperature (None once the annealing is over) and phase ("anneal", "critical",
         "polish", "reallocate", "done") of the state the fit continued from
     trace_ : Trace (``.as_dict()``, ``.to_arrow()``)
+    schedule_ : Schedule or None
+        The schedule that ran (of the kept run with ``n_init``), with its state (e.g.
+        ``AdaptiveSchedule.history_``): a copy, the ``schedule`` parameter is left as it
+        was; None for ``n_clusters="auto"``.
     n_features_in_ : int
     """
 
@@ -925,6 +933,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         if auto:
             result, trace, T0 = self._fit_auto(source, rc, rng, stats, t0)
             K = int(self.n_clusters_)
+            self.schedule_ = None             # (the phase-transition path: no schedule)
         else:
             best = None
             n_init = int(self.n_init)
@@ -936,10 +945,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                 n_init = 1
             for run in range(n_init):
                 res = self._fit_once(source, in_memory, K, rc, rng, stats, t0,
-                                     run if n_init > 1 else None)
+                                     run if n_init > 1 else None) + (self._run_schedule,)
                 if best is None or res[0].hard_objective_final < best[0].hard_objective_final:
                     best = res
-            result, trace, T0 = best
+            result, trace, T0, self.schedule_ = best
             self.n_clusters_ = K
         C = self._set_centers(result.centers, origin, source.dtype)
         self._scale, self._rows_seen = float(stats.scale), int(source.n_rows)
@@ -1034,7 +1043,10 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         return result, trace, T0
 
     def _fit_once(self, source, in_memory, K, rc, rng, stats, t0, run):
-        schedule = make_schedule(self.schedule, int(self.n_steps))
+        # a copy of a schedule object: fitting does not write into the parameter (the
+        # fitted one, with its state, is schedule_)
+        schedule = make_schedule(_copied(self.schedule), int(self.n_steps))
+        self._run_schedule = schedule
         ts = self.temperature_start
         T_c = self.critical_temperature_
         transitions = isinstance(schedule, CriticalSchedule)
@@ -1134,6 +1146,12 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                 "differ only in their last bits, e.g. positive multiples of one vector under "
                 "the cosine metric); choose a smaller n_clusters")
         result.hard_objective_final = float(trace["hard_distortion"][-1])
+
+
+def _copied(schedule):
+    """A schedule object deep-copied (scikit-learn: fitting does not change parameters; one
+    object shared by estimators fitted in threads kept one state); a name as it is."""
+    return schedule if isinstance(schedule, str) else copy.deepcopy(schedule)
 
 
 def _end_temperature(ratio, T_start):
@@ -1293,6 +1311,10 @@ class _PartialFit:
 
     def __init__(self, est, X, w):
         K = est.n_clusters
+        if isinstance(K, str) and K == "auto":
+            raise ValueError("partial_fit needs a given n_clusters: 'auto' chooses K from "
+                             "the phase transitions of full passes (fit); choose K with "
+                             "fastanneal.suggest_k on a sample, then partial_fit with it")
         if not isinstance(K, numbers.Integral) or isinstance(K, bool) or K < 1:
             raise ValueError(f"n_clusters must be a positive integer; got {K!r}")
         if X.shape[0] < K:
@@ -1342,7 +1364,10 @@ class _PartialFit:
         self.T_c = float(getattr(est, "critical_temperature_", math.nan))
         self.scale = float(getattr(est, "_scale", 0.0)) or float(
             np.mean(np.sum((self.C - self.C.mean(axis=0)) ** 2, axis=1))) or 1.0
-        self._setup(est, "constant", bool(getattr(est, "_mass_constrained", False)), X.dtype)
+        # (the fitted model's dtype: a float32 batch after a float64 fit is upcast, the
+        # model is not rounded to float32 -- as partial_fit(X64) then partial_fit(X32))
+        self._setup(est, "constant", bool(getattr(est, "_mass_constrained", False)),
+                    est.cluster_centers_.dtype)
         p = np.asarray(est.cluster_weights_, dtype=np.float64)
         rows = int(getattr(est, "_rows_seen", 0) or X.shape[0])
         self.running.load_state_dict({
@@ -1471,6 +1496,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     labels_path_ : str or None
     trace_ : Trace
         Annealing records are batch sums scaled to the total weight.
+    schedule_ : Schedule
+        The schedule that ran, with its state (a copy of the ``schedule`` parameter).
     n_features_in_ : int
     """
 
@@ -1690,7 +1717,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         hook = None
         if ckpt is not None:
             ckpt.trace, ckpt.extra, hook = trace, extra, ckpt.save
-        schedule = make_schedule(self.schedule, n_steps)
+        schedule = make_schedule(_copied(self.schedule), n_steps)
+        self.schedule_ = schedule
         bar = _attach_progress(cfg, schedule, self.progress)
         try:
             result = E.run(full, st, schedule, cfg, rng, trace, t_start, rule=rule, hook=hook)

@@ -241,7 +241,8 @@ def test_adaptive_reference_starts_at_the_entropy_the_fit_starts_with():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         km = AnnealedKMeans(10, schedule=s, random_state=0).fit(X)
-    h = s.history_
+    assert s.history_ == []               # the parameter is left as it was (a copy ran)
+    h = km.schedule_.history_
     assert 0 < h[0]["entropy"] < 0.5 * LOGK               # the auto start: nearly hard
     assert h[0]["H_ref"] == pytest.approx(h[0]["entropy"])
     assert all(b["H_ref"] < a["H_ref"] for a, b in zip(h, h[1:]))
@@ -251,8 +252,9 @@ def test_adaptive_reference_starts_at_the_entropy_the_fit_starts_with():
     s2 = AdaptiveSchedule(n_steps=6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        AnnealedKMeans(10, schedule=s2, temperature_start="critical", random_state=0).fit(X)
-    assert s2.history_[0]["H_ref"] == pytest.approx(math.log(10), rel=1e-3)
+        k2 = AnnealedKMeans(10, schedule=s2, temperature_start="critical",
+                            random_state=0).fit(X)
+    assert k2.schedule_.history_[0]["H_ref"] == pytest.approx(math.log(10), rel=1e-3)
 
 
 def test_estimator_with_adaptive_schedule():
@@ -429,6 +431,7 @@ def test_adaptive_reference_is_on_the_entropy_scale_of_the_rule():
         warnings.simplefilter("ignore")
         m = AnnealedKMeans(8, random_state=0, schedule=s, responsibilities="entmax15",
                            stop_when_hard=False).fit(X)
+    s = m.schedule_
     h0 = s.history_[0]
     assert h0["H_ref"] == pytest.approx(h0["entropy"])
     assert 0 < h0["entropy"] <= 4 / 3 * (1 - 8 ** -0.5)

@@ -874,3 +874,27 @@ def test_probability_temperature_above_the_row_cap_draws_from_the_margins(monkey
     assert capped.probability_temperature_ != full.probability_temperature_
     assert capped.probability_temperature_ == pytest.approx(full.probability_temperature_,
                                                             rel=0.05)
+
+
+def test_fitting_leaves_the_schedule_parameter_as_it_was():
+    """A schedule object got T_start/T_end (and AdaptiveSchedule its history) written into
+    it by the fit: scikit-learn's check_estimators_overwrite_params failed, and one object
+    shared by estimators fitted in threads kept one state. The fit runs a copy:
+    schedule_ (of the kept run with n_init)."""
+    from fastanneal.adaptive import AdaptiveSchedule
+    from fastanneal.schedules import GeometricSchedule
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((600, 4)) + rng.integers(0, 4, (600, 1)) * 4.0
+    for s in (GeometricSchedule(5), AdaptiveSchedule(n_steps=6)):
+        before = dict(vars(s))
+        km = AnnealedKMeans(4, schedule=s, random_state=0, n_init=2).fit(X)
+        assert dict(vars(s)) == before
+        assert type(km.schedule_) is type(s) and km.schedule_ is not s
+        assert km.schedule_.T_start == pytest.approx(km.temperature_start_)
+    # partial_fit after a float64 fit keeps the model in float64 (a float32 batch rounded
+    # it to float32; partial_fit(X64) then partial_fit(X32) kept float64)
+    km = AnnealedKMeans(4, random_state=0).fit(X)
+    km.partial_fit(X[:100].astype(np.float32))
+    assert km.cluster_centers_.dtype == np.float64
+    with pytest.raises(ValueError, match="partial_fit needs a given n_clusters"):
+        AnnealedKMeans("auto", k_max=6).partial_fit(X)

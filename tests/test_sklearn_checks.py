@@ -23,7 +23,21 @@ EXPECTED_FAILED_CHECKS = {
 }
 
 
+# The mini-batch estimator's fit is not the same with weights as with repeated rows even
+# without the shuffle (a reviewer measured ARI 0.66 between the two, J 60.38 vs 60.67): it
+# seeds on an unweighted sample of rows and draws batches of them, so repeated rows are
+# more likely drawn than one weighted row -- as scikit-learn's MiniBatchKMeans, which lists
+# the same expected failure with that reason.
+MINIBATCH_FAILED_CHECKS = {
+    "check_sample_weight_equivalence_on_dense_data":
+        "the seeding sample and the batches draw rows, not weight: sample_weight is not "
+        "equivalent to repeated rows (as sklearn's MiniBatchKMeans)",
+}
+
+
 def _expected_failed_checks(estimator):
+    if isinstance(estimator, MiniBatchAnnealedKMeans):
+        return MINIBATCH_FAILED_CHECKS
     return EXPECTED_FAILED_CHECKS
 
 
