@@ -233,8 +233,8 @@ def check_temperature_for(T, X, C, ties_only=True):
     """``ValueError`` when ``T > 0`` is so small against the squared distances of the rows
     ``X`` to the centers ``C`` that a row's logits turn into ``-inf - (-inf)``: its nearest
     distance ``d_1 / T`` overflows float64 and (``ties_only``, the moments kernels) its
-    runner-up is within ``64 T`` (a clear margin takes the one-hot shortcut first: those
-    rows were always right). Cheap where it is clearly fine: a bound ``d <= (max|x| sqrt(D)
+    runner-up is within ``8 eps d_2 + 64 T`` (``eps`` of the rows' dtype: a clear margin
+    takes the one-hot shortcut first, and those rows were always right). Cheap where it is clearly fine: a bound ``d <= (max|x| sqrt(D)
     + max|c| sqrt(D))^2`` from the largest entries (no temporary); only below it are the
     distances computed (float64, in row blocks)."""
     if not T > 0 or X.size == 0 or C.size == 0:
@@ -260,7 +260,11 @@ def check_temperature_for(T, X, C, ties_only=True):
             d1, margin = D2[:, 0], np.full(D2.shape[0], np.inf)
         bad = d1 >= T * big
         if ties_only:
-            bad &= margin <= 64.0 * T
+            # the kernels' shortcut needs a margin above the rounding of d2 in the rows'
+            # dtype (they compute in it) plus the drop threshold times T
+            eps = float(np.finfo(X.dtype).eps) if X.dtype.kind == "f" else 2.0 ** -52
+            if D2.shape[1] > 1:
+                bad &= margin <= 8.0 * eps * two[:, 1] + 64.0 * T
         if bad.any():
             worst = max(worst, float(d1[bad].max()))
     if worst == 0.0:

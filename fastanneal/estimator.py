@@ -299,20 +299,30 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             return self.cluster_centers_, None
         return self.cluster_centers_.astype(np.float64) - origin, origin
 
-    def _in_frame(self, X):
-        """``(X, centers)`` measured from the fit's origin: the same distances, computed
-        without the rounding of large norms. A fit without one (its rows were near enough
-        the origin for ITS dtype) measures rows of a coarser dtype from the centers' mean
-        when they are far for that dtype: float32 rows after a float64 fit of rows offset
-        by 1e6 got half their labels from float32 rounding of |x|^2."""
+    def _frame_for(self, dtype):
+        """:meth:`_frame_centers` for rows of ``dtype``: a fit without an origin (its rows
+        were near enough the origin for ITS dtype) measures rows of a coarser dtype from
+        the centers' mean when they are far for that dtype (float32 rows after a float64
+        fit of rows offset by 4e6 got half their labels from float32 rounding of
+        |x|^2)."""
         C, origin = self._frame_centers()
-        if origin is None and X.shape[0] and np.dtype(X.dtype) != np.dtype(C.dtype) \
+        if origin is None and np.dtype(dtype) != np.dtype(C.dtype) \
                 and metric_code(self.metric) == 0:
             from .dask._minibatch import _centers_origin
             C64 = np.asarray(C, dtype=np.float64)
-            origin = _centers_origin(C64, 0, X.dtype)
-            if origin is not None:
-                return shifted_rows(X, origin), C64 - origin
+            o = _centers_origin(C64, 0, np.dtype(dtype))
+            if o is not None:
+                return C64 - o, o
+        return C, origin
+
+    def _dask_frame(self, X):
+        """:meth:`_frame_for` the rows of the Dask collection ``X``."""
+        return self._frame_for(float_dtype_of(getattr(X, "dtype", np.float64)))
+
+    def _in_frame(self, X):
+        """``(X, centers)`` measured from the fit's origin (:meth:`_frame_for`): the same
+        distances, computed without the rounding of large norms."""
+        C, origin = self._frame_for(X.dtype)
         return (X if origin is None else shifted_rows(X, origin)), C
 
     def predict(self, X):
@@ -320,7 +330,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if hasattr(X, "__dask_graph__"):
             from .dask import predict_labels
             check_is_fitted(self, "cluster_centers_")
-            C, origin = self._frame_centers()
+            C, origin = self._dask_frame(X)
             return predict_labels(X, C, self.metric, origin=origin)
         X, C = self._in_frame(self._check_X(X))
         return _assign(X, C, metric_code(self.metric), _prepared=True)[0]
@@ -351,7 +361,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if hasattr(X, "__dask_graph__"):
             check_is_fitted(self, "cluster_centers_")
             T, kind, logp = self._probability_rule(temperature)
-            C, origin = self._frame_centers()
+            C, origin = self._dask_frame(X)
             return self._dask_rows(X, C, origin, functools.partial(
                 _proba_rows, T=T, metric=self.metric, kind=kind, log_prior=logp))
         X, C = self._in_frame(self._check_X(X))
@@ -427,7 +437,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         fn = functools.partial(_distance_rows, metric=self.metric)
         if hasattr(X, "__dask_graph__"):
             check_is_fitted(self, "cluster_centers_")
-            C, origin = self._frame_centers()
+            C, origin = self._dask_frame(X)
             return self._dask_rows(X, C, origin, fn)
         X, C = self._in_frame(self._check_X(X))
         return fn(X, C)
@@ -437,7 +447,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         chunk, with the weights as a Dask or NumPy array)."""
         if hasattr(X, "__dask_graph__"):
             check_is_fitted(self, "cluster_centers_")
-            C, origin = self._frame_centers()
+            C, origin = self._dask_frame(X)
             from .dask import map_rows
             d = map_rows(X, np.asarray(C, dtype=np.float64), self.metric, origin,
                          functools.partial(_nearest_rows, metric=self.metric), np.float64,
@@ -949,6 +959,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                 if best is None or res[0].hard_objective_final < best[0].hard_objective_final:
                     best = res
             result, trace, T0, self.schedule_ = best
+            del self._run_schedule
             self.n_clusters_ = K
         C = self._set_centers(result.centers, origin, source.dtype)
         self._scale, self._rows_seen = float(stats.scale), int(source.n_rows)
@@ -1045,7 +1056,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
     def _fit_once(self, source, in_memory, K, rc, rng, stats, t0, run):
         # a copy of a schedule object: fitting does not write into the parameter (the
         # fitted one, with its state, is schedule_)
-        schedule = make_schedule(_copied(self.schedule), int(self.n_steps))
+        schedule = _copied(make_schedule(self.schedule, int(self.n_steps)))
         self._run_schedule = schedule
         ts = self.temperature_start
         T_c = self.critical_temperature_
@@ -1149,9 +1160,17 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
 
 
 def _copied(schedule):
-    """A schedule object deep-copied (scikit-learn: fitting does not change parameters; one
-    object shared by estimators fitted in threads kept one state); a name as it is."""
-    return schedule if isinstance(schedule, str) else copy.deepcopy(schedule)
+    """A shallow copy of a schedule object (scikit-learn: fitting does not change
+    parameters; one object shared by estimators fitted in threads kept one state): what
+    ``start`` sets lands on the copy, while a lock, a generator or a caller's list it holds
+    stay shared (a deep copy broke schedules holding a lock or a generator). A name, or an
+    object that cannot be copied, as it is."""
+    if isinstance(schedule, str):
+        return schedule
+    try:
+        return copy.copy(schedule)
+    except Exception:                   # (an object that refuses copying runs itself)
+        return schedule
 
 
 def _end_temperature(ratio, T_start):
@@ -1717,7 +1736,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         hook = None
         if ckpt is not None:
             ckpt.trace, ckpt.extra, hook = trace, extra, ckpt.save
-        schedule = make_schedule(_copied(self.schedule), n_steps)
+        schedule = _copied(make_schedule(self.schedule, n_steps))
         self.schedule_ = schedule
         bar = _attach_progress(cfg, schedule, self.progress)
         try:

@@ -103,13 +103,35 @@ def tokenize(text, stop_words=STOP_WORDS):
     # composed forms (a decomposed "café" is the same word) and one apostrophe (phones
     # type "don’t": the stop word is "don't")
     text = unicodedata.normalize("NFC", str(text)).lower().replace("\u2019", "'")
-    return [t for tok in _token_re().findall(text) for t in _split_no_space(tok)
-            if len(t) >= 2 and t not in stop_words]
+    toks = _token_re().findall(text)
+    if not text.isascii():
+        toks = [t for tok in toks for t in _split_no_space(tok)]
+    return [t for t in toks if len(t) >= 2 and t not in stop_words]
 
 
 #: ngram range -> {text: its n-grams}: the tokenizer's cache, shared by the term counts of
 #: this process (bounded by ``TermCounts.CACHE`` entries; pure function of the text)
 _GRAMS = {}
+
+
+def _grams_of(text, lo, hi):
+    """``(grams, multi)`` of one text: its n-grams (sizes ``lo..hi``) and the distinct
+    multi-word ones among them (a bigram counts once per row for the recurrence rule)."""
+    toks = tokenize(text)
+    plain = text is None or str(text).isascii()         # (no CJK run: no regex per gram)
+    grams = []
+    for size in range(lo, hi + 1):
+        grams.extend(" ".join(toks[i:i + size])
+                     for i in range(len(toks) - size + 1)
+                     # (not across the overlapping character bigrams of a run without
+                     # spaces: "修改 改密" is "修改密" again)
+                     if size == 1 or plain or not all(_NO_SPACE.match(t)
+                                                      for t in toks[i:i + size]))
+    # one string object per distinct n-gram, shared by every cached text that has it
+    # (query logs repeat their words: the cache's lists otherwise hold a copy per text)
+    grams = tuple([sys.intern(g) for g in grams])
+    multi = tuple(dict.fromkeys(g for g in grams if " " in g))
+    return grams, multi
 
 
 class TermCounts:
@@ -124,8 +146,8 @@ class TermCounts:
         self.n_clusters = int(n_clusters)
         self.ngram_range = ngram_range
         self.per_class = [Counter() for _ in range(self.n_clusters)]
-        # rows holding each bigram, per cluster (unweighted): "a bigram must recur" is
-        # about rows, not weight (weighted, every one-off bigram of an integer query
+        # rows holding each bigram, per cluster (unweighted, once per row): "a bigram must
+        # recur" is about rows, not weight (weighted, every one-off bigram of an integer query
         # frequency passed and none of a fractional one: labels changed with the weights'
         # scale)
         self.bigram_rows = [Counter() for _ in range(self.n_clusters)]
@@ -156,29 +178,18 @@ class TermCounts:
         for text, lab, wi in zip(texts, labels.tolist(), w.tolist()):
             if wi <= 0:
                 continue
-            grams = cache.get(text)
-            if grams is None:
+            entry = cache.get(text)
+            if entry is None:
                 if len(cache) >= self.CACHE:        # (the bound holds within a call too)
                     cache.clear()
-                toks = tokenize(text)
-                grams = []
-                for size in range(lo, hi + 1):
-                    grams.extend(" ".join(toks[i:i + size])
-                                 for i in range(len(toks) - size + 1)
-                                 # (not across the overlapping character bigrams of a
-                                 # run without spaces: "修改 改密" is "修改密" again)
-                                 if size == 1 or not all(_NO_SPACE.match(t)
-                                                         for t in toks[i:i + size]))
-                # one string object per distinct n-gram, shared by every cached text that
-                # has it (query logs repeat their words: the cache's lists otherwise hold
-                # a copy per text)
-                grams = tuple([sys.intern(g) for g in grams])
-                cache[text] = grams
+                entry = cache[text] = _grams_of(text, lo, hi)
+            grams, multi = entry
             cnt = per_class[lab]
-            rows = bigram_rows[lab]
             for g in grams:
                 cnt[g] += wi
-                if " " in g:
+            if multi:
+                rows = bigram_rows[lab]
+                for g in multi:             # (a loop: Counter.update costs ~2 us a call)
                     rows[g] += 1
 
     def merge(self, other):
@@ -200,6 +211,9 @@ class TermCounts:
 
     def __setstate__(self, d):
         self.__dict__.update(d)
+        if "bigram_rows" not in d:          # (pickled before rows were counted: weights)
+            self.bigram_rows = [Counter({t: v for t, v in cnt.items() if " " in t})
+                                for cnt in self.per_class]
         self._cache = _GRAMS.setdefault(tuple(self.ngram_range), {})
 
     def terms(self, top_n=8):

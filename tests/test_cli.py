@@ -992,6 +992,9 @@ def test_labels_do_not_depend_on_the_scale_of_the_weights():
     one = cluster_labels(["alpha beta", "gamma", "delta"], [0, 0, 0], 1,
                          weights=[1e6, 1, 1])[1][0]
     assert "alpha beta" not in one
+    # ... nor one that a single row repeats
+    one = cluster_labels(["new york new york", "gamma", "delta"], [0, 0, 0], 1)[1][0]
+    assert "new york" not in one
 
 
 def test_a_bigram_replaces_both_unigrams_it_contains():

@@ -381,10 +381,11 @@ def test_term_counts_share_one_string_per_ngram():
     labels = np.arange(len(texts)) % 3
     tc = TermCounts(3)
     tc.add(texts, labels)
-    a, b = tc._cache[texts[0]], tc._cache[texts[1]]
+    a, b = tc._cache[texts[0]][0], tc._cache[texts[1]][0]     # (grams, distinct bigrams)
     assert a[0] == b[0] == "pay" and a[0] is b[0]              # one object for "pay"
     bi = [g for g in a if g == "pay card"][0]                # texts 0 and 2 share it
-    assert bi is [g for g in tc._cache[texts[2]] if g == "pay card"][0]
+    assert bi is [g for g in tc._cache[texts[2]][0] if g == "pay card"][0]
+    assert bi is tc._cache[texts[0]][1][0]                   # ... and the bigram list
     for k in range(3):                                        # the counts themselves
         want = Counter()
         for t, lab in zip(texts, labels):

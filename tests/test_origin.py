@@ -266,3 +266,11 @@ def test_float32_rows_after_a_float64_fit_far_from_the_origin(minibatch):
     # (the float32 rows measured from the centers' mean: rounded once there, ~1e-8)
     assert -est.score(X32) == pytest.approx(d.min(1).sum(), rel=1e-7)
     assert est.predict_proba(X32).dtype == np.float32
+    # ... and on a Dask array of them (score was 2.3x off there too)
+    import dask
+    import dask.array as da
+    Xd = da.from_array(X32, chunks=700)
+    with dask.config.set(scheduler="synchronous"):
+        assert -float(est.score(Xd)) == pytest.approx(d.min(1).sum(), rel=1e-7)
+        np.testing.assert_array_equal(est.predict(Xd).compute(), d.argmin(1))
+        np.testing.assert_array_equal(est.transform(Xd).compute().argmin(1), d.argmin(1))
