@@ -566,6 +566,11 @@ def run(source, st, schedule, cfg, rng, trace=None, t0=None, rule=None, critical
         st.rule_state = {}
         if hook is not None:
             hook(st)
+    elif st.phase in ("polish", "reallocate", "done") and st.schedule_state and \
+            not st.schedule_state.get("one_step") and schedule is not None:
+        # resumed after the annealing: the schedule object ends as the run left it (the
+        # estimator's schedule_ says what ran)
+        load_schedule_state(schedule, st.schedule_state)
     res_last = st.last
     if st.phase == "polish":
         polish_state(ctx, st, st.last.get("temperature") or 1.0)  # T of the hard pass: moot

@@ -846,3 +846,17 @@ def test_a_minibatch_file_without_its_seeding_values_is_a_bad_file(data, tmp_pat
         b = fa.MiniBatchAnnealedKMeans(5, **kw).fit(data)
     assert b.checkpoint_info_["finished"] is False
     assert_array_equal(b.cluster_centers_, a.cluster_centers_)
+
+
+def test_schedule_of_a_reused_finished_fit_holds_the_runs_state(data, tmp_path):
+    """A fit that reuses a finished checkpoint (or resumes after its annealing) reported
+    the schedule as given, without the state of the run (AdaptiveSchedule's history)."""
+    from fastanneal.adaptive import AdaptiveSchedule
+    kw = dict(random_state=0, stop_when_hard=False, checkpoint=tmp_path / "ck")
+    a = fa.AnnealedKMeans(5, schedule=AdaptiveSchedule(n_steps=6), **kw).fit(data)
+    b = fit_without_bad_file_warning(
+        fa.AnnealedKMeans(5, schedule=AdaptiveSchedule(n_steps=6), **kw), data)
+    assert b.checkpoint_info_["finished"] is True
+    ha, hb = a.schedule_.history_, b.schedule_.history_
+    assert len(hb) == len(ha) == 6
+    assert [h["T"] for h in hb] == pytest.approx([h["T"] for h in ha], rel=1e-12)
