@@ -398,7 +398,7 @@ def checked_moments_args(X_block, centers, T, weights, metric, responsibilities,
                          "the moments are sums weighted by them; rescale the weights")
     log_prior = _check_log_prior(log_prior, C.shape[0])
     if rc != 2:                          # (hard assignments never divide by T)
-        check_temperature_for(T, X, C, ties_only=rc == 0 and log_prior is None)
+        check_temperature_for(T, X, C, mc, ties_only=rc == 0 and log_prior is None)
     return X, C, mc, shift, rc, T, w, log_prior
 
 
@@ -439,7 +439,7 @@ def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prio
     csq = np.einsum("ij,ij->i", C, C, dtype=np.float64)
     log_prior = _check_log_prior(log_prior, C.shape[0])
     if rc != 2:
-        check_temperature_for(T, X, C, ties_only=rc == 0 and log_prior is None)
+        check_temperature_for(T, X, C, mc, ties_only=rc == 0 and log_prior is None)
     use_prior = log_prior is not None
     logp = log_prior if use_prior else np.zeros(C.shape[0])
     out = np.empty((X.shape[0], C.shape[0]), dtype=X.dtype)

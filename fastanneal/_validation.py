@@ -229,14 +229,16 @@ def check_temperature(T, allow_zero=False):
     return T
 
 
-def check_temperature_for(T, X, C, ties_only=True):
+def check_temperature_for(T, X, C, metric=0, ties_only=True):
     """``ValueError`` when ``T > 0`` is so small against the squared distances of the rows
     ``X`` to the centers ``C`` that a row's logits turn into ``-inf - (-inf)``: its nearest
     distance ``d_1 / T`` overflows float64 and (``ties_only``, the moments kernels) its
     runner-up is within ``8 eps d_2 + 64 T`` (``eps`` of the rows' dtype: a clear margin
-    takes the one-hot shortcut first, and those rows were always right). Cheap where it is clearly fine: a bound ``d <= (max|x| sqrt(D)
-    + max|c| sqrt(D))^2`` from the largest entries (no temporary); only below it are the
-    distances computed (float64, in row blocks)."""
+    takes the one-hot shortcut first, and those rows were always right). Cheap where it is
+    clearly fine: a bound ``d <= (max|x| sqrt(D) + max|c| sqrt(D))^2`` from the largest
+    entries (no temporary); only below it are the distances computed (one labelling
+    pass). ``X`` and ``C`` prepared (the rows' float
+    dtype; cosine: unit rows), ``metric`` its code."""
     if not T > 0 or X.size == 0 or C.size == 0:
         return
     big = np.finfo(np.float64).max
@@ -245,28 +247,16 @@ def check_temperature_for(T, X, C, ties_only=True):
         ac = float(max(C.max(), -C.min())) * math.sqrt(C.shape[1])
         if (ax + ac) ** 2 < T * big:
             return
-    C64 = np.asarray(C, dtype=np.float64)
-    csq = np.einsum("ij,ij->i", C64, C64)
-    worst = 0.0
-    for b in range(0, X.shape[0], 8192):
-        Xb = np.asarray(X[b:b + 8192], dtype=np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            D2 = np.einsum("ij,ij->i", Xb, Xb)[:, None] + csq[None, :] - 2.0 * (Xb @ C64.T)
-        np.maximum(D2, 0.0, out=D2)
-        if D2.shape[1] > 1:
-            two = np.partition(D2, 1, axis=1)
-            d1, margin = two[:, 0], two[:, 1] - two[:, 0]
-        else:
-            d1, margin = D2[:, 0], np.full(D2.shape[0], np.inf)
-        bad = d1 >= T * big
-        if ties_only:
-            # the kernels' shortcut needs a margin above the rounding of d2 in the rows'
-            # dtype (they compute in it) plus the drop threshold times T
-            eps = float(np.finfo(X.dtype).eps) if X.dtype.kind == "f" else 2.0 ** -52
-            if D2.shape[1] > 1:
-                bad &= margin <= 8.0 * eps * two[:, 1] + 64.0 * T
-        if bad.any():
-            worst = max(worst, float(d1[bad].max()))
+    # the distances as the kernels see them: the labelling pass (GEMM form, rows' dtype)
+    from ._moments import assign
+    _, d1, margin = assign(X, C, metric, _prepared=True)
+    bad = d1 >= T * big
+    if ties_only:
+        # the kernels' shortcut needs a margin above the rounding of d2 in the rows'
+        # dtype plus the drop threshold times T
+        eps = float(np.finfo(X.dtype).eps)
+        bad &= margin <= 8.0 * eps * (d1 + margin) + 64.0 * T
+    worst = float(d1[bad].max()) if bad.any() else 0.0
     if worst == 0.0:
         return
     raise ValueError(f"temperature T={T!r} is too small for this data: squared distances up "

@@ -180,9 +180,9 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
     check_range(X, "X")
     check_range(C, "centers", too_small=False)    # (centers near 0 are harmless)
     T = check_temperature(T)
-    check_temperature_for(T, X, C, ties_only=False)   # (no one-hot shortcut here)
-    lam = _check_real(lam, "lam")
     mc = metric_code(metric)
+    check_temperature_for(T, X, C, mc, ties_only=False)   # (no one-hot shortcut here)
+    lam = _check_real(lam, "lam")
     try:
         rc = _RESPS[responsibilities]
     except (KeyError, TypeError):

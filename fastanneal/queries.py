@@ -74,6 +74,7 @@ class QueryClusters:
         (>= 0). ``ids``: unique row ids carried to the outputs. Returns self."""
         from ._cli_results import label_clusters
         from ._io import InputError
+        from ._validation import float_dtype_of
         from .estimator import AnnealedKMeans
         if texts is None and embeddings is None:
             raise ValueError("give texts, embeddings or both")
@@ -126,11 +127,8 @@ class QueryClusters:
                                  "k_max=)") from None
             raise
         w = est._validate_weights(w, n)
-        Xv = X if X.dtype in (np.float32, np.float64) and X.dtype.isnative \
-            else X.astype(np.float32 if X.dtype.kind == "f" and X.dtype.itemsize == 4
-                          else np.float64)
-        lab = label_clusters(est, np.ascontiguousarray(Xv), w, texts, ids,
-                             int(self.n_representatives))
+        lab = label_clusters(est, np.ascontiguousarray(X, dtype=float_dtype_of(X.dtype)),
+                             w, texts, ids, int(self.n_representatives))
         self.estimator_ = est
         self.n_clusters_ = int(est.cluster_centers_.shape[0])
         self.labels_ = lab.labels

@@ -1125,6 +1125,11 @@ def test_a_temperature_too_small_for_the_distances_is_named():
     for kw in (dict(responsibilities="entmax15"), dict(log_prior=np.log([0.2, 0.3, 0.5]))):
         with pytest.raises(ValueError, match="too small for this data"):
             fa.moments(Y, Y[:3], 1e-305, **kw)
+    # a margin below the rounding of d2 in the rows' dtype is a tie for the kernels (a
+    # first version measured it in float64: the float32 row passed and crashed the kernel)
+    Z = np.array([[0.0, 1e-4], [3.0, 1.0]], np.float32)
+    with pytest.raises(ValueError, match="too small for this data"):
+        fa.moments(Z, np.array([[14000.0, 0.0], [0.0, 14000.0]]), 1e-300)
 
 
 def test_big_endian_float32_stays_float32():
