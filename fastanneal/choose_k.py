@@ -234,11 +234,7 @@ class KSuggestion:
         """Why ``k`` is never suggested, or None: the level where every distinct row is
         its own cluster (:attr:`trivial_k`), or fewer than two rows a cluster (``k`` above
         half of :attr:`n_distinct`)."""
-        if self.trivial_k is not None and int(k) == self.trivial_k:
-            return "every distinct point its own cluster"
-        if _granular(k, self.n_distinct or self.n_rows):
-            return "fewer than two rows a cluster"
-        return None
+        return _no_clustering(k, self.trivial_k, self.n_distinct or self.n_rows)
 
     @property
     def could_be_unclustered(self):
@@ -485,7 +481,7 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivi
     # neither the level of distinct rows nor one with fewer than two rows a cluster is a
     # clustering (K = n - 1 of n distinct rows held a plateau as wide as its closest pair
     # is close, and was suggested over four obvious blobs)
-    excluded = {k for k in seen if k == trivial or _granular(k, n_rows)}
+    excluded = {k for k in seen if _no_clustering(k, trivial, n_rows)}
     # (widths equal up to rounding tie, and ties go to the smaller K: a width is a sum of
     # log(T / T_next), and one cooling step summed in another order differed in its last
     # bits, which ranked K differently for float32 and float64 rows)
@@ -504,9 +500,15 @@ def _rank(phase, trace, k_min, k_max, T_c, T0, scale, T_out_last, cooling, trivi
                        trivial_k=trivial)
 
 
-def _granular(k, n_rows):
-    """K above half the rows: fewer than two rows a cluster, the data's granularity."""
-    return bool(n_rows) and 2 * int(k) > int(n_rows)
+def _no_clustering(k, trivial, n_rows):
+    """Why ``k`` is no clustering, or None: the level ``trivial`` where every distinct row
+    is its own cluster, or K above half the (distinct) rows ``n_rows`` -- fewer than two
+    rows a cluster, the data's granularity."""
+    if trivial is not None and int(k) == trivial:
+        return "every distinct point its own cluster"
+    if n_rows and 2 * int(k) > int(n_rows):
+        return "fewer than two rows a cluster"
+    return None
 
 
 #: Rows of the sample the path runs on out of core (``suggest_k(max_rows=...)``).
