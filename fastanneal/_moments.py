@@ -598,10 +598,8 @@ def exact_nearest_distances(X, centers, D2, metric):
     # took twice the distances' own time and an n x K index array)
     first = np.ascontiguousarray(D2.argmin(axis=1), dtype=np.int64)
     if K > 1:
-        keep = D2[rows, first]
-        D2[rows, first] = np.inf
+        D2[rows, first] = np.inf            # (overwritten with the exact value below)
         second = np.ascontiguousarray(D2.argmin(axis=1), dtype=np.int64)
-        D2[rows, first] = keep
     none = np.full(n, -1, dtype=np.int64)
     d = np.empty(n, dtype=np.float64)
     for idx in (first, second) if K > 1 else (first,):      # (second: set where K > 1)
