@@ -77,8 +77,8 @@ def _split_no_space(tok):
     for m in _NO_SPACE.finditer(tok):
         if m.start() > pos:
             out.append(tok[pos:m.start()])
-        # (units: a base character with the combining marks after it -- Thai vowel and
-        # tone marks -- so that no bigram starts with a mark)
+        # (units: a base character with the combining marks after it -- the kana voicing
+        # marks of decomposed text -- so that no bigram starts with a mark)
         units = []
         for c in m.group():
             if units and unicodedata.category(c)[0] == "M":
