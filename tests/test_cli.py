@@ -518,8 +518,11 @@ class FakeEmbedder:
         self.calls = 0
         self.rows = 0
         self.fail_after = fail_after
+        self.precisions = []
 
-    def __call__(self):
+    def __call__(self, precision="float32"):
+        self.precisions.append(precision)
+
         def encode(texts):
             if self.fail_after is not None and self.calls >= self.fail_after:
                 raise KeyboardInterrupt
@@ -556,6 +559,9 @@ def test_embedding_cache_and_resume(capsys, dirs, monkeypatch):
     rc, _, err = run(capsys, *argv)
     assert rc == 0, err
     assert fake2.rows == 199 - 2 * 37                   # only the rest was embedded
+    assert re.search(r"embedding: 125 queries in [0-9.]+ s \([0-9,]+ queries/s\); 74 taken "
+                     r"from the checkpoint", err), err
+    assert "embedding model: all-MiniLM-L6-v2 (float32) loaded in" in err
     assert (o / "r.embeddings.npy").exists() and (o / "r.embeddings.json").exists()
     assert not list(ck.glob("embed-*/*.npy"))
     first = pq.read_table(o / "r.parquet")
@@ -575,6 +581,34 @@ def test_embedding_cache_and_resume(capsys, dirs, monkeypatch):
     rc, _, err = run(capsys, "cluster", i / "q.csv", "-o", o / "r.parquet", "--k", 4, "-q",
                      "--steps", 6)
     assert rc == 0 and fake4.rows == 199
+
+
+def test_embed_precision_reaches_the_model_and_keys_the_cache(capsys, dirs, monkeypatch):
+    """--embed-precision bfloat16 loads the model in bfloat16; a float32 cache is not used
+    for it (nor the other way round: the cache key holds a precision other than float32)
+    and the key file says which; with given vectors the flag is an error."""
+    i, o = dirs
+    table, _, _ = make_table(n=60)
+    pacsv.write_csv(pa.table({"query": table.column("query")}), i / "q.csv")
+    argv = ["cluster", i / "q.csv", "-o", o / "r.csv", "--k", 3, "--steps", 4, "-q"]
+    runs = []
+    for prec in (None, "bfloat16", "bfloat16", None):
+        fake = FakeEmbedder()
+        monkeypatch.setattr(cli, "_load_embedder", fake)
+        rc, _, err = run(capsys, *argv, *(["--embed-precision", prec] if prec else []))
+        assert rc == 0, err
+        meta = json.loads((o / "r.embeddings.json").read_text())
+        runs.append((fake.precisions, fake.rows, meta["precision"]))
+    assert runs[0] == (["float32"], 60, "float32")
+    assert runs[1] == (["bfloat16"], 60, "bfloat16")          # the float32 cache: not used
+    assert runs[2] == ([], 0, "bfloat16")                     # its own cache: used
+    assert runs[3] == (["float32"], 60, "float32")
+    rc, _, err = run(capsys, *argv, "--embed-precision", "fp16")
+    assert rc == 2 and "invalid choice" in err
+    write_any(table, i / "e.parquet")
+    rc, _, err = run(capsys, "cluster", i / "e.parquet", "-o", o / "e.csv", "--k", 3,
+                     "--embedding-column", "emb", "--embed-precision", "bfloat16")
+    assert_one_line_error(rc, err, "--embed-precision applies when the queries are embedded")
 
 
 def test_progress_one_line_per_stage_and_bars_on_request(capsys, dirs, monkeypatch):

@@ -127,6 +127,35 @@ def test_encode_in_buckets_restores_input_order(workers):
     assert sorted(seen) == sorted(tuple(s) for s in seqs)
 
 
+def test_encode_in_buckets_runs_batches_concurrently_in_workers():
+    """workers=3: three batches are inside the model at once (a barrier that only three
+    concurrent callers pass; with one worker it would time out)."""
+    rng = np.random.default_rng(6)
+    seqs = random_sequences(300, rng)
+    barrier = threading.Barrier(3, timeout=20)
+    met = threading.Event()
+    threads = set()
+    lock = threading.Lock()
+    model = FakeModel()
+
+    def forward(batch):
+        with lock:
+            threads.add(threading.get_ident())
+        if not met.is_set():
+            try:
+                barrier.wait()               # all three in here at once, the first time
+                met.set()
+            except threading.BrokenBarrierError:
+                pass
+        with lock:
+            return model(batch)
+
+    E = encode_in_buckets(seqs, forward, DIM, batch_tokens=100, workers=3)
+    assert met.is_set() and not barrier.broken
+    assert len(threads) == 3
+    np.testing.assert_array_equal(E, np.stack([fake_vector(s) for s in seqs]).astype(np.float32))
+
+
 def test_encode_in_buckets_matches_unbatched_embedding_and_checks_shape():
     rng = np.random.default_rng(5)
     seqs = random_sequences(50, rng)
@@ -207,6 +236,38 @@ def test_fast_encoder_odd_texts(embedder, demo):
 
 def test_quantized_encoder_agrees_roughly(embedder, demo):
     texts, _ = demo
-    q = _embed.load_embedder(quantized=True)
+    q = _embed.load_embedder(precision="int8")
     d = one_minus_cos(q(texts), embedder(texts))
     assert d.mean() < 0.1 and d.max() < 0.5
+    assert d.mean() > 1e-4                  # really int8 (bfloat16 moves ~1e-5, float32 ~1e-13)
+    with pytest.raises(TypeError, match="text 1 is a bytes, not a string"):
+        q(["ok", b"bytes"])
+    with pytest.raises(TypeError, match="not a single str"):
+        q("one string")
+
+
+def test_bfloat16_encoder_is_close_and_really_bfloat16(embedder, demo):
+    """bfloat16 products: close to the float32 vectors (the documented ~1.5e-5 mean), yet
+    not equal to them (it is not silently the float32 path); unit rows, input order."""
+    texts, _ = demo
+    b = _embed.load_embedder(precision="bfloat16")
+    assert b.precision == "bfloat16"
+    Eb = b(texts)
+    assert Eb.dtype == np.float32 and Eb.shape == (len(texts), 384)
+    np.testing.assert_allclose(np.linalg.norm(Eb, axis=1), 1.0, atol=1e-5)
+    d = one_minus_cos(Eb, embedder(texts))
+    assert d.mean() < 1e-4 and d.max() < 2e-3
+    assert d.mean() > 1e-8                  # the float32 path gives ~1e-13
+    # the same vectors from one worker, in reverse order (batches differ)
+    Er = _embed.load_embedder(threads=1, precision="bfloat16")(texts[::-1])[::-1]
+    assert one_minus_cos(Er, Eb).max() < 1e-4
+
+
+def test_bad_precision_and_threads_are_named_before_loading():
+    """Checked before torch is imported: works without the extra too."""
+    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, int8"):
+        _embed.load_embedder(precision="fp16")
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        _embed.load_embedder(threads=0)
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        _embed.load_embedder(threads=1.5)

