@@ -1482,7 +1482,11 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         refine the seeds on the whole sample with Lloyd and the phase-transition
         re-allocation moves (``docs/theory.md`` section 6.7) before the stochastic EM (a
         full-data re-allocation would cost full passes out of core). The running moments
-        start from the sample's moments either way (section 6.3).
+        start from the sample's moments either way (section 6.3). On small in-memory data
+        the seeding is most of the time: ``reallocate=False, init_size=20 * n_clusters,
+        n_steps=10`` ran at 0.90x ``MiniBatchKMeans``' time on CLINC150 (22,500 rows, K =
+        150) with a better ARI (0.672 vs 0.662), where the default took 2.2x for 0.738
+        (``benchmarks/study_minibatch_frontier.py``).
     scheduler : str, distributed.Client or None
         As ``AnnealedKMeans(scheduler=...)`` (Dask input only).
     progress : bool, default=False
