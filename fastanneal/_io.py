@@ -85,11 +85,15 @@ def _check_utf8(path, chunk=1 << 20):
             try:
                 dec.decode(data, final)
             except UnicodeDecodeError as e:
-                pos = e.start
-                line += data.count(b"\n", 0, pos)
-                raise InputError(f"{path}: not valid UTF-8 text (byte 0x{data[pos]:02x} at offset "
-                                 f"{offset + pos}, line {line}); re-encode the file as UTF-8"
-                                 ) from None
+                # the decoder may hold the start of a character from the previous read
+                # (all of it at the end of the file: a file ending inside a character)
+                held = len(e.object) - len(data)
+                pos = e.start - held                    # in data; < 0: in the held bytes
+                line += data.count(b"\n", 0, max(pos, 0))
+                end = "; the file ends inside a character" if final else ""
+                raise InputError(f"{path}: not valid UTF-8 text (byte 0x{e.object[e.start]:02x} "
+                                 f"at offset {offset + pos}, line {line}{end}); re-encode the "
+                                 "file as UTF-8") from None
             if final:
                 return
             line += data.count(b"\n")
@@ -482,7 +486,9 @@ def _pid_alive(pid):
 def clean_stale_temps(final):
     """Remove the temporary files (and folders) that an interrupted write of ``final`` left
     behind: those of a process of this host that no longer runs. Returns the removed paths.
-    Temporaries of a live process (a concurrent run) or of another host are left alone."""
+    Temporaries of a live process (a concurrent run) or of another host are left alone. A
+    previous output that a dead run had moved aside (``...-old.tmpdir``) to put its own in
+    place is renamed back to ``final`` when ``final`` is missing, not removed."""
     final = Path(final)
     parent = final.parent if str(final.parent) else Path(".")
     removed = []
@@ -497,6 +503,14 @@ def clean_stale_temps(final):
             continue
         if _pid_alive(int(m["pid"])):
             continue
+        if e.name.endswith("-old.tmpdir") and not os.path.lexists(final):
+            # a folder output moved aside to be replaced (``_AtomicFolder.commit``), and the
+            # run died before the new one took its place: the previous output, put back
+            try:
+                os.rename(e, final)
+                continue
+            except OSError:
+                pass
         try:
             if e.is_dir() and not e.is_symlink():
                 shutil.rmtree(e)

@@ -1002,6 +1002,10 @@ def main(argv=None):
         _remove_created(args._created)
         if getattr(args, "debug", False):
             raise
+        lost = _cluster_lost(e)
+        if lost is not None:                # the user can fix it: start workers, rerun
+            print(f"fastanneal: error: {lost}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"fastanneal: error: unexpected {type(e).__name__}: {_one_line(e)} (rerun with "
               "--debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
@@ -1011,6 +1015,23 @@ def main(argv=None):
         if previous is not None:
             import signal
             signal.signal(signal.SIGTERM, previous)
+
+
+def _cluster_lost(e):
+    """The message for a Dask cluster that failed the run (no workers, the scheduler gone),
+    or None for any other error."""
+    if "distributed" not in sys.modules:
+        return None
+    from distributed.client import FutureCancelledError
+    from distributed.comm import CommClosedError
+    from .dask._cluster import ClusterLostError
+    if isinstance(e, ClusterLostError):
+        return _one_line(e)
+    if isinstance(e, (FutureCancelledError, CommClosedError)):
+        return ("the Dask scheduler went away during the run (its tasks were cancelled or its "
+                f"connection closed: {type(e).__name__}); no output was written: start it again "
+                "and rerun")
+    return None
 
 
 def _one_line(e):

@@ -336,8 +336,20 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         return _assign(X, C, metric_code(self.metric), _prepared=True)[0]
 
     def fit_predict(self, X, y=None, sample_weight=None):
-        """Fit on ``X`` (with ``sample_weight``) and return ``labels_``."""
-        return self.fit(X, sample_weight=sample_weight).labels_
+        """Fit on ``X`` (with ``sample_weight``) and return ``labels_``; out of core, where
+        the fit keeps no labels (``labels_`` is None), the lazy :meth:`predict` of a Dask
+        array (or of an :class:`~fastanneal.dask.EmbeddingArrays`' rows) with the fitted
+        centers; a Parquet path is an error after the fit (its labels are written by
+        ``fit(..., labels_path=...)``)."""
+        self.fit(X, sample_weight=sample_weight)
+        if self.labels_ is not None:
+            return self.labels_
+        rows = getattr(X, "X", X)
+        if hasattr(rows, "__dask_graph__"):
+            return self.predict(rows)
+        raise ValueError("fit_predict keeps no labels for an out-of-core input: the model is "
+                         "fitted; write the labels with fit(X, labels_path=...) or predict "
+                         "on a Dask array of the rows")
 
     def predict_proba(self, X, temperature=None):
         """Soft cluster probabilities of the rows of ``X``, (n, K), rows summing to 1.
@@ -453,17 +465,14 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                          functools.partial(_nearest_rows, metric=self.metric), np.float64,
                          cols=1)[:, 0]
             if sample_weight is not None:
-                import dask.array as da
+                from .dask._inputs import _as_aligned
                 w = sample_weight
                 if not hasattr(w, "__dask_graph__"):
                     w = self._validate_weights(w, d.shape[0])
-                w = da.asarray(w) if hasattr(w, "__dask_graph__") else da.from_array(w)
-                if w.shape != d.shape:
-                    raise ValueError(f"sample_weight.shape == {w.shape}, expected "
-                                     f"({d.shape[0]},)!")
+                # a Dask Series, or an array of unknown chunk sizes (as fit takes them)
+                w = _as_aligned(w, d.chunks[0], "sample_weight")
                 import dask
                 from .dask._chunks import raise_bad_weights, weight_stats
-                w = w.rechunk({0: d.chunks[0]})
                 # every chunk's faults, reported in row order (a check inside each chunk
                 # named whichever chunk failed first: "the first is row 2800" for rows
                 # that were all negative)
@@ -1433,6 +1442,10 @@ class _PartialFit:
         est._mass_constrained = self.mass_constrained
 
 
+#: Rows of a mini-batch update when ``batch_size`` is None (whole chunks out of core).
+DEFAULT_BATCH_ROWS = 4096
+
+
 class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
     """Annealed soft k-means by stochastic EM over mini-batches (scikit-learn's
     ``MiniBatchKMeans`` is the model): in process for NumPy input, out of core for Dask
@@ -1462,8 +1475,12 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         quarter of the rows (at least ``20 * n_clusters``): on data that small the
         mini-batch route would otherwise seed on nearly all of it, a full-batch fit.
     batch_size : int or None
-        Rows per update (rounded to whole chunks for Dask input); default 4096 rows for
-        NumPy input, one chunk per worker thread for Dask input.
+        Rows per update (rounded to whole chunks for Dask input, at least one); default
+        4096 rows (``DEFAULT_BATCH_ROWS``), whatever the cluster: the fit does not depend
+        on the number of workers. On a cluster with chunks of that size or larger a batch
+        is one chunk, reduced by one worker while the next is read; to keep ``w`` workers
+        busy, pass ``batch_size = w x`` the chunk rows (the result then depends on that
+        batch size, not on the cluster).
     batches_per_step : int or None
         Updates per temperature; default ``ceil(n_epochs * batches per epoch / n_steps)``.
     n_epochs : float, default=1.0
@@ -1630,7 +1647,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             Xv, origin = self._centered(Xv, w)
             full = InMemorySource(Xv, w, metric)
             full.origin = origin
-            stream = ArrayStream(Xv, w, metric, int(self.batch_size or 4096))
+            stream = ArrayStream(Xv, w, metric, int(self.batch_size or DEFAULT_BATCH_ROWS))
             n_threads = 1
         else:
             from .dask import open_batch_stream
@@ -1715,13 +1732,16 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             batch_chunks = 1                    # its chunks are batch_size rows
         elif self.batch_size:
             batch_chunks = max(1, int(round(int(self.batch_size) / float(np.mean(nonempty)))))
-        elif getattr(stream, "target_rows", None) and nonempty:
-            # open_parquet: batches of about chunk_rows rows also where the row groups are
-            # smaller (64-row row groups made every batch 64 rows: a fit 14x slower)
-            batch_chunks = max(n_threads, int(round(stream.target_rows /
-                                                    float(np.mean(nonempty)))))
+        elif nonempty:
+            # about target_rows rows of whole chunks (open_parquet: its chunk_rows; Dask:
+            # DEFAULT_BATCH_ROWS): several where the chunks are smaller (64-row row groups
+            # made every batch 64 rows, a fit 14x slower), one where they are larger -- never
+            # the cluster's thread count (one chunk per worker thread made the fit depend on
+            # how many workers the cluster had)
+            target = getattr(stream, "target_rows", None) or DEFAULT_BATCH_ROWS
+            batch_chunks = max(1, int(round(target / float(np.mean(nonempty)))))
         else:
-            batch_chunks = n_threads
+            batch_chunks = 1
         batch_chunks = max(1, min(batch_chunks, len(nonempty)))
         per_epoch = math.ceil(len(nonempty) / batch_chunks)
         bps = int(self.batches_per_step) if self.batches_per_step else \

@@ -346,7 +346,9 @@ def test_minibatch_close_to_full_batch(client, big_blobs, tmp_path):
     assert isinstance(mb.cluster_centers_, np.ndarray) and mb.cluster_centers_.shape == (8, 16)
     assert mb.inertia_ <= 1.01 * full.inertia_
     assert mb.n_batches_ >= mb.n_steps_ == 20
-    assert 0 < mb.rows_seen_ <= 2 * X.shape[0]
+    # whole 1,500-row chunks, about 4,096 rows a batch (whatever the cluster), one batch a
+    # temperature at least: 20 batches of 3 chunks
+    assert mb.batch_chunks_ == 3 and mb.rows_seen_ == mb.n_batches_ * 3 * 1500
     # ``J`` of the final centers: the certificate holds at the final temperature
     W = X.shape[0]
     assert 0 <= mb.inertia_ - mb.free_energy_ <= mb.temperature_ * W * np.log(8) * (1 + 1e-9)
@@ -369,6 +371,34 @@ def test_minibatch_close_to_full_batch(client, big_blobs, tmp_path):
     mb2 = pickle.loads(pickle.dumps(mb))
     assert mb2.scheduler is None
     np.testing.assert_array_equal(mb2.cluster_centers_, mb.cluster_centers_)
+
+
+def test_minibatch_on_dask_does_not_depend_on_the_cluster_size(tmp_path):
+    """The default batch is about 4,096 rows of whole chunks whatever the cluster: one and
+    three workers give the same fit (the batch was one chunk per worker thread: inertia
+    112,624 vs 111,936 and ARI 0.885 between the two labelings); fit_predict returns the
+    lazy predict out of core."""
+    X = blobs(6000, 8, 16, seed=9)[0].astype(np.float32)
+    Xd = da.from_array(X, chunks=(300, -1))
+    fits = []
+    for n in (1, 3):
+        with distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=False,
+                                      dashboard_address=None) as cluster, \
+                distributed.Client(cluster, set_as_default=False) as c:
+            mb = MiniBatchAnnealedKMeans(8, random_state=0, scheduler=c)
+            lab = mb.fit_predict(Xd)
+            assert hasattr(lab, "dask")
+            fits.append((mb.batch_chunks_, mb.inertia_, mb.cluster_centers_, lab.compute()))
+    (b1, j1, c1, l1), (b3, j3, c3, l3) = fits
+    assert b1 == b3 == round(4096 / 300)
+    assert j3 == pytest.approx(j1, rel=1e-9)
+    np.testing.assert_allclose(c3, c1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(l3, l1)
+    path = tmp_path / "x.parquet"
+    _write_parquet(path, X, "list", row_group_size=1000)
+    with pytest.raises(ValueError, match="fit_predict keeps no labels for an out-of-core"):
+        MiniBatchAnnealedKMeans(8, random_state=0, n_steps=4).fit_predict(
+            fa.open_parquet(path))
 
 
 def test_minibatch_from_parquet_with_ids(client, big_blobs, tmp_path):
@@ -657,6 +687,30 @@ def test_write_labels_overwrites_a_file_and_zeros_is_the_identity(tmp_path):
         assert z.rows == 40 and z.metric == m.metric
 
 
+def test_a_corrupt_file_is_named_and_mixed_float_widths_read_as_the_widest(tmp_path):
+    """A truncated or empty file in a folder is a ValueError naming it (pyarrow's own
+    message named none); a folder of float32 then float64 files reads as float64 (the first
+    file's float32 narrowed the second file's values)."""
+    rng = np.random.default_rng(2)
+    for sub, kinds in (("c", (np.float32, np.float32)), ("m", (np.float32, np.float64)),
+                       ("r", (np.float64, np.float32))):
+        (tmp_path / sub).mkdir()
+        for i, dt in enumerate(kinds):
+            X = rng.standard_normal((20, 3)).astype(dt)
+            pq.write_table(pa.table({"embedding": pa.array(list(X), type=pa.list_(
+                pa.float32() if dt == np.float32 else pa.float64()))}),
+                tmp_path / sub / f"p{i}.parquet")
+    whole = (tmp_path / "c" / "p1.parquet").read_bytes()
+    (tmp_path / "c" / "p1.parquet").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=r"p1.parquet is not a readable Parquet file"):
+        read_parquet_embeddings(tmp_path / "c")
+    (tmp_path / "c" / "p1.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"p1.parquet is not a readable Parquet file"):
+        read_parquet_embeddings(tmp_path / "c")
+    assert read_parquet_embeddings(tmp_path / "m").X.dtype == np.float64
+    assert read_parquet_embeddings(tmp_path / "r").X.dtype == np.float64
+
+
 def test_parquet_null_ids_and_a_changed_file_are_errors(tmp_path):
     """A null in the id (or weight) column is an error naming its row (converting it would
     turn the ids into floats: a null id became -2^63 and ids above 2^53 were rounded into
@@ -763,6 +817,40 @@ def test_a_scheduler_without_workers_is_an_error_not_a_hang(monkeypatch):
         cluster.close()
 
 
+def test_workers_lost_mid_fit_are_an_error_not_a_hang(monkeypatch):
+    """Every worker gone while results are awaited (killed, retired): the tasks would wait
+    for new workers without end; after ``FASTANNEAL_WORKER_TIMEOUT`` seconds without a
+    worker the wait says so. A full-batch pass whose cluster loses its workers between two
+    passes fails the same way."""
+    from fastanneal.dask._cluster import ClientHandle
+    monkeypatch.setenv("FASTANNEAL_WORKER_TIMEOUT", "1")
+    monkeypatch.setattr(ClientHandle, "POLL", 0.2)
+    cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                       dashboard_address=None)
+    c = distributed.Client(cluster, set_as_default=False)
+    try:
+        h = ClientHandle(c)
+        assert h.result(c.submit(int, 3)) == 3 and h.result([c.submit(int, 4)]) == [4]
+        src = DaskSource(da.from_array(blobs(400, 2, 3, seed=1)[0], chunks=(100, -1)), None,
+                         0, h)
+        C = np.zeros((2, 3))
+        src.moments(C, 1.0)
+        cluster.scale(0)
+        deadline = time.time() + 30
+        while c.scheduler_info(n_workers=-1)["workers"] and time.time() < deadline:
+            time.sleep(0.1)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"has had no workers for 1 s while this fit "
+                                               r"waited for results"):
+            src.moments(C, 1.0)
+        assert time.perf_counter() - t0 < 20
+        with pytest.raises(RuntimeError, match="has had no workers"):
+            h.result(c.submit(int, 5, pure=False))
+    finally:
+        c.close()
+        cluster.close()
+
+
 def test_weights_summing_to_infinity_are_named_on_the_dask_route(client):
     """Finite weights whose sum overflows: the full-batch Dask route says so (it said
     "all rows are identical"), as the in-memory and mini-batch routes do."""
@@ -806,9 +894,14 @@ def test_inference_on_dask_input_is_lazy_and_equals_numpy(metric):
         np.testing.assert_array_equal(t.compute(), km.transform(X))
         np.testing.assert_array_equal(p.compute(), km.predict_proba(X))
         np.testing.assert_array_equal(pf.compute(), km.predict_proba(X, temperature="final"))
-        for sw in (None, w, da.from_array(w, chunks=45)):
+        wd = da.from_array(w, chunks=45)
+        unknown = wd[wd > 0]                        # NaN chunk sizes (as fit takes them)
+        series = pytest.importorskip("dask.dataframe").from_dask_array(wd)
+        for sw in (None, w, wd, unknown, series):
             ref = km.score(X, sample_weight=None if sw is None else w)
             assert km.score(Xd, sample_weight=sw) == pytest.approx(ref, rel=1e-12)
+        with pytest.raises(ValueError, match="sample_weight has 299 entries for 300 rows"):
+            km.score(Xd, sample_weight=wd[1:])
         # every chunk's faults in row order (it named whichever chunk failed first)
         with pytest.raises(ValueError, match=r"negative values \(300 rows; the first is "
                                              r"row 0\)"):

@@ -6,11 +6,14 @@ Every case asserts the behaviour that the feature adds: without the path check t
 overwritten, without the range check a kernel crashes, and so on."""
 import hashlib
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -247,6 +250,59 @@ def test_library_connect_errors():
     est = fastanneal.AnnealedKMeans(2, backend="dask", scheduler=f"tcp://127.0.0.1:{port}")
     with pytest.raises(ConnectionError, match="cannot reach the Dask scheduler"):
         est.fit(X)
+
+
+def test_a_silent_server_is_not_a_scheduler_and_no_hang():
+    """A port that accepts and never speaks (another service) hung distributed's handshake
+    past its connect timeout; a Dask server speaks first, so silence is the error, at the
+    timeout."""
+    from fastanneal.dask._cluster import SchedulerConnectionError, connect
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    held = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])        # accepted, never answered
+            except OSError:
+                return
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(SchedulerConnectionError, match=r"accepts connections there but is "
+                                                           r"not a Dask scheduler \(nothing was "
+                                                           r"sent within 1 s\)"):
+            connect(f"tcp://127.0.0.1:{srv.getsockname()[1]}", timeout=1)
+        assert time.perf_counter() - t0 < 10
+    finally:
+        stop.set()
+        srv.close()
+        for c in held:
+            c.close()
+
+
+def test_a_lost_cluster_is_a_one_line_error_not_unexpected(capsys, tmp_path, inp, monkeypatch):
+    """Workers gone mid-run or the scheduler gone: a one-line error that says so (it read
+    "unexpected FutureCancelledError ... rerun with --debug")."""
+    pytest.importorskip("distributed")
+    from distributed.client import FutureCancelledError
+    from fastanneal.dask._cluster import ClusterLostError
+    table, d = inp
+    src = write_any(table, d / "q.parquet")
+    for exc, words in ((ClusterLostError("the Dask cluster at X has had no workers for 1 s"),
+                        ("has had no workers",)),
+                       (FutureCancelledError("k", reason="scheduler-connection-lost"),
+                        ("the Dask scheduler went away", "no output was written"))):
+        def boom(*a, exc=exc, **k):
+            raise exc
+        monkeypatch.setattr(cli, "fit_model", boom)
+        rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "r.csv", "--embedding-column",
+                         "emb", "--k", 2, "-q")
+        assert_one_line_error(rc, err, *words)
+        assert "unexpected" not in err and not (tmp_path / "r.csv").exists()
 
 
 def test_connect_tries_once_more_after_a_fast_failure(monkeypatch):
@@ -563,6 +619,60 @@ def test_labels_folder_writer_cleans_stale_temporaries(tmp_path):
     folder.commit()
     assert sorted(os.listdir(tmp_path)) == ["labels"]
     assert os.listdir(target) == ["part-000000.parquet"]
+
+
+def test_output_moved_aside_by_a_dead_run_is_put_back(tmp_path):
+    """A run that died between the two renames of ``_AtomicFolder.commit`` (the previous
+    labels moved to ``...-old.tmpdir``, its own not yet in place) left no output: the next
+    writer puts the previous one back instead of deleting it as a stale temporary (it did:
+    a later failing run then lost the labels); with the output present, the old copy is
+    garbage and removed."""
+    pytest.importorskip("dask")
+    from fastanneal.dask._minibatch import _AtomicFolder
+    target = tmp_path / "labels"
+    host = temp_prefix(target)[len(".labels."):-1].rsplit("-", 1)[0]
+    pid = _dead_pid()
+    aside = tmp_path / f".labels.{host}-{pid}.abc-old.tmpdir"
+    aside.mkdir()
+    (aside / "part-000000.parquet").write_bytes(b"previous labels")
+    half = tmp_path / f".labels.{host}-{pid}.abc.tmpdir"        # its unfinished new output
+    half.mkdir()
+    folder = _AtomicFolder(target, overwrite=True)            # the next run starts writing
+    assert (target / "part-000000.parquet").read_bytes() == b"previous labels"
+    assert not aside.exists() and not half.exists()
+    folder.abort()                                            # ... and fails: nothing lost
+    assert (target / "part-000000.parquet").read_bytes() == b"previous labels"
+    # without overwrite: the put-back output is the existing output it refuses to replace
+    shutil.move(target, aside)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        _AtomicFolder(target)
+    assert (target / "part-000000.parquet").read_bytes() == b"previous labels"
+    # the output in place: a moved-aside copy is stale and goes
+    aside.mkdir()
+    (aside / "x").write_text("old")
+    assert clean_stale_temps(target) == [aside]
+    assert sorted(os.listdir(tmp_path)) == ["labels"]
+
+
+@pytest.mark.parametrize("data, chunk, where", [
+    (b"query,emb\n\"a\",\"[1,2]\"\n\xc2", 1 << 20,
+     "byte 0xc2 at offset 22, line 3; the file ends inside a character"),
+    (b"\xc2", 1 << 20, "byte 0xc2 at offset 0, line 1; the file ends inside a character"),
+    (b"ab\nxxxxx\xc3(\n", 6, "byte 0xc3 at offset 8, line 2)"),
+    (b"abcde\xc3(\n", 6, "byte 0xc3 at offset 5, line 1)"),       # held across two reads
+])
+def test_invalid_utf8_is_located_also_at_the_end_and_across_reads(tmp_path, data, chunk,
+                                                                  where):
+    """A file ending inside a character (the decoder holds its first byte until the end)
+    crashed the message with an IndexError; a character cut by a read boundary is located
+    where it starts."""
+    from fastanneal._io import _check_utf8
+    p = tmp_path / "in.csv"
+    p.write_bytes(data)
+    with pytest.raises(InputError, match=re.escape(where)):
+        _check_utf8(p, chunk=chunk)
+    p.write_bytes("é".encode() * 10)
+    assert _check_utf8(p, chunk=3) is None
 
 
 def _signalled_during_the_write(tmp_path, inp, sig):

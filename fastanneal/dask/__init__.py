@@ -14,7 +14,8 @@ annealing and streaming label output.
 The cluster is an existing ``distributed.Client``, an address, the default client, or an
 embedded ``LocalCluster`` closed again after the fit. Fitted attributes are NumPy arrays.
 """
-from ._cluster import ClientHandle, resolve_client  # noqa: F401
+from ._cluster import (ClientHandle, ClusterLostError, SchedulerConnectionError,  # noqa: F401
+                       resolve_client)
 from ._inputs import (EmbeddingArrays, as_dask_inputs, embeddings_from_dataframe,  # noqa: F401
                       read_parquet_embeddings)
 from ._minibatch import (DaskBatchStream, map_rows, open_batch_stream,  # noqa: F401
@@ -23,4 +24,5 @@ from ._source import DaskSource, make_dask_source  # noqa: F401
 
 __all__ = ["DaskSource", "make_dask_source", "read_parquet_embeddings",
            "embeddings_from_dataframe", "EmbeddingArrays", "as_dask_inputs", "resolve_client",
-           "DaskBatchStream", "open_batch_stream", "write_labels", "predict_labels"]
+           "DaskBatchStream", "open_batch_stream", "write_labels", "predict_labels",
+           "ClusterLostError", "SchedulerConnectionError"]

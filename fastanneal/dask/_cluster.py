@@ -56,12 +56,7 @@ class ClientHandle:
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         if info:
             return info
-        raw = os.environ.get("FASTANNEAL_WORKER_TIMEOUT", WORKER_TIMEOUT)
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"FASTANNEAL_WORKER_TIMEOUT must be a number of seconds; got "
-                             f"{raw!r}") from None
+        timeout = _worker_timeout()
         # a pending task: an adaptive cluster (adapt(minimum=0): dask-gateway, jobqueue)
         # starts workers only when there is work
         probe = self.client.submit(int, 1, pure=False)
@@ -70,13 +65,54 @@ class ClientHandle:
         except Exception as exc:      # TimeoutError (distributed raises its own kinds too)
             addr = getattr(self.client, "scheduler", None)
             addr = getattr(addr, "address", None) or "the scheduler"
-            raise RuntimeError(
+            raise ClusterLostError(
                 f"the Dask scheduler at {addr} has no workers (waited {timeout:g} s): start "
                 f"some (`dask worker {addr}`), or set FASTANNEAL_WORKER_TIMEOUT to wait "
                 "longer") from exc
         finally:
             probe.cancel()
         return self.client.scheduler_info(n_workers=-1)["workers"]
+
+    #: seconds between two looks at the cluster while waiting for results
+    POLL = 2.0
+
+    def wait(self, futures, return_when="ALL_COMPLETED"):
+        """``distributed.wait`` that gives up when the cluster has had no worker for
+        ``FASTANNEAL_WORKER_TIMEOUT`` seconds (every worker died mid-fit: the tasks would
+        wait for new workers without end) with a RuntimeError saying so."""
+        from distributed import wait as dwait
+        futures = list(futures)
+        since = None
+        while True:
+            try:
+                with self.client.as_current():
+                    return dwait(futures, timeout=self.POLL, return_when=return_when)
+            except TimeoutError:
+                pass
+            if self.client.scheduler_info(n_workers=-1)["workers"]:
+                since = None
+                continue
+            now = time.monotonic()
+            since = now if since is None else since
+            timeout = _worker_timeout()
+            if now - since >= timeout:
+                for f in futures:
+                    f.cancel()
+                addr = getattr(getattr(self.client, "scheduler", None), "address", None)
+                raise ClusterLostError(
+                    f"the Dask cluster at {addr or 'the scheduler'} has had no workers for "
+                    f"{timeout:g} s while this fit waited for results: its workers died or "
+                    "left; start workers and run the fit again (or set "
+                    "FASTANNEAL_WORKER_TIMEOUT to wait longer)")
+
+    def result(self, futures):
+        """The result of a future, or the results of a list of futures, waiting as
+        :meth:`wait` does."""
+        if isinstance(futures, (list, tuple)):
+            self.wait(futures)
+            return self.client.gather(list(futures))
+        self.wait([futures])
+        return futures.result()
 
     def n_worker_threads(self):
         info = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -95,6 +131,15 @@ class ClientHandle:
                 self.cluster = None
 
 
+def _worker_timeout():
+    raw = os.environ.get("FASTANNEAL_WORKER_TIMEOUT", WORKER_TIMEOUT)
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"FASTANNEAL_WORKER_TIMEOUT must be a number of seconds; got "
+                         f"{raw!r}") from None
+
+
 def embedded_cluster_size(cpus=None):
     """``(n_workers, threads_per_worker)`` of the embedded cluster: one in-process worker with
     ``max(1, cpus // 2)`` task threads (each task's Numba kernel then uses the other cores)."""
@@ -106,6 +151,11 @@ def embedded_cluster_size(cpus=None):
 CONNECT_TIMEOUT = 10.0
 #: Seconds to wait for a scheduler's first worker (``FASTANNEAL_WORKER_TIMEOUT`` overrides).
 WORKER_TIMEOUT = 60.0
+
+
+class ClusterLostError(RuntimeError):
+    """The Dask cluster has (or kept) no workers, or its scheduler went away, while a fit
+    needed it (the message says which and what to do)."""
 
 
 class SchedulerConnectionError(ConnectionError):
@@ -182,11 +232,28 @@ def connect(address, timeout=None):
     scheme, host, port = check_address(address)
     if host is not None:
         try:
-            socket.create_connection((host, int(port)), timeout=timeout).close()
+            sock = socket.create_connection((host, int(port)), timeout=timeout)
         except OSError as e:
             why = e.strerror or str(e) or type(e).__name__
             raise SchedulerConnectionError(
                 f"cannot reach the Dask scheduler at {address}: {why}") from None
+        with sock:
+            if scheme == "tcp":
+                # a Dask server speaks first (its handshake), as soon as it accepts: a port
+                # that accepts and stays silent (another service) would hang distributed's
+                # own handshake, which its connect timeout does not cover
+                try:
+                    first = sock.recv(1)
+                except OSError as e:        # socket.timeout included
+                    first = None
+                    why = ("nothing was sent" if isinstance(e, (socket.timeout, TimeoutError))
+                           else e.strerror or str(e) or type(e).__name__)
+                if not first:
+                    why = why if first is None else "it closed the connection"
+                    raise SchedulerConnectionError(
+                        f"cannot connect to the Dask scheduler at {address}: something "
+                        f"accepts connections there but is not a Dask scheduler ({why} "
+                        f"within {timeout:g} s)")
     for attempt in (0, 1):
         try:
             return _client_class()(str(address), timeout=timeout, set_as_default=False)

@@ -210,6 +210,17 @@ def read_parquet_values(file, row_groups, column, dtype, row0=0, rows=None, stam
     return np.asarray(out, dtype=dtype) if dtype != object else np.asarray(out, dtype=object)
 
 
+def _open_parquet_file(pq, f):
+    """``pq.ParquetFile(f)``; a file that is not Parquet (truncated, empty, another format)
+    is a ValueError naming it: in a folder of thousands, pyarrow's own message does not."""
+    try:
+        return pq.ParquetFile(f)
+    except (OSError, ValueError) as e:       # (pyarrow.ArrowInvalid is a ValueError)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{f} is not a readable Parquet file ({first}); remove or replace "
+                         "it") from None
+
+
 def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, dtype=None,
                             rows_per_chunk=None):
     """Open a Parquet dataset lazily as Dask arrays of rows (+ weights and ids).
@@ -256,7 +267,7 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
     kind0 = None
     id_dtype = None
     for f in files:
-        with pq.ParquetFile(f) as pf:
+        with _open_parquet_file(pq, f) as pf:
             schema = pf.schema_arrow
             names = schema.names
             for what, col in (("embedding", column), ("weight", weight), ("id", id)):
@@ -277,8 +288,8 @@ def read_parquet_embeddings(path, column="embedding", weight=None, id=None, *, d
                     id_dtype = t
                 elif id_dtype != t:
                     id_dtype = np.dtype(object)
-            if vt0 is None:
-                vt0, kind0 = vt, kind
+            if vt0 is None or _value_dtype(vt) == np.float64:
+                vt0, kind0 = vt, kind       # the widest value type over the files
             if Df is not None:
                 if D is not None and Df != D:
                     raise ValueError(f"column {column!r} of {f} has {Df} dimensions; earlier "

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import _config
 from .._engine import _project
-from .._io import temp_folder
+from .._io import clean_stale_temps, temp_folder
 from .._moments import Moments
 from .._validation import (as_float_matrix, check_range, far_from_origin, float_dtype_of,
                            metric_code, normalize_rows)
@@ -69,7 +69,7 @@ class _ChunkPlan(_Submitter):
         if self.weights is None:
             return float(self.n_rows)
         import dask
-        parts = self.client.gather(self.client.compute(
+        parts = self.handle.result(self.client.compute(
             [dask.delayed(ch.weight_stats, pure=True)(w, i, int(self.offsets[i]) + self.row_base)
              for i, w in enumerate(self.wd)]))
         ch.raise_bad_weights(parts)
@@ -84,7 +84,6 @@ class _ChunkPlan(_Submitter):
         folds the results in the order of ``indices`` (deterministic) and returns the total
         (None for no chunks); else returns the list of results."""
         import dask
-        from distributed import wait
         indices = list(indices)
         if self.origin is not None:
             kwargs = dict(kwargs, origin=self.origin)
@@ -114,8 +113,7 @@ class _ChunkPlan(_Submitter):
                         self.xd[i], self.wd[i], self.idd[i] if with_ids else None, i,
                         int(self.offsets[i]), self.metric, self.dtype, **kwargs, **extra)
                     inflight[self.client.compute(t)] = j
-                with self.client.as_current():
-                    res = wait(list(inflight), return_when="FIRST_COMPLETED")
+                res = self.handle.wait(list(inflight), return_when="FIRST_COMPLETED")
                 for f in res.done:
                     j = inflight.pop(f)
                     if f.status == "error":
@@ -190,7 +188,7 @@ class DaskBatchStream(_ChunkPlan, ch.StreamedPasses):
         parts = self.client.map(ch.chunk_moments, futs, C=cf, T=T, metric=self.metric,
                                 resp=resp, log_prior=log_prior, hard_sums=False,
                                 nthreads=self.nthreads, pure=False)
-        return self.tree(parts, ch.merge_moments).result()
+        return self.handle.result(self.tree(parts, ch.merge_moments))
 
     @property
     def window(self):
@@ -259,6 +257,7 @@ class _AtomicFolder:
 
     def __init__(self, path, overwrite=False):
         self.path = os.path.abspath(os.fspath(path))
+        clean_stale_temps(self.path)       # first: it may put back a dead run's moved-aside output
         if os.path.exists(self.path) and not overwrite:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
         parent = os.path.dirname(self.path)

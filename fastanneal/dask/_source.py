@@ -112,7 +112,7 @@ class DaskSource(_Submitter):
             futs = self.client.map(ch.chunk_stats, self._chunks, pure=False)
             # in chunk order: a bad input is reported for its first chunk, not for whichever
             # chunk failed first in time (and as soon as the chunks before it are done)
-            stats = [f.result() for f in futs]
+            stats = [self.handle.result(f) for f in futs]
         except BaseException:
             self._release()
             raise
@@ -136,13 +136,11 @@ class DaskSource(_Submitter):
                 self._shift_chunks(mean)
 
     def _shift_chunks(self, origin):
-        from distributed import wait
         old = self._chunks
         of = self.put(np.ascontiguousarray(origin, dtype=np.float64))
         self._chunks = self.client.map(ch.shift_chunk, old, origin=of, pure=False)
         try:
-            with self.client.as_current():
-                wait(self._chunks)
+            self.handle.wait(self._chunks)
         finally:
             for f in old:
                 f.release()
@@ -179,7 +177,7 @@ class DaskSource(_Submitter):
         total = self.tree(parts, ch.merge_moments)
         if total is None:
             return Moments.zeros(C.shape[0], self.n_features, T, hard_sums=hard_sums)
-        return total.result()
+        return self.handle.result(total)
 
     def grad_forward(self, centers, T, resp):
         """The gradient's forward pass, mapped over the chunks and tree-merged."""
@@ -187,7 +185,7 @@ class DaskSource(_Submitter):
         parts = self.client.map(ch.chunk_grad_forward, self._chunks, C=self.put(C), T=float(T),
                                 gmetric=self.metric, resp=int(resp), nthreads=self._nthreads,
                                 pure=False)
-        return self.tree(parts, ch.merge_moments).result()
+        return self.handle.result(self.tree(parts, ch.merge_moments))
 
     def grad_moments(self, centers, T, resp, globals_):
         """The gradient's backward pass, mapped over the chunks and tree-merged."""
@@ -195,7 +193,7 @@ class DaskSource(_Submitter):
         parts = self.client.map(ch.chunk_grad_moments, self._chunks, C=self.put(C), T=float(T),
                                 gmetric=self.metric, resp=int(resp), g=self.put(globals_),
                                 nthreads=self._nthreads, pure=False)
-        return self.tree(parts, ch.merge_moments).result()
+        return self.handle.result(self.tree(parts, ch.merge_moments))
 
     def fingerprint(self):
         """Key of the data for checkpoints: Dask's token of the input collections."""
@@ -206,7 +204,7 @@ class DaskSource(_Submitter):
 
     def mean(self):
         parts = self.client.map(ch.chunk_weighted_sum, self._chunks, pure=False)
-        tot = self.tree(parts, ch.add_arrays).result()
+        tot = self.handle.result(self.tree(parts, ch.add_arrays))
         return tot[:-1] / self.total_weight
 
     def covariance(self, mean=None):
@@ -221,14 +219,14 @@ class DaskSource(_Submitter):
         tot = self.tree(parts, ch.add_arrays)
         if tot is None:
             return np.zeros((self.n_features, self.n_features))
-        return tot.result() / self.total_weight
+        return self.handle.result(tot) / self.total_weight
 
     def sample(self, n, rng):
         """``n`` rows drawn without replacement, in row order (all rows, in order, when
         ``n >= n_rows``): the same rows as :class:`~fastanneal._sources.InMemorySource` for
         the same generator state."""
         if n >= self.n_rows:
-            parts = self.client.gather(self.client.map(ch.chunk_take, self._chunks,
+            parts = self.handle.result(self.client.map(ch.chunk_take, self._chunks,
                                                        idx=None, pure=False))
             return self._concat(parts)
         idx = np.sort(rng.choice(self.n_rows, size=n, replace=False))
@@ -237,7 +235,7 @@ class DaskSource(_Submitter):
         for c in np.unique(which):
             local = idx[which == c] - self.offsets[c]
             futs.append(self.client.submit(ch.chunk_take, self._chunks[c], local, pure=False))
-        return self._concat(self.client.gather(futs))
+        return self._concat(self.handle.result(futs))
 
     def _concat(self, parts):
         if not parts:
@@ -253,13 +251,13 @@ class DaskSource(_Submitter):
         r = self.tree(self.client.map(ch.chunk_objective, self._chunks, C=cf,
                                       objective_metric=self.metric,
                                       nthreads=self._nthreads, pure=False), ch.add_arrays)
-        r = r.result() if r is not None else np.zeros(1 + C.shape[0])
+        r = self.handle.result(r) if r is not None else np.zeros(1 + C.shape[0])
         return float(r[0]), np.asarray(r[1:], dtype=np.float64)
 
     def labels(self, centers):
         """Hard labels of all rows as one NumPy array (gathered: for data that fits)."""
         futs = self._label_futures(centers)
-        parts = self.client.gather(futs)
+        parts = self.handle.result(futs)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def _label_futures(self, centers):
@@ -281,7 +279,7 @@ class DaskSource(_Submitter):
             labs = self._label_futures(centers)
         wk = self.tree(self.client.map(ch.chunk_bincount, self._chunks, labs, K=K, pure=False),
                        ch.add_arrays)
-        wk = wk.result() if wk is not None else np.zeros(K)
+        wk = self.handle.result(wk) if wk is not None else np.zeros(K)
         mu = _about(centers, means)
         mu_f = self.put(mu)
 
@@ -290,7 +288,7 @@ class DaskSource(_Submitter):
             parts = self.client.map(ch.chunk_cov_matvec, self._chunks, labs, mu=mu_f, V=vf,
                                     nthreads=self._nthreads, pure=False)
             out = self.tree(parts, ch.add_arrays)
-            return out.result() if out is not None else np.zeros((K, self.n_features))
+            return self.handle.result(out) if out is not None else np.zeros((K, self.n_features))
         return power_iteration_eigs(matvec, mu, wk, n_iter, rng, return_vectors, tol=tol,
                                     start=start)
 
@@ -301,7 +299,7 @@ class DaskSource(_Submitter):
         parts = self.client.map(ch.chunk_row_hashes, self._chunks, v=v, cap=int(cap),
                                 pure=False)
         out = self.tree(parts, ch.union_capped, cap=int(cap))
-        return 0 if out is None else int(out.result().shape[0])
+        return 0 if out is None else int(self.handle.result(out).shape[0])
 
     # ------------------------------------------------------------------ lifetime
     def _release(self):
