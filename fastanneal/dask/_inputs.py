@@ -483,6 +483,15 @@ def _as_aligned(v, chunks, name):
     return da.from_array(a, chunks=(chunks,))
 
 
+class PerformanceWarning(UserWarning):
+    """Input whose chunking makes the Dask route slow (many tiny chunks)."""
+
+
+#: more chunks than this with fewer than TINY_CHUNK_ROWS rows each on average: a warning
+TINY_CHUNKS_MIN = 64
+TINY_CHUNK_ROWS = 1024
+
+
 def as_dask_inputs(X, sample_weight=None, ids=None, *, chunk_rows=None, column=None):
     """Coerce the inputs of the Dask backend to :class:`EmbeddingArrays` with known row chunks
     and a single column chunk.
@@ -525,5 +534,13 @@ def as_dask_inputs(X, sample_weight=None, ids=None, *, chunk_rows=None, column=N
     if len(X.chunks[1]) != 1:
         X = X.rechunk({1: -1})
     chunks = X.chunks[0]
+    if len(chunks) > TINY_CHUNKS_MIN and X.shape[0] < TINY_CHUNK_ROWS * len(chunks):
+        import warnings
+        warnings.warn(
+            f"X has {len(chunks):,} chunks of {X.shape[0] / len(chunks):,.0f} rows on average: "
+            "every chunk is a task (and a moments pass one task per chunk), so passes cost "
+            f"scheduling more than arithmetic; rechunk to >= {TINY_CHUNK_ROWS:,} rows a chunk "
+            "(X.rechunk({0: 100_000}); weights and ids alike)", PerformanceWarning,
+            stacklevel=3)
     return EmbeddingArrays(X, _as_aligned(sample_weight, chunks, "sample_weight"),
                            _as_aligned(ids, chunks, "ids"))
