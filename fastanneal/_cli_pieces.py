@@ -256,14 +256,19 @@ def _tree(client, futures, func):
     return _Submitter(ClientHandle(client)).tree(futures, func)
 
 
+def _handle(client):
+    """The waits of the command's Dask steps: they give up when the cluster has lost every
+    worker (:meth:`fastanneal.dask.ClientHandle.wait`), as the fit's do."""
+    from .dask._cluster import ClientHandle
+    return ClientHandle(client)
+
+
 def _first_error(futures):
     """Raise the error of the first failed task in ``futures``' order (deterministic
     messages whatever the scheduling), if any failed."""
-    from distributed import wait
     if not futures:
         return
-    with futures[0].client.as_current():
-        wait(futures)
+    _handle(futures[0].client).wait(futures)
     for f in futures:
         if f.status == "error":
             f.result()
@@ -296,7 +301,7 @@ def check_log(log, args, client=None, st=None):
         futs = [client.submit(check_piece, p, wcol, icol, pure=False) for p in pieces]
         root = client.submit(repeated_keys, _tree(client, futs, merge_checks), pure=False)
         try:
-            total = root.result()
+            total = _handle(client).result(root)
         except BaseException:
             _first_error(futs)
             raise
@@ -309,8 +314,8 @@ def check_log(log, args, client=None, st=None):
     rep = total["repeated"]
     if icol and rep.shape[0]:
         hits = ([ids_with_keys(p, icol, rep) for p in pieces] if client is None else
-                client.gather([client.submit(ids_with_keys, p, icol, rep, pure=False)
-                               for p in pieces]))
+                _handle(client).result([client.submit(ids_with_keys, p, icol, rep, pure=False)
+                                        for p in pieces]))
         rows = {}
         for part in hits:
             for r, v in part:
@@ -363,7 +368,6 @@ def label_log(log, est, args, client=None, nthreads=None, st=None, n_representat
             if st is not None:
                 st.update(p.n_rows)
         return LogLabels(pieces, parts, total)
-    from distributed import as_completed
     lab = client.scatter(_Labeller(est), broadcast=True)
     futs = [client.submit(label_piece, p, lab, cols, log.n_rows, n_representatives, nthreads,
                           pure=False) for p in pieces]
@@ -371,12 +375,15 @@ def label_log(log, est, args, client=None, nthreads=None, st=None, n_representat
     try:
         if st is not None:
             rows = {f.key: p.n_rows for f, p in zip(futs, pieces)}
-            with client.as_current():
-                for f in as_completed(futs):
-                    if f.status == "error":
-                        break
+            pending = set(futs)
+            while pending:
+                res = _handle(client).wait(list(pending), return_when="FIRST_COMPLETED")
+                pending -= set(res.done)
+                if any(f.status == "error" for f in res.done):
+                    break
+                for f in res.done:
                     st.update(rows[f.key])
-        total = root.result()
+        total = _handle(client).result(root)
     except BaseException:
         _first_error(futs)
         for f in futs:
@@ -408,7 +415,7 @@ def write_log(log, labels, keep, writer, output, client=None, st=None):
         futs = [client.submit(write_piece, f, rank, p, keep, schema, path, pure=False)
                 for f, p, path in zip(labels.parts, labels.pieces, parts)]
         try:
-            written = client.gather(futs)
+            written = _handle(client).result(futs)
         except BaseException:
             _first_error(futs)
             raise

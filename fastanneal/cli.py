@@ -1022,12 +1022,12 @@ def _cluster_lost(e):
     or None for any other error."""
     if "distributed" not in sys.modules:
         return None
-    from distributed.client import FutureCancelledError
+    from concurrent.futures import CancelledError       # distributed's Future(s)CancelledError
     from distributed.comm import CommClosedError
     from .dask._cluster import ClusterLostError
     if isinstance(e, ClusterLostError):
         return _one_line(e)
-    if isinstance(e, (FutureCancelledError, CommClosedError)):
+    if isinstance(e, (CancelledError, CommClosedError)):
         return ("the Dask scheduler went away during the run (its tasks were cancelled or its "
                 f"connection closed: {type(e).__name__}); no output was written: start it again "
                 "and rerun")

@@ -8,6 +8,7 @@ import functools
 import math
 import numbers
 import os
+import sys
 import time
 import warnings
 
@@ -341,11 +342,20 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         array (or of an :class:`~fastanneal.dask.EmbeddingArrays`' rows) with the fitted
         centers; a Parquet path is an error after the fit (its labels are written by
         ``fit(..., labels_path=...)``)."""
+        rows = X
+        inputs = sys.modules.get("fastanneal.dask._inputs")      # (loaded by any Dask input)
+        if inputs is not None and isinstance(X, inputs.EmbeddingArrays):
+            rows = X.X
+        lazy = hasattr(rows, "__dask_graph__")
+        if (not lazy and isinstance(self, MiniBatchAnnealedKMeans)
+                and _out_of_core_input(X)):
+            # said before an out-of-core fit that may take hours, not after it
+            raise ValueError("fit_predict keeps no labels for an out-of-core input (a Parquet "
+                             "path or open_parquet): fit(X, labels_path=...) writes them")
         self.fit(X, sample_weight=sample_weight)
         if self.labels_ is not None:
             return self.labels_
-        rows = getattr(X, "X", X)
-        if hasattr(rows, "__dask_graph__"):
+        if lazy:
             return self.predict(rows)
         raise ValueError("fit_predict keeps no labels for an out-of-core input: the model is "
                          "fitted; write the labels with fit(X, labels_path=...) or predict "
@@ -1440,6 +1450,16 @@ class _PartialFit:
         est.n_relocations_ = int(self.relocations)
         est.trace_ = self.trace
         est._mass_constrained = self.mass_constrained
+
+
+def _out_of_core_input(X):
+    """A Parquet path (or list of paths) or an :func:`fastanneal.open_parquet` stream: input
+    a mini-batch fit reads out of core, without keeping labels."""
+    if isinstance(X, (str, os.PathLike)):
+        return True
+    if isinstance(X, (list, tuple)) and X and isinstance(X[0], (str, os.PathLike)):
+        return True
+    return type(X).__module__ == "fastanneal._parquet"
 
 
 #: Rows of a mini-batch update when ``batch_size`` is None (whole chunks out of core).

@@ -294,8 +294,9 @@ def _checked_texts(texts):
     if isinstance(texts, (str, bytes, bytearray)):
         raise ValueError("texts must be a sequence of strings (one per row), not a single "
                          f"{type(texts).__name__}: wrap it in a list")
-    if isinstance(texts, np.ndarray) and texts.ndim != 1:
-        raise ValueError(f"texts must be 1-D (one per row); got shape {texts.shape}")
+    if getattr(texts, "ndim", 1) != 1:           # a 2-D array, a DataFrame
+        raise ValueError(f"texts must be 1-D (one per row: a list, an array or a Series); "
+                         f"got {type(texts).__name__} of shape {getattr(texts, 'shape', '?')}")
     out = []
     for i, t in enumerate(texts):
         if isinstance(t, str):

@@ -396,9 +396,19 @@ def test_minibatch_on_dask_does_not_depend_on_the_cluster_size(tmp_path):
     np.testing.assert_array_equal(l3, l1)
     path = tmp_path / "x.parquet"
     _write_parquet(path, X, "list", row_group_size=1000)
-    with pytest.raises(ValueError, match="fit_predict keeps no labels for an out-of-core"):
-        MiniBatchAnnealedKMeans(8, random_state=0, n_steps=4).fit_predict(
-            fa.open_parquet(path))
+    mb = MiniBatchAnnealedKMeans(8, random_state=0, n_steps=4)
+    for src in (fa.open_parquet(path), path, str(path)):
+        with pytest.raises(ValueError, match="fit_predict keeps no labels for an out-of-core"):
+            mb.fit_predict(src)
+        assert not hasattr(mb, "cluster_centers_")            # said before fitting
+    # a Dask DataFrame with a column named X: its rows, not that column
+    dd = pytest.importorskip("dask.dataframe")
+    pd = pytest.importorskip("pandas")
+    df = dd.from_pandas(pd.DataFrame(X[:, :4], columns=["X", "Y", "Z", "W"]), npartitions=3)
+    import dask
+    with dask.config.set(scheduler="synchronous"):
+        lab = MiniBatchAnnealedKMeans(3, random_state=0, n_steps=4).fit_predict(df)
+        assert lab.compute().shape == (6000,)
 
 
 def test_minibatch_from_parquet_with_ids(client, big_blobs, tmp_path):
@@ -822,7 +832,7 @@ def test_workers_lost_mid_fit_are_an_error_not_a_hang(monkeypatch):
     for new workers without end; after ``FASTANNEAL_WORKER_TIMEOUT`` seconds without a
     worker the wait says so. A full-batch pass whose cluster loses its workers between two
     passes fails the same way."""
-    from fastanneal.dask._cluster import ClientHandle
+    from fastanneal.dask._cluster import ClientHandle, ClusterLostError
     monkeypatch.setenv("FASTANNEAL_WORKER_TIMEOUT", "1")
     monkeypatch.setattr(ClientHandle, "POLL", 0.2)
     cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
@@ -846,6 +856,15 @@ def test_workers_lost_mid_fit_are_an_error_not_a_hang(monkeypatch):
         assert time.perf_counter() - t0 < 20
         with pytest.raises(RuntimeError, match="has had no workers"):
             h.result(c.submit(int, 5, pure=False))
+        # the tasks cancelled (a scheduler that went away cancels them): said so
+        f = c.submit(int, 6, pure=False)
+        f.cancel()
+        with pytest.raises(ClusterLostError, match="tasks were cancelled on the Dask cluster"):
+            h.result(f)
+        # a client that lost its scheduler has no identity left: not a KeyError
+        monkeypatch.setattr(c, "scheduler_info", lambda **k: {})
+        with pytest.raises(ClusterLostError, match="went away"):
+            h.result(c.submit(int, 7, pure=False))
     finally:
         c.close()
         cluster.close()
@@ -856,9 +875,10 @@ def test_many_tiny_chunks_are_a_performance_warning():
     input check says so (and how to rechunk); ordinary chunking says nothing."""
     import warnings
     from fastanneal.dask import as_dask_inputs
-    from fastanneal.dask._inputs import PerformanceWarning
+    from fastanneal.dask import SmallChunksWarning
     X = np.zeros((4000, 3))
-    with pytest.warns(PerformanceWarning, match=r"500 chunks of 8 rows on average.*rechunk"):
+    with pytest.warns(SmallChunksWarning, match=r"500 chunks of 8 rows on average.*rechunk.*"
+                                                r"larger row groups"):
         as_dask_inputs(da.from_array(X, chunks=(8, -1)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -288,14 +288,19 @@ def test_a_lost_cluster_is_a_one_line_error_not_unexpected(capsys, tmp_path, inp
     """Workers gone mid-run or the scheduler gone: a one-line error that says so (it read
     "unexpected FutureCancelledError ... rerun with --debug")."""
     pytest.importorskip("distributed")
-    from distributed.client import FutureCancelledError
+    from distributed.client import (CancelledFuturesGroup, FutureCancelledError,
+                                    FuturesCancelledError)
     from fastanneal.dask._cluster import ClusterLostError
     table, d = inp
     src = write_any(table, d / "q.parquet")
     for exc, words in ((ClusterLostError("the Dask cluster at X has had no workers for 1 s"),
                         ("has had no workers",)),
                        (FutureCancelledError("k", reason="scheduler-connection-lost"),
-                        ("the Dask scheduler went away", "no output was written"))):
+                        ("the Dask scheduler went away", "no output was written")),
+                       # what distributed.wait raises (not a FutureCancelledError)
+                       (FuturesCancelledError([CancelledFuturesGroup(
+                           [FutureCancelledError("k", reason="lost")], reason="lost")]),
+                        ("the Dask scheduler went away",))):
         def boom(*a, exc=exc, **k):
             raise exc
         monkeypatch.setattr(cli, "fit_model", boom)

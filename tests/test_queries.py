@@ -129,6 +129,10 @@ def test_write_report_and_errors(tmp_path, data, monkeypatch):
     odd[3] = ["a list"]
     with pytest.raises(ValueError, match="text at row 3 is a list, not a string"):
         fastanneal.QueryClusters(2).fit(texts=odd, embeddings=X)
+    pd = pytest.importorskip("pandas")
+    with pytest.raises(ValueError, match="texts must be 1-D.*DataFrame"):
+        fastanneal.QueryClusters(2).fit(texts=pd.DataFrame({"q": texts[:X.shape[0]]}),
+                                        embeddings=X)
     odd[3] = 404                                     # a number is its text
     qc404 = fastanneal.QueryClusters(2, random_state=0).fit(texts=odd, embeddings=X)
     assert qc404._texts[3] == "404"

@@ -16,8 +16,8 @@ embedded ``LocalCluster`` closed again after the fit. Fitted attributes are NumP
 """
 from ._cluster import (ClientHandle, ClusterLostError, SchedulerConnectionError,  # noqa: F401
                        resolve_client)
-from ._inputs import (EmbeddingArrays, as_dask_inputs, embeddings_from_dataframe,  # noqa: F401
-                      read_parquet_embeddings)
+from ._inputs import (EmbeddingArrays, SmallChunksWarning, as_dask_inputs,  # noqa: F401
+                      embeddings_from_dataframe, read_parquet_embeddings)
 from ._minibatch import (DaskBatchStream, map_rows, open_batch_stream,  # noqa: F401
                          predict_labels, write_labels)
 from ._source import DaskSource, make_dask_source  # noqa: F401
@@ -25,4 +25,4 @@ from ._source import DaskSource, make_dask_source  # noqa: F401
 __all__ = ["DaskSource", "make_dask_source", "read_parquet_embeddings",
            "embeddings_from_dataframe", "EmbeddingArrays", "as_dask_inputs", "resolve_client",
            "DaskBatchStream", "open_batch_stream", "write_labels", "predict_labels",
-           "ClusterLostError", "SchedulerConnectionError"]
+           "ClusterLostError", "SchedulerConnectionError", "SmallChunksWarning"]

@@ -2,6 +2,7 @@
 embedded LocalCluster that the caller closes again."""
 import logging
 import os
+from concurrent.futures import CancelledError
 import socket
 import time
 
@@ -53,7 +54,7 @@ class ClientHandle:
     def require_workers(self):
         """The scheduler's workers, after waiting up to ``WORKER_TIMEOUT`` seconds for the
         first one (a scheduler without workers would otherwise take the tasks and hang)."""
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = self._workers()
         if info:
             return info
         timeout = _worker_timeout()
@@ -71,7 +72,7 @@ class ClientHandle:
                 "longer") from exc
         finally:
             probe.cancel()
-        return self.client.scheduler_info(n_workers=-1)["workers"]
+        return self._workers()
 
     #: seconds between two looks at the cluster while waiting for results
     POLL = 2.0
@@ -80,6 +81,7 @@ class ClientHandle:
         """``distributed.wait`` that gives up when the cluster has had no worker for
         ``FASTANNEAL_WORKER_TIMEOUT`` seconds (every worker died mid-fit: the tasks would
         wait for new workers without end) with a RuntimeError saying so."""
+        import asyncio
         from distributed import wait as dwait
         futures = list(futures)
         since = None
@@ -87,9 +89,14 @@ class ClientHandle:
             try:
                 with self.client.as_current():
                     return dwait(futures, timeout=self.POLL, return_when=return_when)
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):   # (two classes before Python 3.11)
                 pass
-            if self.client.scheduler_info(n_workers=-1)["workers"]:
+            except CancelledError as e:    # distributed's Future(s)CancelledError
+                raise ClusterLostError(
+                    "the fit's tasks were cancelled on the Dask cluster (its scheduler went "
+                    f"away or the cluster was restarted: {str(e).splitlines()[0][:200]}); "
+                    "rerun the fit") from e
+            if self._workers():
                 since = None
                 continue
             now = time.monotonic()
@@ -105,6 +112,17 @@ class ClientHandle:
                     "left; start workers and run the fit again (or set "
                     "FASTANNEAL_WORKER_TIMEOUT to wait longer)")
 
+    def _workers(self):
+        """The scheduler's workers (a dict); :class:`ClusterLostError` once the client has
+        lost its scheduler (its identity is then empty)."""
+        info = self.client.scheduler_info(n_workers=-1)
+        if "workers" not in info or self.client.status in ("closing", "closed", "failed"):
+            addr = getattr(getattr(self.client, "scheduler", None), "address", None)
+            raise ClusterLostError(
+                f"the Dask scheduler at {addr or 'its address'} went away (the client is "
+                f"{self.client.status}): start it and its workers again and rerun")
+        return info["workers"]
+
     def result(self, futures):
         """The result of a future, or the results of a list of futures, waiting as
         :meth:`wait` does."""
@@ -115,7 +133,7 @@ class ClientHandle:
         return futures.result()
 
     def n_worker_threads(self):
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = self._workers()
         return max(1, sum(int(w.get("nthreads", 1)) for w in info.values()))
 
     def close(self):

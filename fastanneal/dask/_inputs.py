@@ -483,7 +483,7 @@ def _as_aligned(v, chunks, name):
     return da.from_array(a, chunks=(chunks,))
 
 
-class PerformanceWarning(UserWarning):
+class SmallChunksWarning(UserWarning):
     """Input whose chunking makes the Dask route slow (many tiny chunks)."""
 
 
@@ -537,10 +537,11 @@ def as_dask_inputs(X, sample_weight=None, ids=None, *, chunk_rows=None, column=N
     if len(chunks) > TINY_CHUNKS_MIN and X.shape[0] < TINY_CHUNK_ROWS * len(chunks):
         import warnings
         warnings.warn(
-            f"X has {len(chunks):,} chunks of {X.shape[0] / len(chunks):,.0f} rows on average: "
-            "every chunk is a task (and a moments pass one task per chunk), so passes cost "
-            f"scheduling more than arithmetic; rechunk to >= {TINY_CHUNK_ROWS:,} rows a chunk "
-            "(X.rechunk({0: 100_000}); weights and ids alike)", PerformanceWarning,
+            f"the rows come in {len(chunks):,} chunks of {X.shape[0] / len(chunks):,.0f} rows "
+            "on average: every chunk is a task in every pass, so passes cost scheduling more "
+            f"than arithmetic; use chunks of >= {TINY_CHUNK_ROWS:,} rows (a Dask array: "
+            "X.rechunk({0: 100_000}); Parquet: larger row groups, or "
+            "read_parquet_embeddings(rows_per_chunk=100_000))", SmallChunksWarning,
             stacklevel=3)
     return EmbeddingArrays(X, _as_aligned(sample_weight, chunks, "sample_weight"),
                            _as_aligned(ids, chunks, "ids"))
