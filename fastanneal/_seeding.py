@@ -154,7 +154,13 @@ def auto_start(source, C, rng, fraction):
     """``fraction * min_k 2 lambda_max(C_k)`` over the non-empty clusters of the partition
     induced by the seeds ``C`` (cluster means as centers); None when undefined."""
     mh = source.moments(C, 1.0, 2, None, hard_sums=True)
-    means = mh.finalize(previous_centers=C, hard=True).centers
+    # the non-empty cells' means: an empty cell keeps its seed as its "mean", which can
+    # coincide with another cell's (init="mean": K copies of the mean), and then rounding
+    # decided how the rows were shared between the copies
+    live = mh.hard_counts > 0
+    means = mh.finalize(previous_centers=C, hard=True).centers[live]
+    if not means.shape[0]:
+        return None
     top = source.cluster_top_eigenvalues
     # a start temperature needs lambda_max to about 1e-3, not to 1e-9: Lanczos stops there
     # (sources written against the first protocol take no ``tol=``: 15 steps)
@@ -165,7 +171,7 @@ def auto_start(source, C, rng, fraction):
     # would mean no annealing at all: such cells do not count
     pos2 = np.einsum("ij,ij->i", means, means)
     noise = 16.0 * float(np.finfo(source.dtype).eps) ** 2 * pos2
-    cand = lam[(mh.hard_counts > 0) & (lam > noise)]
+    cand = lam[lam > noise]
     if cand.size == 0:
         return None
     return float(fraction * 2.0 * cand.min())

@@ -358,3 +358,28 @@ def centered_rows(X, w=None, block_rows=16384, sqnorms=None):
     if not far_from_origin(mean, msq, X.dtype):
         return X, None
     return shifted_rows(X, mean, block_rows), mean
+
+
+#: The positive weights float32 rows can carry: the kernels keep the weighted
+#: responsibilities (and a block's weighted sums) in the rows' dtype.
+FLOAT32_WEIGHT_RANGE = (1e-25, 1e25)
+
+
+def check_weight_range(w, dtype):
+    """ValueError when float32 rows come with positive weights outside
+    :data:`FLOAT32_WEIGHT_RANGE` (1e36 made a false "1 distinct point" error, 1e39 a
+    ZeroDivisionError in a kernel, 1e-46 a silent fit without those rows); float64 rows
+    carry any finite weight."""
+    if np.dtype(dtype) != np.float32:
+        return
+    w = np.asarray(w)
+    pos = w[w > 0]
+    if not pos.size:
+        return
+    lo, hi = float(pos.min()), float(pos.max())
+    a, b = FLOAT32_WEIGHT_RANGE
+    if lo < a or hi > b:
+        raise ValueError(f"sample_weight holds {hi:.3g} as its largest and {lo:.3g} as its "
+                         f"smallest positive value: with float32 rows the weighted sums are "
+                         f"kept in float32, which carries weights in {a:g}..{b:g}; rescale the "
+                         "weights (only their ratios matter) or pass float64 rows")

@@ -189,7 +189,10 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
 
     #: the private state a fit leaves beside its ``..._`` attributes
     _FIT_STATE = ("_partial_state", "_origin", "_scale", "_rows_seen", "_mass_constrained",
-                  "_run_schedule")
+                  "_run_schedule", "_fitted_with")
+
+    #: the parameters inference reads: set_params after fit must not change a fitted model
+    _INFERENCE_PARAMS = ("metric", "responsibilities")
 
     def _forget_fit(self):
         """A new fit starts unfitted: nothing of an earlier fit survives it (``k_suggestion_``
@@ -199,6 +202,20 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         for k in [k for k in self.__dict__ if (k.endswith("_") and not k.startswith("__"))
                   or k in self._FIT_STATE]:
             del self.__dict__[k]
+        self._fitted_with = {p: getattr(self, p, None) for p in self._INFERENCE_PARAMS}
+
+    def _check_unchanged(self):
+        """ValueError when ``set_params`` changed ``metric`` or ``responsibilities`` after
+        the fit (predict read the new metric: cosine rows against Euclidean centers);
+        a model fitted before this check existed (no record) passes."""
+        rec = self.__dict__.get("_fitted_with")
+        if not rec:
+            return
+        for p, v in rec.items():
+            now = getattr(self, p, None)
+            if now != v:
+                raise ValueError(f"{p} was {v!r} when this model was fitted and is {now!r} "
+                                 "now (set_params after fit): fit again, or set it back")
 
     def _rng(self):
         rs = self.random_state
@@ -206,9 +223,16 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             return rs
         if isinstance(rs, np.random.RandomState):
             return np.random.default_rng(rs.randint(2 ** 31))
+        if rs is not None and (isinstance(rs, (bool, np.bool_))
+                               or not isinstance(rs, (numbers.Integral, np.integer))
+                               or int(rs) < 0):
+            raise ValueError("random_state must be None, an integer >= 0, a "
+                             f"numpy.random.Generator or RandomState; got {rs!r}")
         return np.random.default_rng(rs)
 
     def _validate_X(self, X, reset):
+        if not reset:
+            self._check_unchanged()
         dt = getattr(X, "dtype", None)
         if isinstance(dt, np.dtype) and not dt.isnative and float_dtype_of(dt) == np.float32:
             X = np.asarray(X, dtype=np.float32)     # big-endian float32 stays float32
@@ -220,9 +244,10 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         return X
 
     @staticmethod
-    def _validate_weights(sample_weight, n, allow_zero=False):
+    def _validate_weights(sample_weight, n, allow_zero=False, dtype=None):
         """Checked float64 weights; ``allow_zero``: all-zero weights are valid (a
-        ``partial_fit`` batch after the first: rows that carry no weight)."""
+        ``partial_fit`` batch after the first: rows that carry no weight); ``dtype``: the
+        rows' dtype (float32 rows carry weights in ``FLOAT32_WEIGHT_RANGE`` only)."""
         if sample_weight is None:
             return np.ones(n)
         w = np.asarray(sample_weight, dtype=np.float64)
@@ -244,6 +269,9 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             raise ValueError(f"sample_weight sums to infinity (largest weight "
                              f"{float(w.max()):.3g}): rescale the weights (only their "
                              "ratios matter)")
+        if dtype is not None:
+            from ._validation import check_weight_range
+            check_weight_range(w, dtype)
         return np.ascontiguousarray(w)
 
     def _fit_params(self):
@@ -318,6 +346,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
 
     def _dask_frame(self, X):
         """:meth:`_frame_for` the rows of the Dask collection ``X``."""
+        self._check_unchanged()
         return self._frame_for(float_dtype_of(getattr(X, "dtype", np.float64)))
 
     def _in_frame(self, X):
@@ -529,10 +558,13 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                              "(leave backend unset for partial_fit)")
         first = not hasattr(self, "_partial_state")
         fitted = first and hasattr(self, "cluster_centers_")
+        if first and not fitted:
+            self._fitted_with = {p: getattr(self, p, None) for p in self._INFERENCE_PARAMS}
         X = self._validate_X(X, reset=first and not fitted)
         # a batch whose rows all weigh zero carries nothing: once the fit has started it
         # leaves the state as it is (labels_ and inertia_ describe the batch)
-        w = self._validate_weights(sample_weight, X.shape[0], allow_zero=not first or fitted)
+        w = self._validate_weights(sample_weight, X.shape[0], allow_zero=not first or fitted,
+                                   dtype=X.dtype)
         if not w.sum() > 0:
             Xf, Cf = self._in_frame(X)
             self.labels_, self.inertia_ = nearest_objective(Xf, w, Cf,
@@ -842,7 +874,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             from .dask import make_dask_source  # noqa: WPS433 (optional heavy import)
             return make_dask_source(self, X, sample_weight)[0], False
         X = self._validate_X(X, reset=True)
-        w = self._validate_weights(sample_weight, X.shape[0])
+        w = self._validate_weights(sample_weight, X.shape[0], dtype=X.dtype)
         X, origin = self._centered(X, w)
         if backend == "cuda":
             from .cuda import CudaSource
@@ -1663,7 +1695,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 raise ValueError("ids and labels_path are for Dask / Parquet input; with a "
                                  "NumPy array the labels are in labels_")
             Xv = self._validate_X(X, reset=True)
-            w = self._validate_weights(sample_weight, Xv.shape[0])
+            w = self._validate_weights(sample_weight, Xv.shape[0], dtype=Xv.dtype)
             Xv, origin = self._centered(Xv, w)
             full = InMemorySource(Xv, w, metric)
             full.origin = origin

@@ -15,7 +15,7 @@ from sklearn.cluster import KMeans
 from sklearn.exceptions import NotFittedError
 from sklearn.metrics import adjusted_rand_score
 
-from fastanneal import AnnealedKMeans, AnnealingWarning
+from fastanneal import AnnealedKMeans, AnnealingWarning, MiniBatchAnnealedKMeans
 
 from conftest import SHARED_DATA
 
@@ -898,3 +898,77 @@ def test_fitting_leaves_the_schedule_parameter_as_it_was():
     assert km.cluster_centers_.dtype == np.float64
     with pytest.raises(ValueError, match="partial_fit needs a given n_clusters"):
         AnnealedKMeans("auto", k_max=6).partial_fit(X)
+
+
+def test_auto_start_with_init_mean_is_the_whole_data_lambda_and_weights_equal_repeats():
+    """init="mean": every seed at the mean, one non-empty cell: T_start = 0.5 x 2 lambda_max
+    of all rows. The cells' coinciding means split the rows by rounding (6.92 with integer
+    weights, 5.93 on the repeated rows, for a true 6.35)."""
+    rng = np.random.default_rng(0)
+    X = np.concatenate([rng.normal(size=(100, 2)) + c for c in ([0, 0], [5, 0], [0, 5], [5, 5])])
+    w = rng.integers(1, 4, 400)
+    a = AnnealedKMeans(4, init="mean", random_state=0).fit(X, sample_weight=w)
+    b = AnnealedKMeans(4, init="mean", random_state=0).fit(np.repeat(X, w, 0))
+    Xc = X - np.average(X, 0, w)
+    lam = np.linalg.eigvalsh((w[:, None] * Xc).T @ Xc / w.sum())[-1]
+    assert a.temperature_start_ == pytest.approx(lam, rel=1e-6)
+    assert b.temperature_start_ == pytest.approx(lam, rel=1e-6)
+
+
+def test_set_params_after_fit_cannot_change_a_fitted_model_silently():
+    """predict read the new metric (cosine rows against Euclidean centers: 37 % of the
+    labels kept); now a clear error, until the parameter is set back or the model refitted;
+    partial_fit likewise."""
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(300, 4)) + 3
+    km = AnnealedKMeans(3, random_state=0).fit(X)
+    ref = km.predict(X)
+    km.set_params(metric="cosine")
+    for call in (km.predict, km.transform, km.score, km.predict_proba):
+        with pytest.raises(ValueError, match="metric was 'euclidean' when this model was "
+                                             "fitted and is 'cosine' now"):
+            call(X)
+    km.set_params(metric="euclidean")
+    np.testing.assert_array_equal(km.predict(X), ref)
+    km.set_params(responsibilities="entmax15")
+    with pytest.raises(ValueError, match="responsibilities was 'softmax'"):
+        km.predict_proba(X, temperature="final")
+    km.set_params(responsibilities="softmax", metric="cosine").fit(X)   # a refit is fine
+    assert km.predict(X).shape == (300,)
+    mb = MiniBatchAnnealedKMeans(3, random_state=0)
+    mb.partial_fit(X[:150])
+    mb.set_params(metric="cosine")
+    with pytest.raises(ValueError, match="set_params after fit"):
+        mb.partial_fit(X[150:])
+    mb.set_params(metric="euclidean").partial_fit(X[150:])
+
+
+def test_float32_rows_take_weights_they_can_carry_float64_any():
+    """float32 rows keep weighted responsibilities in float32: weights of 1e36 gave a false
+    "1 distinct point" error, 1e39 a ZeroDivisionError in a kernel, 1e-46 a silent 3.4x
+    worse mini-batch fit; now a clear error. Within the range (and with float64 rows at any
+    scale) a uniform weight changes nothing."""
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(600, 4)).astype(np.float32)
+    ref = AnnealedKMeans(4, random_state=0).fit(X)
+    for Est in (AnnealedKMeans, MiniBatchAnnealedKMeans):
+        for s in (1e36, 1e39, 1e-46):
+            with pytest.raises(ValueError, match="with float32 rows the weighted sums are kept "
+                                                 "in float32.*or pass float64 rows"):
+                Est(4, random_state=0).fit(X, sample_weight=np.full(600, s))
+    with pytest.raises(ValueError, match="float32 rows"):
+        MiniBatchAnnealedKMeans(4, random_state=0).partial_fit(X, sample_weight=np.full(600, 1e30))
+    for s in (1e20, 1e-20):
+        km = AnnealedKMeans(4, random_state=0).fit(X, sample_weight=np.full(600, s))
+        np.testing.assert_array_equal(km.labels_, ref.labels_)
+    X64 = X.astype(np.float64)
+    ref64 = AnnealedKMeans(4, random_state=0).fit(X64)
+    for s in (1e300, 1e-300):
+        km = AnnealedKMeans(4, random_state=0).fit(X64, sample_weight=np.full(600, s))
+        np.testing.assert_array_equal(km.labels_, ref64.labels_)
+
+
+@pytest.mark.parametrize("rs", [-1, 1.5, "0", True])
+def test_a_bad_random_state_is_named(rs):
+    with pytest.raises(ValueError, match="random_state must be None, an integer >= 0"):
+        AnnealedKMeans(2, random_state=rs).fit(np.random.default_rng(0).normal(size=(20, 2)))
