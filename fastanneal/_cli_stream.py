@@ -13,6 +13,7 @@ log is held beyond what the chosen route needs.
   the workers with ``--backend dask``). Ids, weights, texts and truth are never columns of
   the whole log in memory.
 """
+import math
 import os
 import re
 
@@ -41,7 +42,13 @@ def parse_size(text):
     if not m:
         raise ValueError(f"not a size: {text!r} (examples: 8G, 500M, 2.5GB)")
     unit = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * unit)
+    try:
+        v = float(m.group(1)) * unit
+    except ValueError:                  # "1.2.3"
+        raise ValueError(f"not a size: {text!r} (examples: 8G, 500M, 2.5GB)") from None
+    if not math.isfinite(v) or v > 2 ** 62:
+        raise ValueError(f"not a size: {text!r} is too large (examples: 8G, 500M, 2.5GB)")
+    return int(v)
 
 
 def total_memory():
@@ -365,8 +372,9 @@ def fit_stream(log, args, console):
         except NonFiniteRows as e:
             # named as the in-memory route names it (the file, the column and the row), not
             # as the library's "X ... in chunk 5"
+            why = "; the cosine metric needs non-zero vectors" if "zero" in e.kind else ""
             raise CLIError(f"{log.path}: embedding column {args.embedding_column!r} "
-                           f"contains {e.kind} at row {e.row}") from None
+                           f"contains {e.kind} at row {e.row}{why}") from None
         except ValueError as e:
             raise CLIError(f"cannot cluster: {_as_flags(e, args)}") from None
     if suggestion is not None:

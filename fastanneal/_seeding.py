@@ -41,6 +41,9 @@ def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
 
     if n_local_trials is None:
         n_local_trials = 2 + int(math.log(K))
+    if not w.sum() > 0:
+        raise ValueError("the rows drawn for k-means++ seeding carry no weight (give more "
+                         "rows weight > 0, or a larger init_size)")
     p = w / w.sum()
     first = rng.choice(n, p=p)
     centers = np.empty((K, X.shape[1]))
@@ -121,6 +124,14 @@ def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000, kpp_rows=
             if kpp_rows is not None:
                 n = max(K, min(n, int(kpp_rows)))
             Xs, ws = source.sample(min(source.n_rows, n), rng)
+            if (ws > 0).sum() < K and n < source.n_rows:
+                # a draw of rows that carry (almost) no weight -- a log where most rows
+                # weigh 0 -- has nothing to seed from (k-means++ divided 0 by 0): all the
+                # rows (a mini-batch fit's seeding sample), or a larger draw of them
+                Xb, wb = source.sample(source.n_rows if source.n_rows <= sample_rows else
+                                       max(n, 100 * K, 20_000), rng)
+                if (wb > 0).sum() > (ws > 0).sum():
+                    Xs, ws = Xb, wb
             return kmeans_plusplus(Xs, ws, K, rng)
         if init == "random":
             Xs, ws = source.sample(min(source.n_rows, max(100 * K, 20_000)), rng)

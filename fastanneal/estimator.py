@@ -1342,8 +1342,11 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None, refine_init=True
         raise ValueError("the seeding sample carries no weight")
     stats = data_stats(src)
     if not stats.scale > 0 and K > 1:
-        raise ValueError("all rows of the seeding sample are identical: more than one "
-                         "cluster is undefined")
+        live = int((np.asarray(ws) > 0).sum())
+        raise ValueError("all rows of the seeding sample that carry weight are identical "
+                         f"({live} of its {len(ws):,} rows weigh > 0): more than one cluster "
+                         "is undefined on it (a larger init_size samples more of the "
+                         "weighted rows)")
     T_c = critical_temperature(src, stats.mean, rng)
     # seeds given as an array are refined like k-means++ ones (as AnnealedKMeans re-allocates
     # from any start): a poor init ended 70 % higher than the same init's full fit

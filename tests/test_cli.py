@@ -920,6 +920,26 @@ def test_dask_route_counts_rows_as_the_other_routes(capfd, dirs):
     assert _config.ROW_BASE.get() == 0            # the library's own count is left as it was
 
 
+def test_an_all_zero_vector_is_named_alike_in_memory_and_out_of_core(capsys, dirs):
+    """Cosine needs non-zero vectors: out of core the error named the library's "X" and
+    "chunk 4 (rows ...)" and no file; now the file, the column and the row, as in memory."""
+    import pyarrow as pa
+    i, o = dirs
+    table, _, _ = make_table(n=300)
+    emb = table.column("emb").to_pylist()
+    emb[211] = [0.0] * len(emb[211])
+    table = table.set_column(table.schema.get_field_index("emb"), "emb",
+                             pa.array(emb, type=table.schema.field("emb").type))
+    inp = i / "zero.parquet"
+    pq.write_table(table, inp, row_group_size=50)
+    for extra in ([], ["--memory-limit", "1K"]):
+        rc, _, err = run(capsys, "cluster", inp, "-o", o / "r.csv", "--k", 3,
+                         "--embedding-column", "emb", "-q", *extra)
+        assert_one_line_error(rc, err, str(inp), "row 212", "all-zero", "non-zero vectors")
+        assert "chunk" not in err and " X " not in err
+    no_output(o)
+
+
 def test_dask_route_error_is_one_line_in_a_real_process(tmp_path):
     """In a real process (distributed's log handler writes to the process's stderr, which
     the test harness does not capture) the in-process worker's "Compute Failed" block is

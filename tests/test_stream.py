@@ -364,6 +364,8 @@ def test_in_memory_parquet_route_labels_like_the_library(tmp_path, capsys):
 @pytest.mark.parametrize("extra,words", [
     (["--k", "3", "--schedule", "critical"], ["critical", "memory"]),
     (["--k", "3", "--memory-limit", "lots"], ["memory-limit", "not a size"]),
+    (["--k", "3", "--memory-limit", "1e999"], ["memory-limit", "too large"]),   # a traceback
+    (["--k", "3", "--memory-limit", "1.2.3"], ["memory-limit", "not a size"]),
 ])
 def test_out_of_core_refuses_what_it_cannot_do(tmp_path, capsys, extra, words):
     p = tmp_path / "log.parquet"
@@ -375,6 +377,23 @@ def test_out_of_core_refuses_what_it_cannot_do(tmp_path, capsys, extra, words):
     for w in words:
         assert w.lower() in err.lower(), (w, err)
     assert not (tmp_path / "o.csv").exists()
+
+
+def test_a_log_of_mostly_zero_weights_seeds_out_of_core(tmp_path):
+    """100 of 200,000 rows carry weight: the k-means++ draw of 20 K rows of the seeding
+    sample carried none ("Probabilities contain NaN" out of core, where the in-memory route
+    clustered the log); the weighted rows of the sample seed now."""
+    rng = np.random.default_rng(0)
+    X = np.concatenate([rng.normal(size=(20000, 8)) + 6 * np.eye(8)[k % 8]
+                        for k in range(10)]).astype(np.float32)
+    w = (rng.random(len(X)) < 0.0005) * rng.integers(1, 9, len(X)).astype(float)
+    p = tmp_path / "sparse.parquet"
+    pq.write_table(pa.table({"embedding": pa.FixedSizeListArray.from_arrays(
+        pa.array(X.ravel()), 8), "w": w}), p, row_group_size=20000)
+    for seed in range(3):
+        mb = fastanneal.MiniBatchAnnealedKMeans(5, random_state=seed, n_steps=5).fit(
+            fastanneal.open_parquet(p, weight="w"))
+        assert np.isfinite(mb.inertia_) and mb.cluster_centers_.shape == (5, 8)
 
 
 def test_out_of_core_k_auto_chooses_on_a_sample(tmp_path, capsys, monkeypatch):

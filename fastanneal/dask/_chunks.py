@@ -74,8 +74,8 @@ def set_threads(nthreads):
 
 
 class NonFiniteRows(ValueError):
-    """A chunk's rows hold NaN or infinity: ``kind`` ("NaN" / "infinity") and the first
-    such ``row`` (numbered as the message numbers it), for callers that name the row in
+    """A chunk's rows hold NaN or infinity, or (cosine) an all-zero row: ``kind`` ("NaN" /
+    "infinity" / "an all-zero vector") and the first such ``row`` (numbered as the message numbers it), for callers that name the row in
     their own terms (the command: its file and column). Pickles (Dask ships it back)."""
 
     def __init__(self, message, kind, row):
@@ -136,8 +136,9 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_b
         norms = np.einsum("ij,ij->i", x, x, dtype=np.float64)
         if (norms == 0).any():
             i = int(np.argwhere(norms == 0)[0, 0])
-            raise ValueError(f"{name} has an all-zero row in {where} (row {r0 + i}); the "
-                             "cosine metric needs non-zero vectors")
+            raise NonFiniteRows(f"{name} has an all-zero row in {where} (row {r0 + i}); the "
+                                "cosine metric needs non-zero vectors", "an all-zero vector",
+                                r0 + i)
         x = normalize_rows(x, name)
     check_range(x, name, where)
     if origin is not None:
