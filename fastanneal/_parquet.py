@@ -468,7 +468,7 @@ class ParquetStream(_passes_base()):
             if self.weight is None:
                 self._W = float(self.n_rows)
             else:
-                tot = 0.0
+                tot, hi = 0.0, 0.0
                 for i, t in self.data.tables([self.weight], depth=self._depth):
                     w = _weights64(t.column(0), self.weight, self.data.where(i))
                     bad = ~np.isfinite(w) | (w < 0)
@@ -480,6 +480,9 @@ class ParquetStream(_passes_base()):
                                          f"{int(self.data.offsets[i]) + j} "
                                          f"({self.data.where(i)})")
                     tot += float(w.sum())
+                    hi = max(hi, float(w.max()) if w.size else 0.0)
+                from ._validation import check_weight_range
+                check_weight_range(hi, self.dtype, f"weight column {self.weight!r}")
                 if not math.isfinite(tot):
                     raise ValueError(f"weight column {self.weight!r} sums to more than float64 "
                                      "can hold; rescale the weights (divide them by a constant)")

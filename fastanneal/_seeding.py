@@ -43,7 +43,7 @@ def kmeans_plusplus(X, w, K, rng, n_local_trials=None):
         n_local_trials = 2 + int(math.log(K))
     if not w.sum() > 0:
         raise ValueError("the rows drawn for k-means++ seeding carry no weight (give more "
-                         "rows weight > 0, or a larger init_size)")
+                         "rows a weight > 0)")
     p = w / w.sum()
     first = rng.choice(n, p=p)
     centers = np.empty((K, X.shape[1]))
@@ -132,6 +132,14 @@ def initial_centers(init, source, K, rng, mean_c, sample_rows=200_000, kpp_rows=
                                        max(n, 100 * K, 20_000), rng)
                 if (wb > 0).sum() > (ws > 0).sum():
                     Xs, ws = Xb, wb
+                W, Xa = getattr(source, "w", None), getattr(source, "X", None)
+                if (ws > 0).sum() < K and W is not None and Xa is not None:
+                    # rows in memory: the weighted ones themselves (up to sample_rows)
+                    pos = np.flatnonzero(np.asarray(W) > 0)
+                    if pos.size > (ws > 0).sum():
+                        if pos.size > sample_rows:
+                            pos = np.sort(rng.choice(pos, sample_rows, replace=False))
+                        Xs, ws = Xa[pos], np.asarray(W)[pos]
             return kmeans_plusplus(Xs, ws, K, rng)
         if init == "random":
             Xs, ws = source.sample(min(source.n_rows, max(100 * K, 20_000)), rng)

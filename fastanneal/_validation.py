@@ -360,26 +360,24 @@ def centered_rows(X, w=None, block_rows=16384, sqnorms=None):
     return shifted_rows(X, mean, block_rows), mean
 
 
-#: The positive weights float32 rows can carry: the kernels keep the weighted
-#: responsibilities (and a block's weighted sums) in the rows' dtype.
+#: The largest weight float32 rows can carry: the kernels keep the weighted
+#: responsibilities (and a block's weighted sums) in the rows' dtype. (Weights far below
+#: the largest one round towards 0 there, as they count for ~nothing beside it anyway.)
 FLOAT32_WEIGHT_RANGE = (1e-25, 1e25)
 
 
-def check_weight_range(w, dtype):
-    """ValueError when float32 rows come with positive weights outside
-    :data:`FLOAT32_WEIGHT_RANGE` (1e36 made a false "1 distinct point" error, 1e39 a
-    ZeroDivisionError in a kernel, 1e-46 a silent fit without those rows); float64 rows
-    carry any finite weight."""
+def check_weight_range(w, dtype, name="sample_weight"):
+    """ValueError when float32 rows come with a largest weight outside
+    :data:`FLOAT32_WEIGHT_RANGE` (all weights 1e36 made a false "1 distinct point" error,
+    1e39 a ZeroDivisionError in a kernel or centers at the mean, 1e-46 a fit on rounded-away
+    weights); float64 rows carry any finite weight. ``w``: the weights, or their maximum."""
     if np.dtype(dtype) != np.float32:
         return
-    w = np.asarray(w)
-    pos = w[w > 0]
-    if not pos.size:
-        return
-    lo, hi = float(pos.min()), float(pos.max())
+    w = np.asarray(w, dtype=np.float64)
+    hi = float(w.max()) if w.size else 0.0
     a, b = FLOAT32_WEIGHT_RANGE
-    if lo < a or hi > b:
-        raise ValueError(f"sample_weight holds {hi:.3g} as its largest and {lo:.3g} as its "
-                         f"smallest positive value: with float32 rows the weighted sums are "
-                         f"kept in float32, which carries weights in {a:g}..{b:g}; rescale the "
-                         "weights (only their ratios matter) or pass float64 rows")
+    if hi > 0 and not a <= hi <= b:
+        raise ValueError(f"{name}'s largest value is {hi:.3g}: with float32 rows the weighted "
+                         f"sums are kept in float32, which needs the largest weight in "
+                         f"{a:g}..{b:g}; rescale the weights (only their ratios matter: e.g. "
+                         "divide them by the largest), or use float64 rows")

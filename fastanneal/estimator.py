@@ -191,7 +191,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
     _FIT_STATE = ("_partial_state", "_origin", "_scale", "_rows_seen", "_mass_constrained",
                   "_run_schedule", "_fitted_with")
 
-    #: the parameters inference reads: set_params after fit must not change a fitted model
+    #: the parameters inference or partial_fit read: set_params after fit must not change a
+    #: fitted model (``responsibilities``: predict_proba at a given temperature, partial_fit)
     _INFERENCE_PARAMS = ("metric", "responsibilities")
 
     def _forget_fit(self):
@@ -204,14 +205,16 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             del self.__dict__[k]
         self._fitted_with = {p: getattr(self, p, None) for p in self._INFERENCE_PARAMS}
 
-    def _check_unchanged(self):
-        """ValueError when ``set_params`` changed ``metric`` or ``responsibilities`` after
-        the fit (predict read the new metric: cosine rows against Euclidean centers);
-        a model fitted before this check existed (no record) passes."""
+    def _check_unchanged(self, params=("metric",)):
+        """ValueError when ``set_params`` changed one of ``params`` (of
+        ``_INFERENCE_PARAMS``) after the fit (predict read the new metric: cosine rows
+        against Euclidean centers); a model fitted before this check existed passes."""
         rec = self.__dict__.get("_fitted_with")
         if not rec:
             return
         for p, v in rec.items():
+            if p not in params:
+                continue
             now = getattr(self, p, None)
             if now != v:
                 raise ValueError(f"{p} was {v!r} when this model was fitted and is {now!r} "
@@ -223,12 +226,11 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             return rs
         if isinstance(rs, np.random.RandomState):
             return np.random.default_rng(rs.randint(2 ** 31))
-        if rs is not None and (isinstance(rs, (bool, np.bool_))
-                               or not isinstance(rs, (numbers.Integral, np.integer))
-                               or int(rs) < 0):
+        try:                # what numpy takes: ints >= 0, SeedSequence, BitGenerator, ...
+            return np.random.default_rng(rs)
+        except (TypeError, ValueError):
             raise ValueError("random_state must be None, an integer >= 0, a "
-                             f"numpy.random.Generator or RandomState; got {rs!r}")
-        return np.random.default_rng(rs)
+                             f"numpy.random.Generator or RandomState; got {rs!r}") from None
 
     def _validate_X(self, X, reset):
         if not reset:
@@ -376,11 +378,13 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if inputs is not None and isinstance(X, inputs.EmbeddingArrays):
             rows = X.X
         lazy = hasattr(rows, "__dask_graph__")
-        if (not lazy and isinstance(self, MiniBatchAnnealedKMeans)
-                and _out_of_core_input(X)):
+        minibatch = (isinstance(self, MiniBatchAnnealedKMeans)
+                     or bool(getattr(self, "batch_size", None)))
+        if not lazy and minibatch and _out_of_core_input(X):
             # said before an out-of-core fit that may take hours, not after it
             raise ValueError("fit_predict keeps no labels for an out-of-core input (a Parquet "
-                             "path or open_parquet): fit(X, labels_path=...) writes them")
+                             "path or open_parquet): MiniBatchAnnealedKMeans(...).fit(X, "
+                             "labels_path=...) writes them")
         self.fit(X, sample_weight=sample_weight)
         if self.labels_ is not None:
             return self.labels_
@@ -431,6 +435,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if temperature is None and hasattr(self, "probability_temperature_"):
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
             return self.probability_temperature_, "softmax", logp
+        self._check_unchanged(("responsibilities",))      # the fit's own rule from here on
         if temperature is None or (isinstance(temperature, str) and temperature == "final"):
             T = self.temperature_
         else:
@@ -560,6 +565,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         fitted = first and hasattr(self, "cluster_centers_")
         if first and not fitted:
             self._fitted_with = {p: getattr(self, p, None) for p in self._INFERENCE_PARAMS}
+        else:
+            self._check_unchanged(self._INFERENCE_PARAMS)
         X = self._validate_X(X, reset=first and not fitted)
         # a batch whose rows all weigh zero carries nothing: once the fit has started it
         # leaves the state as it is (labels_ and inertia_ describe the batch)

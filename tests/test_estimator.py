@@ -933,6 +933,9 @@ def test_set_params_after_fit_cannot_change_a_fitted_model_silently():
     km.set_params(responsibilities="entmax15")
     with pytest.raises(ValueError, match="responsibilities was 'softmax'"):
         km.predict_proba(X, temperature="final")
+    # what does not read the rule still works (predict, score, the default probabilities)
+    np.testing.assert_array_equal(km.predict(X), ref)
+    km.predict_proba(X)
     km.set_params(responsibilities="softmax", metric="cosine").fit(X)   # a refit is fine
     assert km.predict(X).shape == (300,)
     mb = MiniBatchAnnealedKMeans(3, random_state=0)
@@ -941,6 +944,9 @@ def test_set_params_after_fit_cannot_change_a_fitted_model_silently():
     with pytest.raises(ValueError, match="set_params after fit"):
         mb.partial_fit(X[150:])
     mb.set_params(metric="euclidean").partial_fit(X[150:])
+    mb.set_params(responsibilities="entmax15")
+    with pytest.raises(ValueError, match="responsibilities was 'softmax'"):
+        mb.partial_fit(X[150:])
 
 
 def test_float32_rows_take_weights_they_can_carry_float64_any():
@@ -954,8 +960,15 @@ def test_float32_rows_take_weights_they_can_carry_float64_any():
     for Est in (AnnealedKMeans, MiniBatchAnnealedKMeans):
         for s in (1e36, 1e39, 1e-46):
             with pytest.raises(ValueError, match="with float32 rows the weighted sums are kept "
-                                                 "in float32.*or pass float64 rows"):
+                                                 "in float32.*or use float64 rows"):
                 Est(4, random_state=0).fit(X, sample_weight=np.full(600, s))
+    # only the largest weight counts: negligible weights beside it are fine (time decay)
+    decay = np.exp(-np.linspace(0, 100, 600))
+    AnnealedKMeans(4, random_state=0).fit(X, sample_weight=decay)
+    mixed = np.where(np.arange(600) % 2, 1.0, 1e-30)
+    km = AnnealedKMeans(4, random_state=0).fit(X, sample_weight=mixed)
+    ref_half = AnnealedKMeans(4, random_state=0).fit(X[1::2])
+    assert km.inertia_ == pytest.approx(ref_half.inertia_, rel=1e-4)
     with pytest.raises(ValueError, match="float32 rows"):
         MiniBatchAnnealedKMeans(4, random_state=0).partial_fit(X, sample_weight=np.full(600, 1e30))
     for s in (1e20, 1e-20):
@@ -968,7 +981,29 @@ def test_float32_rows_take_weights_they_can_carry_float64_any():
         np.testing.assert_array_equal(km.labels_, ref64.labels_)
 
 
-@pytest.mark.parametrize("rs", [-1, 1.5, "0", True])
+@pytest.mark.parametrize("rs", [-1, 1.5, "0"])
 def test_a_bad_random_state_is_named(rs):
     with pytest.raises(ValueError, match="random_state must be None, an integer >= 0"):
         AnnealedKMeans(2, random_state=rs).fit(np.random.default_rng(0).normal(size=(20, 2)))
+
+
+def test_random_state_takes_what_numpy_takes():
+    X = np.random.default_rng(0).normal(size=(60, 2))
+    ref = AnnealedKMeans(3, random_state=3).fit(X).labels_
+    for rs in (np.int64(3), np.random.SeedSequence(3), [1, 2, 3], True):
+        AnnealedKMeans(3, random_state=rs).fit(X)
+    np.testing.assert_array_equal(AnnealedKMeans(3, random_state=np.int64(3)).fit(X).labels_,
+                                  ref)
+
+
+def test_kmeanspp_seeds_from_the_few_weighted_rows_of_a_large_input():
+    """300,000 rows, 20 of them weighted: the k-means++ draw of 20,000 rows could carry
+    no weight ("Probabilities contain NaN", later "carry no weight" on one seed of eight);
+    the weighted rows in memory seed now."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300_000, 2))
+    w = np.zeros(300_000)
+    w[rng.choice(300_000, 20, replace=False)] = 1.0
+    for seed in range(8):
+        km = AnnealedKMeans(4, random_state=seed, n_steps=4).fit(X, sample_weight=w)
+        assert np.isfinite(km.inertia_)

@@ -396,6 +396,26 @@ def test_a_log_of_mostly_zero_weights_seeds_out_of_core(tmp_path):
         assert np.isfinite(mb.inertia_) and mb.cluster_centers_.shape == (5, 8)
 
 
+def test_float32_rows_refuse_a_largest_weight_they_cannot_carry_on_every_route(tmp_path):
+    """Weights of 1e39 with float32 rows: the Parquet stream fitted centers at the mean
+    (ARI 0.52) and the Dask routes gave a false "distinct points (1)" error or a bad fit;
+    every route now says what the in-memory route says."""
+    import dask.array as da
+    rng = np.random.default_rng(1)
+    X = np.concatenate([rng.normal(size=(300, 4)) + 8 * k for k in range(3)]).astype(np.float32)
+    p = tmp_path / "w.parquet"
+    pq.write_table(pa.table({"embedding": pa.FixedSizeListArray.from_arrays(
+        pa.array(X.ravel()), 4), "w": np.full(900, 1e39)}), p, row_group_size=300)
+    with pytest.raises(ValueError, match="weight column 'w''s largest value is 1e\\+39"):
+        fastanneal.MiniBatchAnnealedKMeans(3, random_state=0).fit(
+            fastanneal.open_parquet(p, weight="w"))
+    Xd, wd = da.from_array(X, chunks=(300, -1)), da.full(900, 1e39, chunks=300)
+    for est in (fastanneal.AnnealedKMeans(3, random_state=0, backend="dask"),
+                fastanneal.MiniBatchAnnealedKMeans(3, random_state=0)):
+        with pytest.raises(ValueError, match="largest value is 1e\\+39: with float32 rows"):
+            est.fit(Xd, sample_weight=wd)
+
+
 def test_out_of_core_k_auto_chooses_on_a_sample(tmp_path, capsys, monkeypatch):
     """``--k auto`` out of core: the phase-transition path runs on a uniform sample of the
     row groups (never the whole embedding matrix), then the mini-batch fit clusters every

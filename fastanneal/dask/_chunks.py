@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import _kernels as K_
 from .._moments import assign, compute_moments
-from .._validation import check_range, normalize_rows, row_sqnorms, rows_mean, shifted_rows
+from .._validation import (check_range, check_weight_range, normalize_rows, row_sqnorms,
+                           rows_mean, shifted_rows)
 
 
 @dataclass
@@ -40,20 +41,24 @@ def weight_stats(w, index, row0):
         out[what] = (int(idx.size), row0 + int(idx[0])) if idx.size else None
     with np.errstate(over="ignore", invalid="ignore"):
         out["sum"] = float(w.sum())
+        out["max"] = float(np.nanmax(w)) if w.size and not np.isnan(w).all() else 0.0
     return out
 
 
 WEIGHT_FAULTS = ("NaN", "infinity", "negative values")
 
 
-def raise_bad_weights(stats):
+def raise_bad_weights(stats, dtype=None):
     """The ``ValueError`` for the first fault found in :func:`weight_stats` records (one
-    chunk's, or several chunks' in row order), naming how many rows and the first."""
+    chunk's, or several chunks' in row order), naming how many rows and the first; with
+    float32 rows (``dtype``) also a largest weight they cannot carry."""
     for what in WEIGHT_FAULTS:
         bad = [s[what] for s in stats if s[what] is not None]
         if bad:
             raise ValueError(f"sample_weight contains {what} ({sum(b[0] for b in bad)} rows; "
                              f"the first is row {bad[0][1]})")
+    if dtype is not None and stats:
+        check_weight_range(max(s.get("max", 0.0) for s in stats), dtype)
 
 
 def checked_weights(w, block_info=None):
@@ -154,7 +159,9 @@ def shift_chunk(chunk, origin):
 # ------------------------------------------------------------------------- per-chunk work
 def chunk_stats(chunk):
     """``(rows, weight, sum w x, sum w |x|^2)`` of a chunk (float64 sums; no float64 copy of
-    the rows: the same block GEMVs and squared-norm pass as ``centered_rows``)."""
+    the rows: the same block GEMVs and squared-norm pass as ``centered_rows``). Float32
+    rows with a largest weight they cannot carry are refused first."""
+    check_weight_range(chunk.w, chunk.X.dtype)
     W = float(chunk.w.sum())
     if chunk.rows == 0 or not W > 0:
         return chunk.rows, W, np.zeros(chunk.X.shape[1]), 0.0

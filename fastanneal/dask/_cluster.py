@@ -83,6 +83,7 @@ class ClientHandle:
         wait for new workers without end) with a RuntimeError saying so."""
         import asyncio
         from distributed import wait as dwait
+        from distributed.comm import CommClosedError
         futures = list(futures)
         since = None
         while True:
@@ -91,10 +92,11 @@ class ClientHandle:
                     return dwait(futures, timeout=self.POLL, return_when=return_when)
             except (TimeoutError, asyncio.TimeoutError):   # (two classes before Python 3.11)
                 pass
-            except CancelledError as e:    # distributed's Future(s)CancelledError
+            except (CancelledError, CommClosedError) as e:   # Future(s)CancelledError
+                why = " ".join(str(e).split())[:200] or type(e).__name__
                 raise ClusterLostError(
-                    "the fit's tasks were cancelled on the Dask cluster (its scheduler went "
-                    f"away or the cluster was restarted: {str(e).splitlines()[0][:200]}); "
+                    "the fit's tasks were cancelled or its connection closed on the Dask "
+                    f"cluster (its scheduler went away or the cluster was restarted: {why}); "
                     "rerun the fit") from e
             if self._workers():
                 since = None

@@ -72,7 +72,7 @@ class _ChunkPlan(_Submitter):
         parts = self.handle.result(self.client.compute(
             [dask.delayed(ch.weight_stats, pure=True)(w, i, int(self.offsets[i]) + self.row_base)
              for i, w in enumerate(self.wd)]))
-        ch.raise_bad_weights(parts)
+        ch.raise_bad_weights(parts, self.dtype)
         with np.errstate(over="ignore"):
             return float(sum(p["sum"] for p in parts))
 
