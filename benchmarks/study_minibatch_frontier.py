@@ -45,10 +45,8 @@ def datasets(names):
         X /= np.linalg.norm(X, axis=1, keepdims=True)       # cosine: the rows the fit sees
         out.append(("clinc150", X, ds.y, ds.K, "cosine"))
     if "blobs" in names:
-        from sklearn.datasets import make_blobs
-        X, y = make_blobs(200_000, n_features=64, centers=100, cluster_std=1.0,
-                          center_box=(-10, 10), random_state=0)
-        out.append(("blobs 200k x 64", X.astype(np.float32), y, 100, "euclidean"))
+        from study_minibatch_seeding import blobs_200k
+        out.append(blobs_200k())
     return out
 
 

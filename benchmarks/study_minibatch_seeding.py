@@ -31,11 +31,17 @@ def datasets(blobs):
     ds = _study._clinc(None, False)
     out = [("clinc150", ds.X, ds.y, ds.K, "cosine")]
     if blobs:
-        from sklearn.datasets import make_blobs
-        X, y = make_blobs(200_000, n_features=64, centers=100, cluster_std=1.0,
-                          center_box=(-10, 10), random_state=0)
-        out.append(("blobs 200k x 64", X.astype(np.float32), y, 100, "euclidean"))
+        out.append(blobs_200k())
     return out
+
+
+def blobs_200k():
+    """The synthetic set of the mini-batch studies: ``(name, X, y, K, metric)``, 200,000 x
+    64 float32 blobs around 100 centers."""
+    from sklearn.datasets import make_blobs
+    X, y = make_blobs(200_000, n_features=64, centers=100, cluster_std=1.0,
+                      center_box=(-10, 10), random_state=0)
+    return "blobs 200k x 64", X.astype(np.float32), y, 100, "euclidean"
 
 
 def main(argv=None):
