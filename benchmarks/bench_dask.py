@@ -272,6 +272,9 @@ def bench_chunk_scaling(args):
     import numba
 
     N, D, K = args.cs_n, args.cs_d, args.cs_k
+    if args.no_fuse:
+        import fastanneal.dask._source as dsrc
+        dsrc.FUSE_GROUPS_PER_THREAD = 10 ** 12
     warm_kernels()
     means = mixture_means(K, D, 3)
     C = means.astype(np.float64)
@@ -302,6 +305,7 @@ def bench_chunk_scaling(args):
                 chunk = -(-N // c)
                 Xd, sizes = dask_mixture(means, N, chunk, seed=7)
                 real = DaskSource(Xd, None, 0, ClientHandle(client))
+                fused = real._fused is not None
                 Xe, _ = dask_mixture(means, len(sizes), 1, seed=9)
                 empty = DaskSource(Xe, None, 0, ClientHandle(client))
                 try:
@@ -319,6 +323,7 @@ def bench_chunk_scaling(args):
                     real.close()
                     empty.close()
                 pt = {"workers": W, "chunks": len(sizes), "rows_per_chunk": chunk,
+                      "fused": fused, "no_fuse": args.no_fuse,
                       "pass_s": statistics.median(tr), "empty_pass_s": statistics.median(er),
                       "all_pass_s": tr, "all_empty_s": er}
                 pt["compute_s"] = pt["pass_s"] - pt["empty_pass_s"]
@@ -349,14 +354,19 @@ def bench_chunk_scaling(args):
     for m in model:
         print(f"  {m['rows']:>14,} rows in {m['chunks']:>7,} chunks: compute "
               f"{m['compute_s']:8.1f} s + scheduling {m['scheduling_s']:6.1f} s per pass "
-              f"({100 * m['scheduling_share']:.0f} % scheduling)")
+              f"({100 * m['scheduling_share']:.0f} % scheduling"
+              f"{'' if m['fuses'] else '; this job would not fuse'})")
     return res
 
 
 def chunk_model(per_chunk_ms, fixed_ms, s_per_row, workers=100):
     """Seconds per pass of a ``workers``-worker job: every worker computes its share of the
     rows (``s_per_row`` on one thread, perfectly balanced); the one scheduler handles every
-    chunk in turn (``per_chunk_ms``, serial: it does not shrink with more workers)."""
+    chunk in turn (``per_chunk_ms``, serial: it does not shrink with more workers).
+    ``fuses``: whether a pass of that job would fuse its first tree level (``DaskSource``:
+    at least ``FUSE_GROUPS_PER_THREAD`` groups of ``SPLIT_EVERY`` chunks per thread) -- a
+    slope measured with fusing applies only to those rows."""
+    from fastanneal.dask._source import FUSE_GROUPS_PER_THREAD, SPLIT_EVERY
     out = []
     for rows, chunk_rows in ((10 ** 8, 10 ** 5), (10 ** 9, 10 ** 5), (10 ** 9, 10 ** 6),
                              (10 ** 10, 10 ** 6)):
@@ -365,6 +375,7 @@ def chunk_model(per_chunk_ms, fixed_ms, s_per_row, workers=100):
         sched = chunks * per_chunk_ms / 1e3 + fixed_ms / 1e3
         out.append({"rows": rows, "chunk_rows": chunk_rows, "chunks": chunks,
                     "workers": workers, "compute_s": compute, "scheduling_s": sched,
+                    "fuses": -(-chunks // SPLIT_EVERY) >= FUSE_GROUPS_PER_THREAD * workers,
                     "scheduling_share": sched / (compute + sched)})
     return out
 
@@ -535,6 +546,10 @@ def main(argv=None):
     p.add_argument("--cs-k", type=int, default=64, help="clusters of (c)")
     p.add_argument("--cs-chunks", default="10,50,200,500,1000,2000",
                    help="chunk counts of (c), comma-separated")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="(c): one task per chunk and pass, as before the twenty-seventh "
+                        "session (DaskSource fuses each group of SPLIT_EVERY chunks and its "
+                        "merge into one task when there are enough groups per thread)")
     p.add_argument("--cs-workers", default="1,2,4,8",
                    help="worker processes of (c), comma-separated")
     p.add_argument("--out", default=None)

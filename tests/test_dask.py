@@ -570,6 +570,124 @@ def test_chunks_are_persisted_in_one_submission_on_their_planned_workers(client,
         src.close()
 
 
+def _record_bits(r):
+    """A record (Moments, GradForward / GradMoments, array) as comparable arrays."""
+    if isinstance(r, np.ndarray):
+        return [r]
+    out = []
+    for v in vars(r).values():
+        if isinstance(v, (np.ndarray, float, int, np.floating, np.integer)):
+            out.append(np.asarray(v))
+    return out
+
+
+def _same_bits(a, b):
+    ra, rb = _record_bits(a), _record_bits(b)
+    assert len(ra) == len(rb) and ra
+    for x, y in zip(ra, rb):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_fused_passes_are_the_same_bits_in_fewer_tasks(monkeypatch):
+    """With many chunks per worker thread a pass computes each group of SPLIT_EVERY
+    consecutive chunks and their merge in one task: the scheduler's per-task cost was the
+    pass time of small chunks (BENCHMARKS.md section 7). Every reduction of the source --
+    moments (soft, hard with hard sums), the gradient's two passes, mean, covariance,
+    objective, the clusters' eigenvalues, distinct rows -- gives the same bits fused,
+    unfused, and with some groups unfused (chunks that do not share a worker); a pass
+    submits about one task per group instead of one per chunk."""
+    from fastanneal.dask import DaskSource
+    from fastanneal.dask import _source as S_
+    from fastanneal.dask._cluster import ClientHandle
+    from fastanneal.gradient import value_and_grad_from_source
+    from fastanneal import _grad_kernels as G_
+    X = blobs(1000, 5, 4, seed=11)[0]
+    X[7] = X[3]                                  # a duplicate for the distinct-rows count
+    w = np.random.default_rng(2).uniform(0.5, 2.0, len(X))
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster, set_as_default=False) as c:
+        src = DaskSource(da.from_array(X, chunks=(12, -1)), da.from_array(w, chunks=12), 0,
+                         ClientHandle(c))
+        try:
+            n = len(src._chunks)
+            groups = -(-n // S_.SPLIT_EVERY)
+            assert n == 84 and src._fused == [True] * groups
+            C = X[:5] + 0.1
+
+            def run_all():
+                lam = src.cluster_top_eigenvalues(C, 30, np.random.default_rng(0))
+                return [src.moments(C, 2.0), src.moments(C, 0.0, 2, None, True),
+                        value_and_grad_from_source(src, C, 2.0, 0, 0.1,
+                                                   G_.PHI_IDENTITY).grad_centers,
+                        src.mean(), src.covariance(), np.array(src.objective(C)[0]),
+                        np.asarray(lam), np.array(src.n_distinct_rows(
+                            np.random.default_rng(0), 10_000))]
+            tasks = []
+            for name in ("map", "submit"):
+                real = getattr(c, name)
+
+                def counted(func, *a, _real=real, _name=name, **k):
+                    out = _real(func, *a, **k)
+                    tasks.append(len(out) if _name == "map" else 1)
+                    return out
+                monkeypatch.setattr(c, name, counted)
+            fused = run_all()
+            tasks.clear()
+            src.moments(C, 2.0)
+            # the groups, the tree above them (2 + 1), the centers' put
+            assert sum(tasks) <= groups + 4, tasks
+            src._fused = None
+            tasks.clear()
+            src.moments(C, 2.0)
+            assert sum(tasks) >= n + groups, tasks
+            unfused = run_all()
+            src._fused = [i % 3 != 0 for i in range(groups)]
+            mixed = run_all()
+            for a, b, m in zip(fused, unfused, mixed):
+                _same_bits(a, b)
+                _same_bits(a, m)
+            assert int(fused[-1]) == 999
+            want = fa.moments(X, C, 2.0, weights=w)
+            np.testing.assert_allclose(fused[0].S, want.S, rtol=1e-10, atol=1e-10)
+        finally:
+            src.close()
+
+
+def test_fused_groups_are_placed_whole_and_a_fit_is_the_same(client, monkeypatch):
+    """On two workers, with enough groups per thread, each group of consecutive chunks is
+    placed on one worker (its fused task reads local chunks), the groups balance the rows,
+    and a whole fit gives the same bits as with fusing switched off."""
+    from fastanneal.dask import DaskSource
+    from fastanneal.dask import _source as S_
+    from fastanneal.dask._cluster import ClientHandle
+    X = blobs(1300, 4, 3, seed=5)[0]
+    Xd = da.from_array(X, chunks=(10, -1))
+    src = DaskSource(Xd, None, 0, ClientHandle(client))
+    try:
+        n = len(src._chunks)
+        assert n == 130 and src._fused == [True] * 17
+        who = client.who_has(src._chunks)
+        held = [set(who[f.key]) for f in src._chunks]
+        for i in range(0, n, S_.SPLIT_EVERY):
+            assert len(set.union(*held[i:i + S_.SPLIT_EVERY])) == 1
+        per_worker = {}
+        for i, h in enumerate(held):
+            (wk,) = h
+            per_worker[wk] = per_worker.get(wk, 0) + src.chunk_rows[i]
+        assert len(per_worker) == 2 and abs(np.subtract(*per_worker.values())) <= 80
+    finally:
+        src.close()
+    fits = []
+    for groups in (S_.FUSE_GROUPS_PER_THREAD, 10 ** 9):
+        monkeypatch.setattr(S_, "FUSE_GROUPS_PER_THREAD", groups)
+        km = fa.AnnealedKMeans(4, backend="dask", scheduler=client, random_state=0).fit(Xd)
+        fits.append(km)
+    np.testing.assert_array_equal(fits[0].cluster_centers_, fits[1].cluster_centers_)
+    np.testing.assert_array_equal(fits[0].labels_, fits[1].labels_)
+    assert fits[0].inertia_ == fits[1].inertia_
+
+
 # ---------------------------------------------------------------- rows far from the origin
 def test_rows_far_from_the_origin_give_the_in_memory_partition(client, tmp_path):
     """float32 rows near 3e3 with spread ~0.3: every route measures them from their mean

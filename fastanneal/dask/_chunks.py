@@ -196,6 +196,14 @@ def merge_moments(*parts):
     return out
 
 
+def map_merge(func, merge, seqs, map_kw, merge_kw):
+    """``merge(*[func(*args, **map_kw) for args in zip(*seqs)], **merge_kw)``: one group of
+    the first level of a tree reduction in ONE task (``DaskSource.map_tree``). The same
+    calls in the same order as one task per chunk followed by the group's merge task, so
+    the result is bit-identical; the scheduler handles one task instead of nine."""
+    return merge(*[func(*args, **map_kw) for args in zip(*seqs)], **merge_kw)
+
+
 def add_arrays(*parts):
     out = np.array(parts[0], dtype=np.float64, copy=True)
     for p in parts[1:]:
