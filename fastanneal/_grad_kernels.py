@@ -125,7 +125,8 @@ def _row_probs(G, i, T, resp, cand, cidx, sort_max):
         z = -G[i, k] / T - zmax
         e = math.exp(z)
         s += e
-        sez += e * z
+        if e > 0.0:
+            sez += e * z        # (z = -inf at extreme T: 0 * -inf would be NaN)
         G[i, k] = e
     for k in range(K):
         r = G[i, k] / s

@@ -156,10 +156,13 @@ class AdamRule:
         # in the gradient's own unit, sqrt(scale) (a squared distance differentiated by a
         # center): an absolute offset made the fit depend on the data's scale (at 2^-20 of
         # it Adam's steps became plain gradient steps of ~1e-8)
-        self.adam_eps *= math.sqrt(scale)
+        # (rows without spread -- one distinct point -- have scale 0: any unit does then,
+        # the gradient is 0; a 0 unit made every step 0 / 0 and the trace NaN)
+        unit = scale if scale > 0 and math.isfinite(scale) else 1.0
+        self.adam_eps *= math.sqrt(unit)
         self.betas = (b1, b2)
         self.reset_adam = bool(reset_adam)
-        self.lr_abs = lr * math.sqrt(scale / max(D, 1))
+        self.lr_abs = lr * math.sqrt(unit / max(D, 1))
         self.adam = AdamState((cfg.n_clusters, D))
 
     def state_dict(self):

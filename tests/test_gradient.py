@@ -407,6 +407,37 @@ def test_rows_far_from_the_origin(rng):
                                    atol=1e-7 * np.abs(ref.grad_X).max())
 
 
+def test_float32_rows_off_the_origin_get_the_gradient_of_their_own_numbers():
+    """The kernels compute in float64 whatever the rows' dtype: float32 rows a few spreads
+    from the origin were re-centered in float32 (float32's threshold), so the gradient was
+    that of rounded, shifted rows (grad_centers 2.8e-6 off the float64 result of the same
+    numbers). Now the same numbers give the same value and center gradient bit for bit, and
+    grad_X to float32 rounding -- also far from the origin, where both are centered."""
+    g = np.random.default_rng(1)
+    base = g.normal(size=(300, 16)) + 3 * g.integers(0, 3, (300, 1))
+    for off in (0.0, 1e4):
+        X32 = (base + off).astype(np.float32)
+        X64 = X32.astype(np.float64)
+        C = X64[:5] + 0.3
+        a = value_and_grad(X32, C, 0.1, lam=0.5)
+        b = value_and_grad(X64, C, 0.1, lam=0.5)
+        assert a.grad_X.dtype == np.float32
+        assert a.value == b.value
+        np.testing.assert_array_equal(a.grad_centers, b.grad_centers)
+        np.testing.assert_allclose(a.grad_X, b.grad_X, rtol=0,
+                                   atol=1.2e-7 * np.abs(b.grad_X).max())
+
+
+def test_entropy_is_finite_at_the_smallest_temperatures():
+    """A center so far that exp(-d/T) is 0 (z = -inf): its 0 * z term was NaN."""
+    X = np.array([[0.0], [1.0]])
+    C = np.array([[0.0], [50.0]])
+    for T in (1e-305, 1e-300, 1e-3):
+        r = value_and_grad(X, C, T)
+        assert np.isfinite(r.entropy) and r.entropy >= 0.0
+        assert np.isfinite(r.value) and np.isfinite(r.grad_centers).all()
+
+
 @pytest.mark.parametrize("factor", [1e-310, 1e300])
 def test_scale_of_the_weights_does_not_matter(rng, factor):
     """The loss is invariant to a common factor of the weights; subnormal or huge weights

@@ -361,3 +361,16 @@ def test_gradient_parameters_are_named_before_any_pass(kw, msg, monkeypatch):
     with pytest.raises(ValueError, match=msg):
         AnnealedKMeans(3, solver="gradient", **kw).fit(np.random.default_rng(0).random((30, 2)))
     assert not called
+
+
+def test_rows_without_spread_fit_cleanly():
+    """One distinct point has scale 0: Adam's unit (sqrt(scale)) was 0, every step 0 / 0 --
+    a RuntimeWarning, NaN in the trace and the stop rule never firing (202 steps)."""
+    for X in (np.ones((5, 3)) * 7.0, np.ones((1, 3))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            km = AnnealedKMeans(1, solver="gradient", random_state=0).fit(X)
+        np.testing.assert_array_equal(km.cluster_centers_, X[:1])
+        shifts = [t["center_shift"] for t in km.trace_ if "center_shift" in t]
+        assert shifts and np.isfinite(shifts).all()
+        assert km.n_iter_ < 100
