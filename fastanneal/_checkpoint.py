@@ -71,6 +71,9 @@ class Checkpoint:
         self.required_extra = tuple(required_extra)   # (finite numbers, checked on load)
         self.saved = 0
         self.trace = None
+        #: set by :meth:`load`: the file held another fit's state (other data or
+        #: parameters), which this fit's first save replaces
+        self.replaced = False
 
     # ------------------------------------------------------------------ save
     def save(self, st):
@@ -109,14 +112,17 @@ class Checkpoint:
             with np.load(self.path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
             meta = json.loads(str(data.pop("meta")))
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        except (OSError, ValueError, KeyError, EOFError, TypeError,
+                zipfile.BadZipFile) as e:
+            # (TypeError: a .npy file, for which np.load returns an array, not an archive)
             # (numpy's own text for a non-zip file offers to load it "unsafely": not that)
             return self._bad(f"not a fastanneal checkpoint (.npz) or damaged "
                              f"({type(e).__name__})")
         if not isinstance(meta, dict) or meta.get("version") != VERSION:
             return self._bad("written by another version of fastanneal")
         if meta.get("key") != self.key:
-            return None                     # another fit's checkpoint: replaced by this one
+            self.replaced = True            # another fit's checkpoint: replaced by this one
+            return None
         try:
             st = self._state(meta, data)
         except (KeyError, TypeError, ValueError) as e:
@@ -156,6 +162,17 @@ class Checkpoint:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
                     or not math.isfinite(v):
                 raise ValueError(f"bad {name} {v!r}")
+        for name in ("step", "phase_step0", "n_iter", "relocations"):
+            v = meta[name]
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2 ** 53:
+                raise ValueError(f"bad {name} {v!r}")
+        if not isinstance(meta["schedule_state"], dict):
+            raise ValueError("bad schedule state")
+        if not isinstance(meta["last"], dict) or not isinstance(meta["converged"], bool):
+            raise ValueError("bad last-pass values")
+        if not isinstance(meta["rule_json"], dict) or not isinstance(
+                meta.get("arule_json") or {}, dict):
+            raise ValueError("bad rule state")
         _check_rng_state(meta["rng_state"])
         extra = meta["extra"]
         if not isinstance(extra, dict):

@@ -341,6 +341,9 @@ def fit_model(X, w, args, console):
 def fit_result(est, args, console, caught):
     """Say what the checkpoint and the warnings of a finished fit say; the FitResult."""
     info = getattr(est, "checkpoint_info_", None) or {}
+    if info.get("replaced"):
+        console.note(f"the checkpoint in {args.checkpoint} was saved by a run with other data "
+                     "or parameters: it is replaced by this run's")
     if info.get("finished"):
         console.note(f"using the finished fit in {args.checkpoint}")
     elif info.get("resumed_from") is not None:
@@ -555,6 +558,13 @@ def run_cluster(args, console):
         check_paths([("INPUT", Path(args.input))], outputs, folders)
     else:
         check_paths([("the bundled demo data", DEMO_DATA)], outputs, folders)
+    if args.checkpoint and Path(args.checkpoint).suffix == ".npz":
+        # (the library takes PATH.npz as one file; the command keeps the annealing state
+        # and the embedding progress in a folder: a folder named *.npz was refused later by
+        # the library as "a folder; a checkpoint file ends in .npz")
+        raise CLIError(f"--checkpoint {args.checkpoint}: give a folder, not a .npz file "
+                       "name (the command keeps the annealing state, anneal.npz, and the "
+                       "embedding progress in it)")
     if args.checkpoint and Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
         raise CLIError(f"--checkpoint {args.checkpoint}: not a folder")
     created = args._created
@@ -814,7 +824,9 @@ def run_cluster(args, console):
                                         centers=np.asarray(est.cluster_centers_)[order],
                                         metric=args.metric,
                                         k_suggestion=getattr(est, "k_suggestion_", None),
-                                        ambiguous=amb)
+                                        ambiguous=amb,
+                                        responsibilities=getattr(est, "responsibilities",
+                                                                 "softmax"))
                     with open(outs.temp_for(report), "w", encoding="utf-8") as f:
                         f.write(html)
                 outs.commit()

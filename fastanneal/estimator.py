@@ -760,7 +760,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         None where the schedule hardened first, ran every temperature, or cannot stop early.
     checkpoint_info_ : dict, only with ``checkpoint``: path, finished, resumed_from,
         temperature (None once the annealing is over) and phase ("anneal", "critical",
-        "polish", "reallocate", "done") of the state the fit continued from
+        "polish", "reallocate", "done") of the state the fit continued from; replaced: the
+        file held the state of another fit (other data or parameters), now overwritten
     trace_ : Trace (``.as_dict()``, ``.to_arrow()``)
     schedule_ : Schedule or None
         The schedule that ran (of the kept run with ``n_init``), with its state (e.g.
@@ -1132,7 +1133,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         if ckpt is not None:
             self.checkpoint_info_ = {"path": str(ckpt.path), "finished": False,
                                      "resumed_from": None, "temperature": None,
-                                     "phase": None}
+                                     "phase": None, "replaced": ckpt.replaced}
         if st is not None:
             trace._rows = list(st.trace_rows)
             rng.bit_generator.state = st.rng_state
@@ -1787,7 +1788,8 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             self.checkpoint_info_ = {"path": str(ckpt.path), "finished": st.phase == "done",
                                      "resumed_from": st.step if resumed else None,
                                      "temperature": st.temperature,
-                                     "phase": st.phase if resumed else None}
+                                     "phase": st.phase if resumed else None,
+                                     "replaced": ckpt.replaced}
         # ---------------------------------------------------------- batches
         nonempty = [r for r in stream.chunk_rows if r > 0]
         if isinstance(stream, ArrayStream):

@@ -233,7 +233,8 @@ class QueryClusters:
                             k_suggestion=getattr(est, "k_suggestion_", None),
                             ambiguous=ambiguous_rows(self.probability_, self.labels_,
                                                      self.runner_up_, self.margin_,
-                                                     self._texts))
+                                                     self._texts),
+                            responsibilities=getattr(est, "responsibilities", "softmax"))
         atomic_write_bytes(path, html.encode("utf-8"))
         return path
 

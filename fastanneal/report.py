@@ -20,6 +20,7 @@ reads without it). Sections, in the order an analyst reads them:
 Every text from the data is HTML-escaped.
 """
 import html
+import re
 import math
 
 import numpy as np
@@ -91,8 +92,13 @@ _COLORS = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#57606a"]
 
 
 # =========================================================================== SVG charts
+#: C0 control characters but tab, newline and carriage return (and DEL): not allowed in
+#: HTML text (a parse error; browsers show U+FFFD), so the report shows U+FFFD itself
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 def _e(s):
-    return html.escape(str(s), quote=True)
+    return html.escape(_CONTROL.sub("\ufffd", str(s)), quote=True)
 
 
 def _fnum(v):
@@ -371,7 +377,8 @@ def _short(s, n=60):
 
 def _cluster_ref(k, labels):
     lab = labels[k] if 0 <= k < len(labels) else ""
-    return f'<a href="#c{k}">#{k}</a> {_e(_short(lab, 40))}'
+    # <bdi>: a right-to-left label does not reorder what follows it in the cell
+    return f'<a href="#c{k}">#{k}</a> <bdi>{_e(_short(lab, 40))}</bdi>'
 
 
 def _cluster_td(k, labels):
@@ -457,8 +464,24 @@ def sizes_svg(sizes):
                      height=240, logy=logy, ymin=None if logy else 0.0)
 
 
-def trace_svgs(trace):
-    """Six small charts of the annealing trace (one per diagnostic), as SVG strings."""
+def certificate_form(trace, responsibilities="softmax"):
+    """How the trace's certificate reads: ``(mass_constrained, bound_text)``. The
+    mass-constrained softmax of the critical schedule has ``T sum_k J_k log p_k <= J - F <=
+    0`` (its trace records the negative lower bound); plain softmax ``0 <= J - F <= T W log
+    K``; entmax-1.5 ``0 <= J - F <= (4/3) T W (1 - K^-1/2)``."""
+    bound = np.asarray(trace.get("certificate_bound", []), dtype=float)
+    gap = np.asarray(trace.get("certificate_gap", []), dtype=float)
+    mass = bool((bound < 0).any() or (gap < 0).any())
+    if mass:
+        return True, "-T \u03a3 J\u2096 log p\u2096"
+    if responsibilities == "entmax15":
+        return False, "(4/3) T W (1 - K^-1/2)"
+    return False, "T W log K"
+
+
+def trace_svgs(trace, responsibilities="softmax"):
+    """Six small charts of the annealing trace (one per diagnostic), as SVG strings.
+    ``responsibilities``: the fit's rule (the certificate's bound depends on it)."""
     step = np.asarray(trace.get("step", []))
     sel = step >= 0
     g = {k: np.asarray(v)[sel] for k, v in trace.items()}
@@ -480,14 +503,20 @@ def trace_svgs(trace):
     figs.append(svg_chart([{"x": x, "y": g.get("hardening_gap", np.zeros(0)),
                             "color": "#bc4c00"}],
                           "hardening gap (soft - hard distortion)", "temperature step", "", w, h))
-    gap = np.maximum(np.asarray(g.get("certificate_gap", np.zeros(0)), dtype=float), 0)
+    gap = np.asarray(g.get("certificate_gap", np.zeros(0)), dtype=float)
     bound = np.asarray(g.get("certificate_bound", np.zeros(0)), dtype=float)
+    mass, btext = certificate_form(g, responsibilities)
+    if mass:
+        # T sum_k J_k log p_k <= J - F <= 0: drawn as F - J >= 0 under -lower
+        gap, bound, gname = -gap, -bound, "F - J"
+    else:
+        gname = "J - F"
     pos = np.concatenate([gap[gap > 0], bound[bound > 0]])
-    figs.append(svg_chart([{"x": x, "y": gap, "color": "#cf222e", "label": "J - F"},
+    figs.append(svg_chart([{"x": x, "y": gap, "color": "#cf222e", "label": gname},
                            {"x": x, "y": bound, "color": "#57606a", "dash": True,
-                            "label": "bound T W log K"}],
-                          "certificate 0 \u2264 J - F \u2264 T W log K", "temperature step", "",
-                          w, h, logy=bool(pos.size)))
+                            "label": f"bound {btext}"}],
+                          f"certificate 0 \u2264 {gname} \u2264 {btext}", "temperature step",
+                          "", w, h, logy=bool(pos.size)))
     nd = np.asarray(g.get("n_distinct", np.zeros_like(x)), dtype=float)
     figs.append(svg_chart([{"x": x, "y": nd, "color": "#0550ae"}], "distinct centers",
                           "temperature step", "centers", w, h, ymin=0.0))
@@ -520,7 +549,8 @@ def choose_k_svgs(suggestion, top=3):
 
 # =========================================================================== the report
 def build_report(title, summary, trace, clusters, centers, metric="cosine",
-                 k_suggestion=None, ambiguous=None, n_neighbours=3, n_pairs=20):
+                 k_suggestion=None, ambiguous=None, n_neighbours=3, n_pairs=20,
+                 responsibilities="softmax"):
     """The report as one HTML string.
 
     Parameters
@@ -539,6 +569,8 @@ def build_report(title, summary, trace, clusters, centers, metric="cosine",
         :func:`ambiguous_rows`: adds the "Ambiguous queries" section.
     n_neighbours, n_pairs : int
         Nearest clusters listed per cluster; closest pairs listed.
+    responsibilities : {"softmax", "entmax15", "hard"}
+        The fit's rule: the bound of the certificate chart depends on it.
     """
     rows = clusters.to_pylist() if hasattr(clusters, "to_pylist") else list(clusters)
     K = len(rows)
@@ -616,11 +648,17 @@ def build_report(title, summary, trace, clusters, centers, metric="cosine",
                      "the hard objective J of the coldest state of each K on the path. Ranked "
                      f"by plateau width in log T: {_e(top)}.</figcaption></figure>")
     parts.append('<h2 id="trace">Annealing diagnostics</h2>')
-    parts.append('<figure><div class="figs">' + "".join(trace_svgs(trace))
+    mass, btext = certificate_form(trace, responsibilities)
+    cert = (f"the mass-constrained rule of the critical schedule keeps {_e(btext[1:])} &le; "
+            "J &minus; F &le; 0, drawn as F &minus; J" if mass else
+            f"the certificate keeps 0 &le; J &minus; F &le; {_e(btext)}")
+    parts.append('<figure><div class="figs">' + "".join(trace_svgs(trace, responsibilities))
                  + "</div><figcaption>Per temperature step: T falls along the schedule; the "
-                 "entropy of the soft assignments falls as clusters harden; F rises towards "
-                 "J; the certificate keeps 0 &le; J &minus; F &le; T W log K. The dashed line "
-                 "is J after the final Lloyd polish.</figcaption></figure>")
+                 "entropy of the soft assignments falls as clusters harden; F (the soft "
+                 "objective) and J (the hard one) of the centers each step starts from "
+                 "meet as T falls, both falling as the centers improve; "
+                 f"{cert}. The dashed line in the F and J chart is J after the final Lloyd "
+                 "polish.</figcaption></figure>")
     parts.append(f"<script>{_JS}</script>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -105,6 +105,45 @@ def test_report_structure_and_escaping(fitted):
     assert "a &amp; b" in text and "run &lt;1&gt;" in text
 
 
+@pytest.mark.parametrize("kw, title, caption", [
+    ({}, "certificate 0 \u2264 J - F \u2264 T W log K", "0 &le; J &minus; F &le; T W log K"),
+    (dict(responsibilities="entmax15"), "certificate 0 \u2264 J - F \u2264 (4/3) T W",
+     "0 &le; J &minus; F &le; (4/3) T W (1 - K^-1/2)"),
+    (dict(schedule="critical"), "certificate 0 \u2264 F - J \u2264 -T \u03a3",
+     "&le; J &minus; F &le; 0, drawn as F &minus; J"),
+])
+def test_the_certificate_chart_follows_the_fits_rule(kw, title, caption):
+    """The critical schedule's mass-constrained softmax has T sum_k J_k log p_k <= J - F <=
+    0: the chart clipped J - F at 0 (a flat line) under a negative "bound T W log K" and the
+    caption claimed 0 <= J - F <= T W log K; entmax-1.5's bound is (4/3) T W (1 - K^-1/2).
+    The chart now draws what the trace holds, with the rule's own bound, non-negative."""
+    X = np.random.default_rng(0).normal(size=(600, 4)) + np.repeat(np.eye(4) * 6, 150, 0)
+    est = AnnealedKMeans(4, random_state=0, **kw).fit(X)
+    text = build_report("t", [], est.trace_.as_dict(), _table(est, ["q"] * 4),
+                        est.cluster_centers_, metric="euclidean",
+                        responsibilities=est.responsibilities)
+    check_structure(text, 4)
+    assert title in text and caption in text
+    gap = np.asarray(est.trace_.as_dict()["certificate_gap"])
+    if "critical" in kw.values():
+        assert gap.min() < 0                    # what the old chart hid
+    # title (aria-label, <title>, text), legend, caption
+    assert text.count("T W log K") == (5 if not kw else 0)
+
+
+def test_report_text_is_isolated_and_without_control_characters(fitted):
+    """A right-to-left label does not reorder the score after it (<bdi>); C0 control
+    characters (a parse error in HTML) are shown as U+FFFD."""
+    X, est = fitted
+    tab = _table(est, ["nul\x00here", "bell\x07", "ok", "x", "y"])
+    tab = tab.set_column(tab.schema.get_field_index("label"), "label",
+                         pa.array(["\u05e9\u05dc\u05d5\u05dd"] + [f"t{k}" for k in range(1, 5)]))
+    text = build_report("t", [], est.trace_.as_dict(), tab, est.cluster_centers_)
+    check_structure(text, 5)
+    assert "\x00" not in text and "\x07" not in text and "nul\ufffdhere" in text
+    assert "<bdi>\u05e9\u05dc\u05d5\u05dd</bdi>" in text
+
+
 def test_report_with_one_cluster_and_no_trace_rows(fitted):
     X, est = fitted
     trace = {k: v[-1:] for k, v in est.trace_.as_dict().items()}    # only the polish record

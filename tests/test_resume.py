@@ -386,9 +386,13 @@ def test_checkpoint_of_another_fit_is_replaced(change, data, tmp_path):
     est = fit_without_bad_file_warning(fa.AnnealedKMeans(5, checkpoint=ck, **kw), X)
     assert est.checkpoint_info_["finished"] is False
     assert est.checkpoint_info_["resumed_from"] is None
+    assert est.checkpoint_info_["replaced"] is True
     assert_same_fit(est, fresh)
     meta = read_meta(ck / "anneal.npz")
     assert meta["key"] != key0 and meta["phase"] == "done"
+    again = fit_without_bad_file_warning(fa.AnnealedKMeans(5, checkpoint=ck, **kw), X)
+    assert again.checkpoint_info_["finished"] is True
+    assert again.checkpoint_info_["replaced"] is False
 
 
 def test_minibatch_finished_checkpoint_is_reused(data, tmp_path):
@@ -494,7 +498,26 @@ def _version_2(path):
     _rewrite(path, meta={"version": 2})
 
 
-BAD = {"garbage": _garbage, "truncated": _truncated, "nan_centers": _nan_centers,
+def _npy_file(path):
+    """A .npy file (np.load returns an array, not an archive: a TypeError before)."""
+    with open(path, "wb") as f:
+        np.save(f, np.zeros(3))
+
+
+def _null_schedule_state(path):
+    _rewrite(path, meta={"schedule_state": None})
+
+
+def _huge_step(path):
+    _rewrite(path, meta={"step": 10 ** 30})
+
+
+def _text_n_iter(path):
+    _rewrite(path, meta={"n_iter": "x"})
+
+
+BAD = {"npy_file": _npy_file, "null_schedule_state": _null_schedule_state,
+       "huge_step": _huge_step, "text_n_iter": _text_n_iter, "garbage": _garbage, "truncated": _truncated, "nan_centers": _nan_centers,
        "wrong_shape": _wrong_shape, "too_many_clusters": _too_many_clusters,
        "other_version": _other_version, "pickled": _pickled,
        "nan_temperature": _nan_temperature, "zero_temperature": _zero_temperature,
