@@ -85,6 +85,19 @@ def data_stats(source):
     return DataStats(mean, mean_c, float(m0.hard_distortion / source.total_weight))
 
 
+def rows_coincide(source, stats):
+    """Whether the rows are one point, to rounding: no spread at all, or -- cosine -- a
+    spread of unit rows below the rounding of their distances ``2 - 2 cos`` (positive
+    multiples of one vector normalize to unit rows that differ in the last bits: a
+    'critical temperature' of 1e-31 and a 'supported' K = 2 on one direction)."""
+    if not stats.scale > 0:
+        return True
+    if source.metric == 1:
+        return stats.scale <= 64.0 * float(np.finfo(getattr(source, "dtype",
+                                                                np.float64)).eps)
+    return False
+
+
 def check_n_clusters(source, K, rng, name="n_clusters"):
     """``ValueError`` when ``K`` exceeds the rows or the distinct rows, or the rows are all
     identical (draws one random vector from ``rng``). ``name``: the parameter to name."""

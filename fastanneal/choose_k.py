@@ -184,6 +184,9 @@ class KSuggestion:
         clustering): when the path reached ``k_max``, the distinct rows of weight > 0,
         counted only until more than ``2 k_max`` were found (beyond that a lower bound:
         all the rule needs); else the rows.
+    n_passes : int
+        The moments passes (EM rounds) of the path; ``AnnealedKMeans("auto").n_iter_``
+        includes them.
     """
     best: int
     ranking: list
@@ -205,6 +208,7 @@ class KSuggestion:
     path_clusters: np.ndarray = field(repr=False, default=None)
     n_rows: int = 0
     n_distinct: int = 0
+    n_passes: int = 0
     #: ``k_max`` when it equals the number of distinct rows (every row its own cluster):
     #: never suggested and not counted against ``best`` in :attr:`supported`; else None
     trivial_k: int = None
@@ -251,14 +255,17 @@ class KSuggestion:
         return bool(float(self.width[i]) <= NO_CLUSTER_WIDTH)
 
     def table(self):
-        """One dict per K (ranked): k, rank, width, t_in, t_out, hard_distortion."""
+        """One dict per K (ranked): k, rank, width, t_in, t_out, hard_distortion,
+        free_energy, and ``no_clustering``: why that K is at the data's granularity
+        (:meth:`not_a_clustering`), or None."""
         rank = {k: i + 1 for i, k in enumerate(self.ranking)}
         rows = []
         for i, k in enumerate(self.ks):
             rows.append(dict(k=int(k), rank=rank.get(int(k)), width=float(self.width[i]),
                              t_in=float(self.t_in[i]), t_out=float(self.t_out[i]),
                              hard_distortion=float(self.hard_distortion[i]),
-                             free_energy=float(self.free_energy[i])))
+                             free_energy=float(self.free_energy[i]),
+                             no_clustering=self.not_a_clustering(int(k))))
         rows.sort(key=lambda r: (r["rank"] is None, r["rank"] or 0))
         return rows
 
@@ -331,7 +338,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
     and rank the K; returns :class:`KSuggestion` (with the path's snapshots).
     ``checked``: ``(stats, T_c)`` of a caller that has already computed the data
     statistics, the critical temperature and checked ``k_max`` (no second pass for them)."""
-    from ._seeding import check_n_clusters, critical_temperature, data_stats
+    from ._seeding import check_n_clusters, critical_temperature, data_stats, rows_coincide
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
     cooling, max_steps = _check_path_params(cooling, max_steps)
     _check_k_range(k_min, k_max, source.n_rows)
@@ -339,7 +346,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
         stats, T_c = checked
     else:
         stats = data_stats(source)
-        if not stats.scale > 0:
+        if rows_coincide(source, stats):
             raise ValueError("all rows are identical: more than one cluster is undefined")
         check_n_clusters(source, k_max, rng, name="k_max")
         T_c = critical_temperature(source, stats.mean, rng)
@@ -394,6 +401,7 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
     out = _rank(phase, trace, k_min, k_max, T_c, T0, stats.scale, T_out_last, cooling,
                 trivial, n_eff)
     out.cooling = float(cooling)
+    out.n_passes = int(st.n_iter)
     out.path_temperature = np.array([r[0] for r in phase.steps])
     out.path_clusters = np.array([r[1] for r in phase.steps], dtype=np.int64)
     return out
@@ -409,6 +417,20 @@ def _merged(snap, metric):
 #: regular cascade that holds some K for a while): 1.22 over 84 runs of
 #: ``benchmarks/study_unimodal.py``, where the known-K sets' true K held 0.65-5.96.
 NO_CLUSTER_WIDTH = 1.25
+
+def granularity_note(suggestion):
+    """What the commands say when even the best K is at the data's granularity (every K in
+    the range has fewer than two distinct points a cluster), or None."""
+    why = suggestion.not_a_clustering(suggestion.best)
+    if not why:
+        return None
+    nd = suggestion.n_distinct or suggestion.n_rows
+    return (f"every K in {int(suggestion.ks[0])}..{int(suggestion.k_max)} is at the data's "
+            f"granularity ({nd:,} distinct points or fewer: {why}): no K in the range is a "
+            f"clustering; K = {suggestion.best} only ranks first. "
+            + ("Give a smaller K range" if 2 * int(suggestion.ks[0]) <= nd else
+               "Too few distinct points to choose K from"))
+
 
 def unclustered_note(width):
     """What the commands say beside a supported K whose plateau (``width`` in ``log T``)
@@ -507,7 +529,7 @@ def _no_clustering(k, trivial, n_rows):
     if trivial is not None and int(k) == trivial:
         return "every distinct point its own cluster"
     if n_rows and 2 * int(k) > int(n_rows):
-        return "fewer than two rows a cluster"
+        return "fewer than two distinct points a cluster"
     return None
 
 
@@ -577,6 +599,8 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
     if max_rows is not None and (not isinstance(max_rows, (int, np.integer))
                                  or isinstance(max_rows, bool) or max_rows < 2):
         raise ValueError(f"max_rows must be an integer >= 2 or None; got {max_rows!r}")
+    if backend not in (None, "cpu", "cuda", "dask"):
+        raise ValueError(f"backend must be None, 'cpu', 'cuda' or 'dask'; got {backend!r}")
     est = AnnealedKMeans(n_clusters=int(k_max) if isinstance(k_max, (int, np.integer)) else 1,
                          metric=metric, backend=backend, scheduler=scheduler,
                          random_state=random_state)
@@ -606,7 +630,15 @@ def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
             if getattr(source, "origin", None) is None:
                 Xs, _ = est._centered(Xs, ws)      # rows far from the origin: centered
             sample = InMemorySource(Xs, ws, source.metric)
-            out = path_on_source(sample, k_max, k_min, rng, cooling, max_steps)
+            try:
+                out = path_on_source(sample, k_max, k_min, rng, cooling, max_steps)
+            except ValueError as e:
+                if "distinct points" not in str(e) and "identical" not in str(e):
+                    raise
+                # (the count is the sample's, drawn without regard to the weights)
+                raise ValueError(f"{e} -- in the uniform sample of {Xs.shape[0]:,} rows the "
+                                 f"path runs on (max_rows; the data has {source.n_rows:,}): "
+                                 "give a larger max_rows") from None
             out.n_rows = int(Xs.shape[0])
             return out
         out = path_on_source(source, k_max, k_min, rng, cooling, max_steps)

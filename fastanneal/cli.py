@@ -732,8 +732,9 @@ def run_cluster(args, console):
             sug = est.k_suggestion_
             trivial = sug.trivial_k
             top = ", ".join(f"{r['k']} ({r['width']:.2f}"
-                            + (f"; {sug.not_a_clustering(r['k'])}: not a choice"
-                               if sug.not_a_clustering(r['k']) else "") + ")"
+                            + (f"; {r['no_clustering']}"
+                               + ("" if r['k'] == K else ": not a choice")
+                               if r['no_clustering'] else "") + ")"
                             for r in sug.table()[:5])
             if sug.levels:
                 why = "the finest natural level of the phase-transition plateaus"
@@ -748,7 +749,10 @@ def run_cluster(args, console):
                 from .choose_k import unclustered_note
                 wb = float(sug.width[int(np.nonzero(sug.ks == K)[0][0])])
                 console.note(f"note: K = {K}: {unclustered_note(wb)}")
-            if not est.k_suggestion_.supported:
+            from .choose_k import granularity_note
+            if granularity_note(sug):
+                console.note(f"warning: {granularity_note(sug)}")
+            elif not est.k_suggestion_.supported:
                 console.note("warning: no clear plateau: no K in the range survives a clearly "
                              "wider range of temperatures than the others (query embeddings "
                              "often split in a burst below the critical temperature; a K range "
@@ -898,11 +902,15 @@ def run_suggest(args, console):
               f"{'J':>12}")
         for r in [r for r in s.table() if r["rank"] is not None][:max(1, int(args.top))]:
             print(f"{r['rank']:>4}  {r['k']:>5}  {r['width']:>15.3f}  {r['t_in']:>10.4g}  "
-                  f"{r['t_out']:>10.4g}  {r['hard_distortion']:>12.6g}")
+                  f"{r['t_out']:>10.4g}  {r['hard_distortion']:>12.6g}"
+                  + (f"  (no clustering: {r['no_clustering']})" if r["no_clustering"] else ""))
         why = (f"the finest natural level; levels: {', '.join(str(k) for k in s.levels)}"
                if s.levels else "the widest plateau; no natural level")
         print(f"suggested K = {s.best} ({why}) ({dt:.1f} s)")
-        if not s.supported:
+        from .choose_k import granularity_note
+        if granularity_note(s):
+            print(granularity_note(s))
+        elif not s.supported:
             print("no clear plateau: no K in the range survives a clearly wider range of "
                   "temperatures than the others (query embeddings often split in a burst "
                   "below the critical temperature; a K range that leaves out the data's own "

@@ -25,7 +25,7 @@ from ._moments import assign as _assign
 from ._moments import nearest_objective, nearest_objective_counts
 from ._protocol import check_source
 from ._seeding import (check_n_clusters, critical_temperature, data_stats, initial_centers,
-                       kmeans_plusplus, start_temperature)
+                       kmeans_plusplus, rows_coincide, start_temperature)
 from ._sources import InMemorySource
 from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
@@ -994,9 +994,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                     "squared distances lose precision to rounding (docs/theory.md, \"Rows far "
                     "from the origin\"); subtract the rows' mean first (fit() does this for "
                     "arrays)", AnnealingWarning, stacklevel=2)
-        check_n_clusters(source, K, rng, name="k_max" if auto else "n_clusters")
-        if not stats.scale > 0 and K > 1:
+        # (identical rows first: "k_max=2 is larger than the number of distinct points (1)"
+        # asked for a smaller k_max, which does not exist)
+        if K > 1 and rows_coincide(source, stats):
             raise ValueError("all rows are identical: more than one cluster is undefined")
+        check_n_clusters(source, K, rng, name="k_max" if auto else "n_clusters")
         self.n_features_in_ = source.n_features
         self.critical_temperature_ = critical_temperature(source, stats.mean, rng)
         if auto:
@@ -1103,9 +1105,12 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         cfg = self._engine_config(K, 0, True)
         trace = Trace()
         trace._rows = [dict(r) for r in sug.trace._rows if r["step"] <= snap["step"]]
+        # n_iter_ counts the path's passes too (the continuation alone understated a fit's
+        # work about 12x: "18 temperature steps, 5 passes")
         st = E.AnnealState(centers=C, temperature=float(snap["T"]), T_start=T0, T_end=T_end,
                            scale=stats.scale, phase="critical",
-                           rule_state={"p": p / p.sum()}, step=int(snap["step"]) + 1)
+                           rule_state={"p": p / p.sum()}, step=int(snap["step"]) + 1,
+                           n_iter=int(sug.n_passes))
         st.phase_step0 = st.step
         crit = E._CriticalPhase(0.85, 200)
         result = E.run(source, st, None, cfg, rng, trace, t0, critical=crit)
@@ -1349,7 +1354,7 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None, refine_init=True
     if not src.total_weight > 0:
         raise ValueError("the seeding sample carries no weight")
     stats = data_stats(src)
-    if not stats.scale > 0 and K > 1:
+    if K > 1 and rows_coincide(src, stats):
         live = int((np.asarray(ws) > 0).sum())
         raise ValueError("all rows of the seeding sample that carry weight are identical "
                          f"({live} of its {len(ws):,} rows weigh > 0): more than one cluster "

@@ -189,6 +189,17 @@ def test_cli_k_auto_on_small_logs(capsys, tmp_path):
                      "emb", "--k", "auto", "--k-max", 3, "--metric", "euclidean")
     assert rc == 0, err
     assert "chose K = 2" in err and "3 (" in err and "its own cluster: not a choice" in err
+    # the chosen K is not called "not a choice", the reason names distinct points, and the
+    # warning says the K range runs into them (it blamed "a burst" of query embeddings)
+    assert "2 (" in err and "fewer than two distinct points a cluster)" in err
+    assert "every K in 2..3 is at the data's granularity" in err and "burst" not in err
+    assert "Too few distinct points to choose K from" in err
+    rc, out, err = run(capsys, "suggest-k", src3, "--embedding-column", "emb", "--k-max", 3,
+                       "--metric", "euclidean")
+    assert rc == 0, err
+    assert "(no clustering: every distinct point its own cluster)" in out
+    assert "(no clustering: fewer than two distinct points a cluster)" in out
+    assert "at the data's granularity" in out and "burst" not in out
     # out of core: the same hint on the default (it was lost there)
     rc, _, err = run(capsys, "cluster", src3, "-o", tmp_path / "c.csv", "--embedding-column",
                      "emb", "--k", "auto", "--metric", "euclidean", "--memory-limit", "1K")
@@ -583,3 +594,45 @@ def test_k_max_equal_to_the_true_k_is_found(case):
         assert s.best == K and s.supported, (k_max, s.best, s.path_clusters)
     m = fastanneal.AnnealedKMeans("auto", k_max=K, random_state=0).fit(X)
     assert m.n_clusters_ == K
+
+
+def test_one_direction_under_cosine_is_identical_rows():
+    """Positive multiples of one vector are one point under cosine; their unit rows differ
+    in the last bits, and the path ran on a 'critical temperature' of 1e-31 to a
+    'supported' K = 2. All routes now say the rows are identical; and the auto fit refused
+    all-identical rows asking for a smaller k_max, which does not exist."""
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=5)
+    M = np.outer(rng.uniform(1, 10, 100), v)
+    for f in (lambda: fastanneal.suggest_k(M, k_max=3, metric="cosine", random_state=0),
+              lambda: fastanneal.AnnealedKMeans("auto", k_max=3, metric="cosine").fit(M),
+              lambda: fastanneal.AnnealedKMeans(2, metric="cosine").fit(M),
+              lambda: fastanneal.AnnealedKMeans("auto", k_max=2).fit(np.ones((10, 2)))):
+        with pytest.raises(ValueError, match="all rows are identical"):
+            f()
+    # two directions are two points, whatever the lengths
+    M2 = np.concatenate([M, np.outer(rng.uniform(1, 10, 100), rng.normal(size=5))])
+    assert fastanneal.AnnealedKMeans(2, metric="cosine", random_state=0).fit(M2).inertia_ \
+        == pytest.approx(0.0, abs=1e-9)
+
+
+def test_auto_n_iter_counts_the_path():
+    """n_iter_ ("moment passes in total") counted the continuation only: 5 passes for a
+    fit whose path made about 50."""
+    X, _ = blobs(5, 16, 8, n=400)
+    km = fastanneal.AnnealedKMeans("auto", k_max=10, random_state=0).fit(X)
+    n_path = km.k_suggestion_.n_passes
+    assert n_path > 10 and km.n_iter_ > n_path
+
+
+def test_suggest_k_sample_errors_name_the_sample_and_backend_typos_are_refused():
+    rng = np.random.default_rng(0)
+    X, _ = blobs(4, 3, 8, n=250)
+    w = np.zeros(len(X))
+    w[rng.choice(len(X), 60, replace=False)] = 1.0
+    assert fastanneal.suggest_k(X, k_max=20, sample_weight=w, random_state=0).best >= 2
+    with pytest.raises(ValueError, match="in the uniform sample of 100 rows the path runs on "
+                                         r"\(max_rows; the data has 1,000\)"):
+        fastanneal.suggest_k(X, k_max=20, sample_weight=w, random_state=0, max_rows=100)
+    with pytest.raises(ValueError, match="backend must be None, 'cpu', 'cuda' or 'dask'"):
+        fastanneal.suggest_k(X, k_max=4, backend="gpu")

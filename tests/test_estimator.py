@@ -431,7 +431,7 @@ def test_more_clusters_than_distinct_points(rng):
 
 
 def test_constant_data_with_several_clusters():
-    with pytest.raises(ValueError, match="distinct points"):
+    with pytest.raises(ValueError, match="all rows are identical"):
         AnnealedKMeans(n_clusters=2, random_state=0).fit(np.ones((10, 3)))
 
 
