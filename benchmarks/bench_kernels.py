@@ -83,19 +83,52 @@ def timed(fn, repeats):
     return out
 
 
-def _cold_then_warm(code):
-    """Run ``code`` (which prints two numbers) twice in fresh processes sharing a new Numba
-    cache: the first compiles (cold), the second loads the cache (warm)."""
+#: warm runs per measurement (the run with the median total is reported)
+WARM_RUNS = 5
+
+
+def _env(cache, pyc, extra_path=None):
+    """A fresh process's environment: its own Numba cache; with ``pyc`` Python's bytecode
+    cache on (in a private folder, as a pip install has it: this machine sets
+    ``PYTHONDONTWRITEBYTECODE=1``, which recompiles fastanneal's sources at every start,
+    ~20 ms), else off."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(Path(cache, "numba")))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if pyc:
+        env["PYTHONPYCACHEPREFIX"] = str(Path(cache, "pyc"))
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if extra_path:
+        env["PYTHONPATH"] = extra_path + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
+
+
+def _runs(code, env, n):
+    return [[float(v) for v in subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        check=True).stdout.split()] for _ in range(n)]
+
+
+def _median_run(runs):
+    return sorted(runs, key=sum)[len(runs) // 2]
+
+
+def _cold_then_warm(code, extra_path=None):
+    """Run ``code`` (which prints two numbers) in fresh processes sharing a new Numba cache:
+    the first compiles (cold), then :data:`WARM_RUNS` load the cache (warm; the median
+    run), with Python's bytecode cache on; and as many warm runs without it (``"no_pyc"``,
+    as this machine's environment has it)."""
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-        return [[float(v) for v in subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True,
-            check=True).stdout.split()] for _ in range(2)]
+        env = _env(cache, True, extra_path)
+        cold = _runs(code, env, 1)[0]
+        warm = _median_run(_runs(code, env, WARM_RUNS))
+        nopyc = _median_run(_runs(code, _env(cache, False, extra_path), WARM_RUNS))
+    return cold, warm, nopyc
 
 
 def subprocess_compile_times():
     """Cold-cache compile of all kernels for one dtype, and warm import + first call."""
-    cold, warm = _cold_then_warm(
+    cold, warm, nopyc = _cold_then_warm(
         "import time; t=time.perf_counter(); import numpy as np; import fastanneal as fa; "
         "ti=time.perf_counter()-t; X=np.random.rand(300,8).astype(np.float32); "
         "C=X[:5].copy(); t=time.perf_counter(); "
@@ -104,7 +137,8 @@ def subprocess_compile_times():
         "print(ti, time.perf_counter()-t)")
     return {"cold_import_s": cold[0], "cold_first_calls_s": cold[1],
             "warm_import_s": warm[0], "warm_first_calls_s": warm[1],
-            "warm_import_plus_first_call_s": warm[0] + warm[1]}
+            "warm_import_plus_first_call_s": warm[0] + warm[1],
+            "warm_import_plus_first_call_no_pyc_s": nopyc[0] + nopyc[1]}
 
 
 _FLOOR_MODULE = """
@@ -125,22 +159,19 @@ def subprocess_numba_floor():
     SciPy's linear algebra)."""
     with tempfile.TemporaryDirectory() as d:
         Path(d, "_floor_mod.py").write_text(_FLOOR_MODULE)
-        env = dict(os.environ, NUMBA_CACHE_DIR=str(Path(d, "cache")),
-                   PYTHONPATH=d + os.pathsep + os.environ.get("PYTHONPATH", ""))
         code = ("import time; t=time.perf_counter(); import numpy as np; import numba; "
                 "import _floor_mod; ti=time.perf_counter()-t; t=time.perf_counter(); "
                 "_floor_mod.total(np.ones(3)); print(ti, time.perf_counter()-t)")
-        runs = [[float(v) for v in subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True,
-            check=True).stdout.split()] for _ in range(2)]
-    return {"numba_floor_import_s": runs[1][0], "numba_floor_first_call_s": runs[1][1],
-            "numba_floor_import_plus_first_call_s": runs[1][0] + runs[1][1]}
+        _, warm, nopyc = _cold_then_warm(code, extra_path=d)
+    return {"numba_floor_import_s": warm[0], "numba_floor_first_call_s": warm[1],
+            "numba_floor_import_plus_first_call_s": warm[0] + warm[1],
+            "numba_floor_import_plus_first_call_no_pyc_s": nopyc[0] + nopyc[1]}
 
 
 def subprocess_fit_compile_times():
     """Cold-cache and warm-cache first default fit (``AnnealedKMeans(5).fit`` on 500 x 8
     float32): what a new user's first fit waits for, import of the estimator included."""
-    cold, warm = _cold_then_warm(
+    cold, warm, _ = _cold_then_warm(
         "import time; t=time.perf_counter(); import numpy as np; "
         "from fastanneal import AnnealedKMeans; ti=time.perf_counter()-t; "
         "X=np.random.default_rng(0).standard_normal((500,8)).astype(np.float32); "
