@@ -338,7 +338,8 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
     and rank the K; returns :class:`KSuggestion` (with the path's snapshots).
     ``checked``: ``(stats, T_c)`` of a caller that has already computed the data
     statistics, the critical temperature and checked ``k_max`` (no second pass for them)."""
-    from ._seeding import check_n_clusters, critical_temperature, data_stats, rows_coincide
+    from ._seeding import (check_n_clusters, critical_temperature, data_stats, rows_coincide,
+                           warn_narrow_cone)
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
     cooling, max_steps = _check_path_params(cooling, max_steps)
     _check_k_range(k_min, k_max, source.n_rows)
@@ -346,8 +347,10 @@ def path_on_source(source, k_max, k_min=2, rng=None, cooling=0.85, max_steps=400
         stats, T_c = checked
     else:
         stats = data_stats(source)
-        if rows_coincide(source, stats):
-            raise ValueError("all rows are identical: more than one cluster is undefined")
+        why = rows_coincide(source, stats)
+        if why:
+            raise ValueError(why)
+        warn_narrow_cone(source, stats, stacklevel=4)
         check_n_clusters(source, k_max, rng, name="k_max")
         T_c = critical_temperature(source, stats.mean, rng)
     T0 = 1.02 * T_c if T_c > 0 else stats.scale

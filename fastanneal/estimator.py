@@ -25,7 +25,7 @@ from ._moments import assign as _assign
 from ._moments import nearest_objective, nearest_objective_counts
 from ._protocol import check_source
 from ._seeding import (check_n_clusters, critical_temperature, data_stats, initial_centers,
-                       kmeans_plusplus, rows_coincide, start_temperature)
+                       kmeans_plusplus, rows_coincide, start_temperature, warn_narrow_cone)
 from ._sources import InMemorySource
 from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
@@ -557,7 +557,11 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         "geometric", "linear" or "constant" (one temperature a call: the critical and
         adaptive schedules decide their next temperature from full passes). A batch whose
         rows all weigh zero leaves a started fit as it is (scikit-learn's
-        ``MiniBatchKMeans`` refuses it); it cannot start one."""
+        ``MiniBatchKMeans`` refuses it); it cannot start one. After ``fit``, ``n_iter_``
+        and ``n_steps_`` count on from the fit's; what describes the fit's annealing
+        (``free_energy_``, ``soft_distortion_``, ``hardening_gap_``, ``hardened_step_``,
+        ``settled_step_``, ``schedule_``, ``n_reallocations_`` and the mini-batch route's
+        counts of rows and batches) still describes that fit."""
         if getattr(self, "backend", None) == "cuda":
             raise ValueError("partial_fit runs on the CPU; backend='cuda' applies to fit "
                              "(leave backend unset for partial_fit)")
@@ -943,7 +947,8 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                      "temperature_start_", "critical_temperature_", "n_steps_", "n_iter_",
                      "n_relocations_", "trace_", "n_features_in_", "_mass_constrained",
                      "labels_", "probability_temperature_", "_origin", "_scale",
-                     "_rows_seen", "feature_names_in_"):
+                     "_rows_seen", "feature_names_in_", "schedule_", "hardened_step_",
+                     "settled_step_"):
             if hasattr(mb, name):
                 setattr(self, name, getattr(mb, name))
         self.n_clusters_ = int(self.n_clusters)
@@ -996,8 +1001,11 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
                     "arrays)", AnnealingWarning, stacklevel=2)
         # (identical rows first: "k_max=2 is larger than the number of distinct points (1)"
         # asked for a smaller k_max, which does not exist)
-        if K > 1 and rows_coincide(source, stats):
-            raise ValueError("all rows are identical: more than one cluster is undefined")
+        why = rows_coincide(source, stats) if K > 1 else None
+        if why:
+            raise ValueError(why)
+        if K > 1:
+            warn_narrow_cone(source, stats, stacklevel=4)
         check_n_clusters(source, K, rng, name="k_max" if auto else "n_clusters")
         self.n_features_in_ = source.n_features
         self.critical_temperature_ = critical_temperature(source, stats.mean, rng)
@@ -1356,10 +1364,17 @@ def _seed_from_sample(est, Xs, ws, K, metric, rng, origin=None, refine_init=True
     stats = data_stats(src)
     if K > 1 and rows_coincide(src, stats):
         live = int((np.asarray(ws) > 0).sum())
+        if not refine_init:         # partial_fit: its first batch, used as given
+            raise ValueError("all rows of the first partial_fit batch that carry weight are "
+                             f"identical ({live} of its {len(ws):,} rows weigh > 0): more "
+                             "than one cluster is undefined on it (start with a batch that "
+                             "holds the clusters' variety)")
         raise ValueError("all rows of the seeding sample that carry weight are identical "
                          f"({live} of its {len(ws):,} rows weigh > 0): more than one cluster "
                          "is undefined on it (a larger init_size samples more of the "
                          "weighted rows)")
+    if K > 1:
+        warn_narrow_cone(src, stats, stacklevel=5)
     T_c = critical_temperature(src, stats.mean, rng)
     # seeds given as an array are refined like k-means++ ones (as AnnealedKMeans re-allocates
     # from any start): a poor init ended 70 % higher than the same init's full fit
@@ -1456,9 +1471,13 @@ class _PartialFit:
                     est.cluster_centers_.dtype)
         p = np.asarray(est.cluster_weights_, dtype=np.float64)
         rows = int(getattr(est, "_rows_seen", 0) or X.shape[0])
+        t = max(1, int(round(rows / max(X.shape[0], 1))))
         self.running.load_state_dict({
-            "t": max(1, int(round(rows / max(X.shape[0], 1)))), "rows_seen": 0,
+            "t": t, "rows_seen": 0,
             "weight_seen": 0.0, "N": p.copy(), "S": p[:, None] * self.C})
+        # the counters go on from the fit's (they were set to t, which is the step size's
+        # count, not the fit's steps: 22 passes read 16 after one update)
+        self.counts0 = (t, int(getattr(est, "n_steps_", 0)), int(getattr(est, "n_iter_", 0)))
         return self
 
     def update(self, X, w):
@@ -1494,7 +1513,9 @@ class _PartialFit:
         est.temperature_ = float(self.temperature)
         est.temperature_start_ = float(self.T_start)
         est.critical_temperature_ = float(self.T_c)
-        est.n_steps_ = est.n_iter_ = int(self.running.t)
+        t0, steps0, iters0 = getattr(self, "counts0", (0, 0, 0))
+        done = int(self.running.t) - t0
+        est.n_steps_, est.n_iter_ = steps0 + done, iters0 + done
         est.n_relocations_ = int(self.relocations)
         est.trace_ = self.trace
         est._mass_constrained = self.mass_constrained

@@ -636,3 +636,21 @@ def test_suggest_k_sample_errors_name_the_sample_and_backend_typos_are_refused()
         fastanneal.suggest_k(X, k_max=20, sample_weight=w, random_state=0, max_rows=100)
     with pytest.raises(ValueError, match="backend must be None, 'cpu', 'cuda' or 'dask'"):
         fastanneal.suggest_k(X, k_max=4, backend="gpu")
+
+
+def test_cosine_rows_in_a_narrow_cone_are_named_not_blurred():
+    """float32 unit rows within a few eps of one direction are one direction to the
+    rounding of 2 - 2 cos (they fitted to ARI 0.0025 / 0.75 silently, where the float64
+    copy and scikit-learn's centered KMeans find the 8 blobs): an error that says so and
+    names float64; a few dozen eps: a warning (ARI 0.84); the float64 rows fit."""
+    from sklearn.datasets import make_blobs
+    from fastanneal._engine import AnnealingWarning
+    X, y = make_blobs(4000, n_features=16, centers=8, cluster_std=3, random_state=0)
+    with pytest.raises(ValueError, match=r"identical in direction.*float64 rows"):
+        fastanneal.AnnealedKMeans(8, metric="cosine", random_state=0).fit(
+            (X + 1e4).astype(np.float32))
+    with pytest.warns(AnnealingWarning, match=r"nearly one direction.*float64 rows"):
+        fastanneal.AnnealedKMeans(8, metric="cosine", random_state=0).fit(
+            (X + 3e3).astype(np.float32))
+    km = fastanneal.AnnealedKMeans(8, metric="cosine", random_state=0).fit(X + 1e4)
+    assert adjusted_rand_score(y, km.labels_) > 0.99

@@ -106,3 +106,23 @@ def test_a_batch_of_zero_weight_rows_changes_nothing():
         km.score(X, sample_weight=zeros)
     km.partial_fit(X)                       # and the stream goes on
     assert not np.array_equal(km.cluster_centers_, C)
+
+
+def test_partial_fit_after_fit_counts_on_and_a_batch_size_fit_has_its_schedule():
+    """After fit, partial_fit set n_iter_ / n_steps_ to its step-size count (22 / 20 read
+    16 / 16 after one update); they count on now. AnnealedKMeans(batch_size=...) lacked
+    the documented schedule_."""
+    from sklearn.datasets import make_blobs
+    from fastanneal import AnnealedKMeans, MiniBatchAnnealedKMeans
+    X, _ = make_blobs(1500, n_features=6, centers=4, random_state=0)
+    for est in (MiniBatchAnnealedKMeans(4, random_state=0), AnnealedKMeans(4, random_state=0)):
+        est.fit(X)
+        it, st = est.n_iter_, est.n_steps_
+        est.partial_fit(X[:100])
+        assert (est.n_iter_, est.n_steps_) == (it + 1, st + 1)
+        est.partial_fit(X[100:200])
+        assert (est.n_iter_, est.n_steps_) == (it + 2, st + 2)
+    fresh = AnnealedKMeans(4, random_state=0).partial_fit(X[:100]).partial_fit(X[100:200])
+    assert (fresh.n_iter_, fresh.n_steps_) == (2, 2)
+    mb = AnnealedKMeans(5, batch_size=500, random_state=0).fit(X)
+    assert mb.schedule_ is not None
