@@ -308,7 +308,11 @@ class ClusterSummary:
             "terms": [terms[k] for k in order],
         }
         if self.with_ids:
-            cols["central_id"] = pa.array([self.central_id[k] for k in order])
+            vals = [self.central_id[k] for k in order]
+            try:
+                cols["central_id"] = pa.array(vals)
+            except OverflowError:       # uint64 ids from 2^63 up: Arrow infers int64
+                cols["central_id"] = pa.array(vals, type=pa.uint64())
         cr = self.central_row[order]
         cols["central_row"] = np.where(cr >= 0, cr + 1, -1)
         return pa.table(cols)

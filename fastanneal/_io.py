@@ -105,6 +105,37 @@ def _arrow_message(e):
     return msg
 
 
+def _check_unclosed_quote(p, table):
+    """A quoted cell left open runs to the end of the file, and Arrow takes it (a phrase
+    query '"best laptops 2024' in a one-column CSV swallowed the 190 lines after it into
+    one cell). Its mark: the last cell of the last row holds line breaks and the file does
+    not end with the closing quote."""
+    if table.num_rows == 0 or table.num_columns == 0:
+        return
+    last = table.column(table.num_columns - 1)[table.num_rows - 1].as_py()
+    if not isinstance(last, str) or "\n" not in last:
+        return
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        f.seek(max(0, size - 64))
+        raw = f.read()
+    if raw.rstrip(b"\r\n").endswith(b'"'):
+        return
+    newlines = 0
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            newlines += block.count(b"\n")
+    lines = newlines + (0 if raw.endswith(b"\n") else 1)
+    swallowed = lines - 1 - (newlines - last.count("\n") - (1 if raw.endswith(b"\n") and
+                                                            not last.endswith("\n") else 0))
+    opened = max(1, lines - swallowed)
+    raise InputError(f"{p}: a quoted cell opened on line {opened} is never closed: it runs "
+                     "to the end of the file, taking in the lines after it (an unpaired "
+                     "double quote, e.g. a phrase query; quote such a cell whole and double "
+                     'the quotes inside, "" -- or export the log as TSV, where quotes are '
+                     "text)")
+
+
 def read_table(path, fmt=None, string_columns=()):
     """Read the whole input as a ``pyarrow.Table`` (row order preserved).
 
@@ -128,19 +159,28 @@ def read_table(path, fmt=None, string_columns=()):
             # next quote); CSV is quoted as usual
             # (a TSV whose header cells are all double-quoted was written by a CSV writer
             # with a tab delimiter -- Arrow's, or fastanneal's before TSV was linear: quoted)
+            # (a blank line is a row -- the empty query of a one-column log; Arrow's
+            # default skipped it: rows in != rows out)
             if fmt == "tsv" and not _tsv_is_quoted(p):
                 parse = pacsv.ParseOptions(delimiter="\t", quote_char=False,
-                                           newlines_in_values=False)
+                                           newlines_in_values=False, ignore_empty_lines=False)
             else:
                 parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
-                                           newlines_in_values=True)
+                                           newlines_in_values=True, ignore_empty_lines=False)
             # every column is read as text: the output keeps each cell as it was written
             # ("007" stays "007", "1.50" stays "1.50"); numbers are parsed where needed
             with pacsv.open_csv(str(p), parse_options=parse) as reader:
                 names = reader.schema.names
+            if len(names) > 1:
+                # (several columns: a blank line holds no row -- skipped, as before)
+                parse = pacsv.ParseOptions(delimiter=parse.delimiter,
+                                           quote_char=parse.quote_char,
+                                           newlines_in_values=parse.newlines_in_values)
             types = {c: pa.string() for c in names}
             table = pacsv.read_csv(str(p), parse_options=parse,
                                    convert_options=pacsv.ConvertOptions(column_types=types))
+            if parse.quote_char:
+                _check_unclosed_quote(p, table)
         elif fmt == "jsonl":
             import pyarrow.json as pajson
             _check_utf8(p)
@@ -381,6 +421,17 @@ def check_ids(table, name, path, row0=0, unique=True):
     if first is not None:
         raise InputError(f"{path}: id column {name!r} has a missing value at row "
                          f"{row0 + first + 1}")
+    if pa.types.is_floating(t):
+        # a JSON reader types a column of integers beyond int64, or of integers mixed with
+        # decimals, as float64: ids of 2^53 or more were rounded there (every id off by
+        # one, or two ids made one)
+        big = np.flatnonzero(np.abs(col.to_numpy(zero_copy_only=False)) >= 2.0 ** 53)
+        if big.size:
+            raise InputError(f"{path}: id column {name!r} was read as floating-point numbers, "
+                             f"which cannot hold the id at row {row0 + int(big[0]) + 1} "
+                             "exactly (2^53 or more; JSON readers take integers beyond "
+                             "the signed 64-bit range, or mixed with decimals, as floating "
+                             "point): write the ids as strings")
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         # an empty cell of a CSV id column reads as "": no id either (two of them were
         # reported as a duplicate id)

@@ -255,10 +255,17 @@ def _checked_ids(ids, n):
     try:
         arr = pa.array(ids)
     except OverflowError:
-        big = next(i for i, v in enumerate(ids)
-                   if isinstance(v, (int, np.integer)) and not -2 ** 63 <= int(v) < 2 ** 64)
-        raise ValueError(f"ids must fit in 64-bit integers (or be strings): row {big} holds "
-                         f"{ids[big]!r}") from None
+        big = next((i for i, v in enumerate(ids)
+                    if isinstance(v, (int, np.integer)) and not -2 ** 63 <= int(v) < 2 ** 64),
+                   None)
+        if big is not None:
+            raise ValueError(f"ids must fit in 64-bit integers (or be strings): row {big} "
+                             f"holds {ids[big]!r}") from None
+        try:        # integers from 2^63 up (and none negative): unsigned 64-bit ids
+            arr = pa.array(ids, type=pa.uint64())
+        except (OverflowError, pa.ArrowException, TypeError, ValueError):
+            raise ValueError("ids must fit one 64-bit integer type (or be strings): they mix "
+                             "negative ids with ids of 2^63 or more") from None
     except (pa.ArrowException, TypeError, ValueError):
         arr = None
     if arr is None or pa.types.is_nested(arr.type) or pa.types.is_null(arr.type):

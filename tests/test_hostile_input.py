@@ -1077,3 +1077,58 @@ def test_weight_cells_with_spaces_are_numbers_and_bad_ones_are_named():
     np.testing.assert_array_equal(weight_vector(t, "w", "f.csv"), [5.0, 2.0, 1.5])
     with pytest.raises(InputError, match=r"not numeric \(row 2: '1_000'\)"):
         weight_vector(pa.table({"w": ["1", "1_000", "2"]}), "w", "f.csv")
+
+
+def test_csv_blank_lines_unclosed_quotes_and_json_ids_lose_nothing(tmp_path, capsys):
+    """Rows in = rows out, ids exact (all found by a review): a blank line of a one-column
+    CSV / TSV (an empty query) was skipped; an unpaired quote in a one-column CSV took every
+    line after it into one cell; JSONL ids of 2^53 or more were read as float64 and rounded
+    (written off by one, or two ids made one); uint64 ids from 2^63 up crashed the
+    clusters table ("Python int too large") and QueryClusters (a bare StopIteration)."""
+    one = tmp_path / "blank.csv"
+    one.write_text("query\nhello there\n\nbye now\nfoo bar\n")
+    assert read_table(one).column("query").to_pylist() == ["hello there", "", "bye now",
+                                                           "foo bar"]
+    tsv = tmp_path / "blank.tsv"
+    tsv.write_text("query\nhello there\n\nbye now\n")
+    assert read_table(tsv).num_rows == 3
+    two = tmp_path / "two.csv"                     # several columns: a blank line holds no row
+    two.write_text("query,n\na,1\n\nb,2\n")
+    assert read_table(two).num_rows == 2
+    stray = tmp_path / "stray.csv"
+    stray.write_text("query\n" + "".join(f"query {i}\n" if i != 9 else '"best laptops 2024\n'
+                                         for i in range(40)))
+    with pytest.raises(InputError, match=r"a quoted cell opened on line 11 is never closed"):
+        read_table(stray)
+    ok = tmp_path / "multi.csv"                    # a quoted cell over two lines is fine
+    ok.write_text('query,n\n"multi\nline",1\nb,2\n')
+    assert read_table(ok).column("query").to_pylist() == ["multi\nline", "b"]
+    rng = np.random.default_rng(0)
+    E = rng.normal(size=(20, 4))
+    js = tmp_path / "ids.jsonl"
+    js.write_text("".join(f'{{"id": {2 ** 53 + 1 + 1000 * i}, "e": {E[i].tolist()}}}\n'
+                          for i in range(19)) + f'{{"id": 1.5, "e": {E[19].tolist()}}}\n')
+    rc = cli.main(["cluster", str(js), "-o", str(tmp_path / "o.csv"), "--k", "2",
+                   "--id-column", "id", "--embedding-column", "e", "--metric", "euclidean"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "read as floating-point numbers" in err and "row 1" in err
+    assert not (tmp_path / "o.csv").exists()
+    big = np.arange(2 ** 64 - 20, 2 ** 64, dtype=np.uint64)
+    pq.write_table(pa.table({"id": pa.array(big), "e": pa.FixedSizeListArray.from_arrays(
+        pa.array(E.astype(np.float32).ravel()), 4)}), tmp_path / "u64.parquet")
+    rc = cli.main(["cluster", str(tmp_path / "u64.parquet"), "-o", str(tmp_path / "u.parquet"),
+                   "--k", "2", "--id-column", "id", "--embedding-column", "e", "--metric",
+                   "euclidean", "-q"])
+    assert rc == 0, capsys.readouterr().err
+    out = pq.read_table(tmp_path / "u.parquet")
+    assert out.column("id").type == pa.uint64()
+    assert sorted(out.column("id").to_pylist()) == [int(v) for v in big]
+    cen = pacsv.read_csv(tmp_path / "u.clusters.csv", convert_options=pacsv.ConvertOptions(
+        column_types={"central_id": pa.string()})).column("central_id").to_pylist()
+    assert all(int(v) in set(int(b) for b in big) for v in cen)
+    qc = fastanneal.QueryClusters(n_clusters=2, metric="euclidean", random_state=0).fit(
+        embeddings=E, ids=[2 ** 63 + i for i in range(20)])
+    assert qc.labels_.shape == (20,)
+    with pytest.raises(ValueError, match="mix negative ids with ids of 2\\^63 or more"):
+        fastanneal.QueryClusters(n_clusters=2, metric="euclidean").fit(
+            embeddings=E, ids=[-1] + [2 ** 63 + i for i in range(19)])
