@@ -986,7 +986,17 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         auto = isinstance(self.n_clusters, str)
         K = int(self.k_max) if auto else int(self.n_clusters)
         rng = self._rng()
+        W = float(source.total_weight)
+        if not (math.isfinite(W) and W > 0):
+            raise ValueError(f"the source's weights sum to {W!r}: weights must be finite and "
+                             ">= 0, with a positive sum (fit_source does not validate a "
+                             "source's rows and weights: fit() does)")
         stats = data_stats(source)
+        if not (math.isfinite(stats.scale) and np.isfinite(stats.mean).all()):
+            # (a NaN scale read as "all rows are identical" before)
+            raise ValueError("the source's rows (or weights) hold NaN or infinity: their mean "
+                             "or spread is not finite (fit_source does not validate a "
+                             "source's rows: fit() does)")
         if origin is None and _far(source, stats):
             if hasattr(source, "set_origin"):
                 # a stream (open_parquet, ...): measured from the mean from now on

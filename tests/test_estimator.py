@@ -1007,3 +1007,18 @@ def test_kmeanspp_seeds_from_the_few_weighted_rows_of_a_large_input():
     for seed in range(8):
         km = AnnealedKMeans(4, random_state=seed, n_steps=4).fit(X, sample_weight=w)
         assert np.isfinite(km.inertia_)
+
+
+def test_fit_source_names_nan_rows_and_bad_weights():
+    """fit_source does not validate a source's rows: a NaN made a NaN scale, read as 'all
+    rows are identical'; negative weights 'more clusters than distinct points (0)'."""
+    from fastanneal._sources import InMemorySource
+    X = np.random.default_rng(0).normal(size=(30, 3))
+    bad = X.copy()
+    bad[4, 1] = np.nan
+    with pytest.raises(ValueError, match="hold NaN or infinity"):
+        AnnealedKMeans(3, random_state=0).fit_source(InMemorySource(bad, np.ones(30), 0))
+    with pytest.raises(ValueError, match="weights sum to -30.0"):
+        AnnealedKMeans(3, random_state=0).fit_source(InMemorySource(X, -np.ones(30), 0))
+    km = AnnealedKMeans(3, random_state=0).fit_source(InMemorySource(X, np.ones(30), 0))
+    assert np.isfinite(km.cluster_centers_).all()

@@ -37,7 +37,7 @@ ROW_BLOCK_ROWS = 2
 ROW_BLOCKS_PER_SM = 32
 
 _NO_GPU = ("fastanneal.cuda: no usable CUDA GPU ({why}): install numba-cuda and a driver, "
-           "or use backend='cpu'")
+           "or run on the CPU (backend='cpu'; open_parquet: device='cpu')")
 
 
 def _numpy_compat():
