@@ -373,13 +373,23 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
     Sparsity: a softmax entry is dropped when ``exp(z_ik - max_k z_ik) < eps`` (``eps`` the unit
     round-off of the input dtype, 2^-24 for float32, 2^-53 for float64). Each dropped entry is
     below ``eps`` times the row's largest responsibility, so per row the dropped mass is at most
-    ``(K - 1) eps``: the relative error it adds to ``N_k``, ``S_k`` and the objectives is at most
-    ``(K - 1) eps`` -- no more than the dtype's own rounding across a ``K``-term sum. Entmax-1.5
-    zeros are exact. The free energy keeps its certificate ``0 <= J - F <= T W log K`` exactly.
+    ``(K - 1) eps``: in all, at most ``(K - 1) eps W`` of mass -- an absolute error, relative to
+    the total weight ``W``, not to each ``N_k`` (a cluster that only dropped entries reach has
+    ``N_k = 0`` where the exact sum is ~1e-16). Entmax-1.5 zeros are exact. Without
+    ``log_prior`` the free energy keeps its certificate ``0 <= J - F <= T W log K`` exactly
+    (with a prior: ``T sum_k J_k log p_k <= J - F <= 0`` for softmax, ``docs/theory.md`` §2;
+    the record's ``objectives()["certificate_bound"]`` is the bound without a prior).
     """
     X, C, mc, shift, rc, T, w, log_prior = checked_moments_args(
         X_block, centers, T, weights, metric, responsibilities, log_prior)
-    return _unshift(compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums), shift)
+    m = _unshift(compute_moments(X, w, C, T, mc, rc, log_prior, hard_sums), shift)
+    if not (math.isfinite(m.hard_distortion) and math.isfinite(m.free_energy)):
+        # rows and weights each in range, their products not (weights ~1e200 times squared
+        # distances ~1e120): inf / NaN objectives, only a RuntimeWarning before
+        raise ValueError(f"the weighted distances overflow float64 (largest weight "
+                         f"{float(w.max()):.3g}): the objectives are sums of weight x squared "
+                         "distance; rescale the weights (only their ratios matter)")
+    return m
 
 
 def checked_moments_args(X_block, centers, T, weights, metric, responsibilities, log_prior):
@@ -416,7 +426,8 @@ def _check_log_prior(log_prior, K):
 
 
 def responsibilities(X, centers, T, metric="euclidean", kind="softmax", log_prior=None):
-    """Responsibilities ``r_ik`` of every row (n x K, the input dtype); rows sum to 1.
+    """Responsibilities ``r_ik`` of every row (n x K; float32 rows give float32, any other
+    dtype float64); rows sum to 1.
 
     Parameters
     ----------

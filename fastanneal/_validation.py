@@ -218,6 +218,8 @@ def as_weights(sample_weight, n, name="sample_weight"):
 
 
 def check_temperature(T, allow_zero=False):
+    if isinstance(T, np.ndarray) and T.ndim == 0 and T.dtype.kind in "fiu":
+        T = T.item()                     # a 0-d array holds one number, as np.float64 does
     if not isinstance(T, numbers.Real) or isinstance(T, bool):
         raise TypeError(f"temperature T must be a real number; got {type(T).__name__}")
     T = float(T)

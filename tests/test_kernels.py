@@ -1180,3 +1180,16 @@ def test_transform_is_exact_near_the_centers(metric, dtype):
                                atol=1e-12)
     scale = float(np.max(np.sum(X64 ** 2, axis=1)))
     np.testing.assert_allclose(got, ref, rtol=0, atol=np.sqrt(16 * eps * scale))
+
+
+def test_weighted_distances_that_overflow_are_an_error_and_a_0d_temperature_is_a_number():
+    """Rows and weights each in range, their products not: inf / NaN objectives with only
+    a RuntimeWarning before. A 0-d array temperature was a TypeError (np.float64 was not)."""
+    import fastanneal as fa
+    X = np.array([[0.0], [1e60]])
+    C = np.array([[0.0], [1.0]])
+    with pytest.raises(ValueError, match="weighted distances overflow float64"):
+        fa.moments(X, C, 1.0, weights=[1.0, 1e200])
+    a = fa.moments(X[:1], C, np.array(1.0))
+    b = fa.moments(X[:1], C, 1.0)
+    np.testing.assert_array_equal(a.N, b.N)
