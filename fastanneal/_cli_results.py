@@ -154,6 +154,11 @@ def _best_distinct(cand, n):
     return keep
 
 
+def _clip(text, n=40):
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[:n - 1] + "\u2026"
+
+
 class ClusterSummary:
     """The labelled cluster table and the ambiguous rows, accumulated block by block in row
     order (:meth:`add`), so that a log larger than memory is labelled in one streaming
@@ -293,6 +298,11 @@ class ClusterSummary:
         cohesion = np.where(size > 0, self.cos_sum / np.maximum(size, 1), np.nan)
         texts = bool(self.has_texts)
         short, terms = self.terms.labels() if texts else ([""] * self.K, [""] * self.K)
+        if texts:
+            # a cluster of emoji or stop words only ("how do i", "can you") has no term:
+            # its most central query stands for it, in brackets (a quote, not terms)
+            short = [s or (f"[{_clip(self.central_text[k])}]" if self.central_text[k]
+                           else "") for k, s in enumerate(short)]
         cols = {
             "cluster": np.arange(self.K, dtype=np.int64),
             "size": size[order],

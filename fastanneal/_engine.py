@@ -37,8 +37,13 @@ log = logging.getLogger("fastanneal")
 @contextlib.contextmanager
 def verbose_logging(verbose):
     """``verbose >= 1``: the ``fastanneal`` logger's INFO lines (one per temperature step,
-    one per phase) go to stderr for the duration, whatever the logging configuration."""
-    if not verbose:
+    one per phase) go to stderr for the duration, whatever the logging configuration;
+    ``verbose <= 0`` is silent (as scikit-learn's)."""
+    import numbers
+    if not isinstance(verbose, numbers.Integral):
+        raise ValueError("verbose must be an integer (0: silent, >= 1: a log line per "
+                         f"temperature step); got {verbose!r}")
+    if verbose <= 0:
         yield
         return
     handler = logging.StreamHandler(sys.stderr)
@@ -268,7 +273,7 @@ def _record(trace, step, n_iter, T, m, C, shift, relocated, coincident, K, t0, d
                  certificate_ok=bool(hard or (lower - tol <= gap <= upper + tol)),
                  min_center_distance=dmin, center_shift=shift, relocations=relocated,
                  coincident=coincident, n_distinct=K - coincident,
-                 margin_sum=ob["margin_sum"], grad_norm=grad_norm,
+                 margin_sum=0.0 if hard else ob["margin_sum"], grad_norm=grad_norm,
                  wall_time=time.perf_counter() - t0)
 
 

@@ -828,6 +828,16 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
     # ------------------------------------------------------------------ validation
     def _check_params(self, n_samples):
         rc = self._check_common(n_samples)
+        # (parameters a named schedule does not read: said, not silently ignored)
+        if isinstance(self.schedule, str) and self.schedule == "critical" and \
+                self.n_steps != 20:
+            warnings.warn(f"n_steps={self.n_steps!r} is not used by schedule='critical' (it "
+                          "cools until its clusters have split)", UserWarning, stacklevel=4)
+        if isinstance(self.schedule, str) and self.schedule == "adaptive" and \
+                self.temperature_end_ratio != 0.05:
+            warnings.warn(f"temperature_end_ratio={self.temperature_end_ratio!r} is not used "
+                          "by schedule='adaptive' (it ends by its entropy rule)", UserWarning,
+                          stacklevel=4)
         for name in ("n_init", "max_iter", "max_polish_iter"):
             _positive_int(self, name)
         if not (isinstance(self.tol, numbers.Real) and self.tol >= 0):

@@ -1107,3 +1107,43 @@ def test_term_counts_refuse_labels_and_weights_they_cannot_count():
         tc.add(["alpha beta", "gamma delta"], [0, 1], [1.0, float("nan")])
     tc.add(["alpha beta", "gamma delta"], [0, 2], [1.0, 0.0])        # zero weight: skipped
     assert tc.per_class[0]["alpha"] == 1.0 and not tc.per_class[2]
+
+
+def test_labels_fold_widths_join_bigram_runs_tie_in_any_order_and_quote_wordless_clusters(
+        capsys, tmp_path):
+    """Found by a review: full-width and half-width forms typed by input methods were other
+    tokens ('ＰＡＳＳＷＯＲＤ' is 'password'); overlapping bigrams of one word made labels
+    of fragments ('変更 / スワ / パス'); weighted term scores that tie but for the order
+    of their sums made the label depend on the row order; a cluster of stop words or
+    emoji had an empty label."""
+    from fastanneal.labels import cluster_labels, short_labels
+    assert tokenize("ＰＡＳＳＷＯＲＤ ｉｐｈｏｎｅ") == ["password", "iphone"]
+    assert tokenize("ﾊﾟｽﾜｰﾄﾞ") == tokenize("パスワード")
+    assert tokenize("Straße ﬁnance") == ["strasse", "finance"]
+    assert tokenize("كيـــف") == tokenize("كيف")
+    short, _ = short_labels([[("スワ", 3.0), ("パス", 3.0), ("ワー", 3.0), ("ード", 3.0),
+                              ("変更", 2.0), ("password", 1.0)]])
+    assert short == ["パスワード / 変更 / password"]
+    short, _ = short_labels([[("修改", 3.0), ("改密", 2.9), ("密码", 2.8), ("怎么", 1.0)]])
+    assert short == ["修改密码 / 怎么"]
+    texts = ["red car", "blue car", "green car", "car wash"] * 3
+    w = np.array([0.1, 0.2, 0.3] * 4)
+    labs = np.zeros(12, dtype=np.int64)
+    got = set()
+    for seed in range(4):
+        p = np.random.default_rng(seed).permutation(12)
+        got.add(cluster_labels([texts[i] for i in p], labs[p], 1, weights=w[p])[0][0])
+    assert len(got) == 1
+    # a cluster without a usable word: its central query, in brackets
+    rng = np.random.default_rng(0)
+    E = np.concatenate([rng.normal(size=(20, 4)) + 8, rng.normal(size=(20, 4)) - 8])
+    q = ["how do i", "can you", "what is it"] * 6 + ["is it", "what"] + \
+        [f"pizza place {i}" for i in range(20)]
+    src = tmp_path / "w.parquet"
+    pq.write_table(pa.table({"query": q, "emb": pa.FixedSizeListArray.from_arrays(
+        pa.array(E.astype(np.float32).ravel()), 4)}), src)
+    rc, _, err = run(capsys, "cluster", src, "-o", tmp_path / "o.parquet", "--k", 2,
+                     "--embedding-column", "emb", "--metric", "euclidean", "-q")
+    assert rc == 0, err
+    labels = pacsv.read_csv(tmp_path / "o.clusters.csv").column("label").to_pylist()
+    assert sorted(labels)[0].startswith("[") and "pizza" in sorted(labels)[1]
