@@ -43,7 +43,11 @@ def _token_re():
         if start is not None:
             ranges.append((start, prev))
         marks = "".join(f"\\u{a:04x}-\\u{b:04x}" if b > a else f"\\u{a:04x}" for a, b in ranges)
-        _TOKEN = re.compile(rf"[^\W_](?:[^\W_]|[{marks}]|['-](?=[^\W_]))*", re.UNICODE)
+        # (and: a decimal mark or thousands separator between digits, "1,000" / "3.50"
+        # were "000" / "50"; "&" between letters, "at&t"; a closing "++" or "#", "c++",
+        # "c#": those gave no token at all)
+        _TOKEN = re.compile(rf"[^\W_](?:[^\W_]|[{marks}]|['-](?=[^\W_])|(?<=\d)[.,](?=\d)"
+                            rf"|&(?=[^\W_]))*(?:\+\+|#)?", re.UNICODE)
     return _TOKEN
 
 #: Function words that never make a useful label (English; short on purpose).

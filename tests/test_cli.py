@@ -1121,6 +1121,9 @@ def test_labels_fold_widths_join_bigram_runs_tie_in_any_order_and_quote_wordless
     assert tokenize("ﾊﾟｽﾜｰﾄﾞ") == tokenize("パスワード")
     assert tokenize("Straße ﬁnance") == ["strasse", "finance"]
     assert tokenize("كيـــف") == tokenize("كيف")
+    # numbers keep their separators, and "c++" / "c#" / "at&t" are words ("000", nothing)
+    assert tokenize("C++ C# AT&T $3.50 1,000 2024.") == ["c++", "c#", "at&t", "3.50",
+                                                         "1,000", "2024"]
     short, _ = short_labels([[("スワ", 3.0), ("パス", 3.0), ("ワー", 3.0), ("ード", 3.0),
                               ("変更", 2.0), ("password", 1.0)]])
     assert short == ["パスワード / 変更 / password"]
