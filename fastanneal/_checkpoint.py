@@ -112,9 +112,10 @@ class Checkpoint:
             with np.load(self.path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
             meta = json.loads(str(data.pop("meta")))
-        except (OSError, ValueError, KeyError, EOFError, TypeError,
+        except (OSError, ValueError, KeyError, EOFError, TypeError, AttributeError,
                 zipfile.BadZipFile) as e:
-            # (TypeError: a .npy file, for which np.load returns an array, not an archive)
+            # (a .npy file, for which np.load returns an array, not an archive: `with` on it
+            # is a TypeError from Python 3.11, an AttributeError before)
             # (numpy's own text for a non-zip file offers to load it "unsafely": not that)
             return self._bad(f"not a fastanneal checkpoint (.npz) or damaged "
                              f"({type(e).__name__})")

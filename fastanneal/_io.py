@@ -110,8 +110,9 @@ def _check_unclosed_quote(p, table):
     query '"best laptops 2024' in a one-column CSV swallowed the 190 lines after it into
     one cell). Its mark: the last cell of the last row holds line breaks and the file does
     not end with the closing quote."""
-    if table.num_rows == 0 or table.num_columns == 0:
-        return
+    if table.num_rows == 0 or table.num_columns == 0 or p.suffix.lower() in (
+            ".gz", ".bz2", ".zst", ".xz", ".lz4", ".zip", ".br"):
+        return          # (compressed: the file's own bytes say nothing about its text)
     last = table.column(table.num_columns - 1)[table.num_rows - 1].as_py()
     if not isinstance(last, str) or "\n" not in last:
         return
@@ -119,7 +120,7 @@ def _check_unclosed_quote(p, table):
     with open(p, "rb") as f:
         f.seek(max(0, size - 64))
         raw = f.read()
-    if raw.rstrip(b"\r\n").endswith(b'"'):
+    if raw.rstrip(b" \t\r\n").endswith(b'"'):
         return
     newlines = 0
     with open(p, "rb") as f:
@@ -159,23 +160,19 @@ def read_table(path, fmt=None, string_columns=()):
             # next quote); CSV is quoted as usual
             # (a TSV whose header cells are all double-quoted was written by a CSV writer
             # with a tab delimiter -- Arrow's, or fastanneal's before TSV was linear: quoted)
-            # (a blank line is a row -- the empty query of a one-column log; Arrow's
-            # default skipped it: rows in != rows out)
+            # (a blank line holds no row and is skipped, as Arrow and pandas do: a blank
+            # line at the end of the file is common, and counting blank lines as empty
+            # queries turned a leading blank line into a header named '')
             if fmt == "tsv" and not _tsv_is_quoted(p):
                 parse = pacsv.ParseOptions(delimiter="\t", quote_char=False,
-                                           newlines_in_values=False, ignore_empty_lines=False)
+                                           newlines_in_values=False)
             else:
                 parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
-                                           newlines_in_values=True, ignore_empty_lines=False)
+                                           newlines_in_values=True)
             # every column is read as text: the output keeps each cell as it was written
             # ("007" stays "007", "1.50" stays "1.50"); numbers are parsed where needed
             with pacsv.open_csv(str(p), parse_options=parse) as reader:
                 names = reader.schema.names
-            if len(names) > 1:
-                # (several columns: a blank line holds no row -- skipped, as before)
-                parse = pacsv.ParseOptions(delimiter=parse.delimiter,
-                                           quote_char=parse.quote_char,
-                                           newlines_in_values=parse.newlines_in_values)
             types = {c: pa.string() for c in names}
             table = pacsv.read_csv(str(p), parse_options=parse,
                                    convert_options=pacsv.ConvertOptions(column_types=types))

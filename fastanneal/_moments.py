@@ -386,9 +386,10 @@ def moments(X_block, centers, T, weights=None, metric="euclidean", responsibilit
     if not (math.isfinite(m.hard_distortion) and math.isfinite(m.free_energy)):
         # rows and weights each in range, their products not (weights ~1e200 times squared
         # distances ~1e120): inf / NaN objectives, only a RuntimeWarning before
-        raise ValueError(f"the weighted distances overflow float64 (largest weight "
-                         f"{float(w.max()):.3g}): the objectives are sums of weight x squared "
-                         "distance; rescale the weights (only their ratios matter)")
+        raise ValueError(f"the objectives overflow float64 (largest weight "
+                         f"{float(w.max()):.3g}, T = {T:.3g}): they are sums of weight x "
+                         "squared distance, and the free energy holds T W log K; rescale the "
+                         "weights (only their ratios matter) or the temperature")
     return m
 
 

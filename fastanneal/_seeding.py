@@ -92,6 +92,34 @@ COSINE_ONE_DIRECTION_EPS = 8.0
 COSINE_NARROW_CONE_EPS = 1000.0
 
 
+def _cone_scale(source, stats):
+    """The mean cosine distance of the rows to their mean direction, for the one-direction
+    tests: the weighted one (``stats.scale``), but where the source holds its rows in memory,
+    the larger of it and the unweighted one over the rows of weight > 0 -- one heavy row
+    made orthogonal rows 'one direction' (weights 1e7, 1, 1 on three unit axes)."""
+    X = getattr(source, "X", None)
+    if X is None:
+        X = getattr(source, "_X_host", None)
+    w = getattr(source, "w", None)
+    if w is None:
+        w = getattr(source, "_w_host", None)
+    if X is None or w is None or not getattr(X, "ndim", 0) == 2 or X.shape[0] == 0:
+        return stats.scale
+    live = np.asarray(w) > 0
+    Xl = X[live] if not live.all() else X
+    if Xl.shape[0] == 0:
+        return stats.scale
+    m = np.asarray(Xl, dtype=np.float64).mean(axis=0) if Xl.shape[0] * Xl.shape[1] <= 1 << 22 \
+        else sum(np.asarray(Xl[b:b + 65536], dtype=np.float64).sum(axis=0)
+                 for b in range(0, Xl.shape[0], 65536)) / Xl.shape[0]
+    nm = float(np.sqrt(m @ m))
+    if not nm > 0:
+        return max(stats.scale, 1.0)
+    u = (m / nm).astype(Xl.dtype)
+    cos = np.asarray(Xl @ u, dtype=np.float64)
+    return max(stats.scale, float(np.mean(2.0 - 2.0 * cos)))
+
+
 def rows_coincide(source, stats):
     """Why more than one cluster is undefined on these rows, or None: no spread at all,
     or -- cosine -- unit rows whose mean distance ``2 - 2 cos`` to their mean direction is
@@ -103,7 +131,8 @@ def rows_coincide(source, stats):
     if source.metric == 1:
         dt = np.dtype(getattr(source, "dtype", np.float64))
         eps = float(np.finfo(dt).eps)
-        if stats.scale <= COSINE_ONE_DIRECTION_EPS * eps:
+        if stats.scale <= COSINE_ONE_DIRECTION_EPS * eps and \
+                _cone_scale(source, stats) <= COSINE_ONE_DIRECTION_EPS * eps:
             return ("all rows are identical in direction, to the rounding of their cosine "
                     f"distances: their mean distance to the mean direction is {stats.scale:.2g}"
                     f", {stats.scale / eps:.1f} eps of {dt.name}; more than one cluster is "
@@ -120,7 +149,8 @@ def warn_narrow_cone(source, stats, stacklevel=3):
         return
     dt = np.dtype(getattr(source, "dtype", np.float64))
     eps = float(np.finfo(dt).eps)
-    if stats.scale <= COSINE_NARROW_CONE_EPS * eps:
+    if stats.scale <= COSINE_NARROW_CONE_EPS * eps and \
+            _cone_scale(source, stats) <= COSINE_NARROW_CONE_EPS * eps:
         from ._engine import AnnealingWarning
         warnings.warn(
             f"the rows point in nearly one direction: their mean cosine distance to the mean "

@@ -97,6 +97,10 @@ def _split_no_space(tok):
     return out
 
 
+#: full-width ASCII, half-width katakana and punctuation, Latin ligatures: folded by NFKC
+_WIDTH_FORMS = re.compile("[\uff01-\uff5e\uff61-\uff9f\ufb00-\ufb06]+")
+
+
 def tokenize(text, stop_words=STOP_WORDS):
     """Lower-case word tokens of at least 2 characters (digits kept), minus stop words;
     runs of Chinese or Japanese characters become overlapping character bigrams (no space
@@ -104,13 +108,15 @@ def tokenize(text, stop_words=STOP_WORDS):
     token (no dictionary segmenter is bundled)."""
     if not text:
         return []
-    # compatibility-composed forms (a decomposed "café" is the same word; full-width
-    # "ＰＡＳＳＷＯＲＤ" and half-width katakana, which input methods type, and ligatures
-    # are their usual letters), case-folded ("straße" is "strasse"), without the Arabic
-    # tatweel (a stretching stroke) and with one apostrophe (phones type "don’t": the stop
-    # word is "don't")
-    text = (unicodedata.normalize("NFKC", str(text)).casefold().replace("\u0640", "")
-            .replace("\u2019", "'"))
+    # composed forms (a decomposed "café" is the same word); full-width "ＰＡＳＳＷＯＲＤ",
+    # half-width katakana (typed by input methods) and the Latin ligatures as their usual
+    # letters -- only those: NFKC on everything made "Nike™" "niketm", "x²" "x2" and Korean
+    # compatibility jamo conjoining ones, and casefold lost the Greek final sigma; without
+    # the Arabic tatweel (a stretching stroke) and with one apostrophe (phones type "don’t":
+    # the stop word is "don't")
+    text = _WIDTH_FORMS.sub(lambda m: unicodedata.normalize("NFKC", m.group()),
+                            unicodedata.normalize("NFC", str(text)))
+    text = text.lower().replace("\u0640", "").replace("\u2019", "'")
     toks = _token_re().findall(text)
     if not text.isascii():
         toks = [t for tok in toks for t in _split_no_space(tok)]
@@ -281,63 +287,14 @@ def cluster_labels(texts, labels, n_clusters, weights=None, n_terms=3, top_n=8):
     return short_labels(terms, n_terms, top_n)
 
 
-def _extend_run(chosen, t, score, scores):
-    """Extend a chosen run of a script without spaces by the bigram ``t`` that continues it
-    (its first character ends the run, or its last one starts it) and scores about as high
-    (0.9x: the bigrams of one word occur together; "么修" of "怎么修改" does not belong to
-    "修改"), then join runs that now meet; True when ``t`` was taken in. ``scores``: the
-    chosen terms' scores (a run keeps its lowest)."""
-    a, b = t
-    for i, c in enumerate(chosen):
-        if not _NO_SPACE.fullmatch(c) or score < 0.9 * scores.get(c, math.inf):
-            continue
-        if c[-1] == a and b not in c:
-            chosen[i] = c + b
-        elif c[0] == b and a not in c:
-            chosen[i] = a + c
-        else:
-            continue
-        run = chosen[i]
-        scores[run] = min(scores.get(c, score), score)
-        for j, d in enumerate(chosen):
-            if j != i and _NO_SPACE.fullmatch(d) and len(d) > 1 and \
-                    scores.get(d, 0.0) >= 0.9 * scores[run] and \
-                    scores[run] >= 0.9 * scores.get(d, 0.0):
-                if run[-1] == d[0] and not set(d[1:]) & set(run):
-                    chosen[i] = run + d[1:]
-                elif d[-1] == run[0] and not set(d[:-1]) & set(run):
-                    chosen[i] = d[:-1] + run
-                else:
-                    continue
-                scores[chosen[i]] = min(scores[run], scores[d])
-                del chosen[j]
-                break
-        return True
-    return False
-
-
 def short_labels(terms, n_terms=3, top_n=8):
     """Short labels and term strings from per-cluster ``(term, score)`` lists."""
     short, longer = [], []
     for tl in terms:
         chosen = []
         words = set()
-        chars = set()           # characters of the chosen terms in scripts without spaces
-        scores = {}             # ... and their scores
-        for t, sc in tl:
+        for t, _ in tl:
             parts = t.split(" ")
-            if _NO_SPACE.fullmatch(t):
-                # overlapping character bigrams of one word ("パスワード": パス, スワ, ワー,
-                # ード) are not separate words ("スワ / パス" before): a bigram that
-                # continues a chosen run extends it, one that only shares a character with
-                # it repeats it
-                if len(t) == 2 and _extend_run(chosen, t, sc, scores):
-                    chars.update(t)
-                    continue
-                if chars & set(t):
-                    continue
-                chars.update(t)
-                scores[t] = sc
             if len(parts) > 1:
                 # a bigram replaces the unigrams it contains ("pin" -> "change pin"; both
                 # "red" and "car" -> "red car"), unless it would repeat a word of another

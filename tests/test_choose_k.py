@@ -654,3 +654,13 @@ def test_cosine_rows_in_a_narrow_cone_are_named_not_blurred():
             (X + 3e3).astype(np.float32))
     km = fastanneal.AnnealedKMeans(8, metric="cosine", random_state=0).fit(X + 1e4)
     assert adjusted_rand_score(y, km.labels_) > 0.99
+    # one heavy row does not make orthogonal rows one direction (the weighted mean distance
+    # to the mean direction is tiny; the rows' own spread is not)
+    import warnings
+    E = np.eye(3, 8, dtype=np.float32)
+    for w in ([1e7, 1, 1], [1e5, 1, 1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", AnnealingWarning)
+            lab = fastanneal.AnnealedKMeans(3, metric="cosine", random_state=0).fit(
+                E, sample_weight=w).labels_
+        assert len(set(lab)) == 3

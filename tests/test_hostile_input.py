@@ -1080,21 +1080,29 @@ def test_weight_cells_with_spaces_are_numbers_and_bad_ones_are_named():
 
 
 def test_csv_blank_lines_unclosed_quotes_and_json_ids_lose_nothing(tmp_path, capsys):
-    """Rows in = rows out, ids exact (all found by a review): a blank line of a one-column
-    CSV / TSV (an empty query) was skipped; an unpaired quote in a one-column CSV took every
-    line after it into one cell; JSONL ids of 2^53 or more were read as float64 and rounded
-    (written off by one, or two ids made one); uint64 ids from 2^63 up crashed the
-    clusters table ("Python int too large") and QueryClusters (a bare StopIteration)."""
-    one = tmp_path / "blank.csv"
-    one.write_text("query\nhello there\n\nbye now\nfoo bar\n")
-    assert read_table(one).column("query").to_pylist() == ["hello there", "", "bye now",
-                                                           "foo bar"]
-    tsv = tmp_path / "blank.tsv"
-    tsv.write_text("query\nhello there\n\nbye now\n")
-    assert read_table(tsv).num_rows == 3
-    two = tmp_path / "two.csv"                     # several columns: a blank line holds no row
-    two.write_text("query,n\na,1\n\nb,2\n")
+    """Rows in = rows out, ids exact (all found by a review): an unpaired quote in a
+    one-column CSV took every line after it into one cell; JSONL ids of 2^53 or more were
+    read as float64 and rounded (written off by one, or two ids made one); uint64 ids from
+    2^63 up crashed the clusters table ("Python int too large") and QueryClusters (a bare
+    StopIteration). Blank lines hold no row (skipped, as Arrow and pandas do; README), also
+    before the header and at the end; a gzipped CSV ending in a quoted multi-line cell, or
+    one with a space after its closing quote, is no unclosed quote."""
+    import gzip
+    for name, text in (("blank.csv", "query\nhello there\n\nbye now\nfoo bar\n\n\n"),
+                       ("lead.csv", "\nquery\nhello there\nbye now\nfoo bar\n"),
+                       ("blank.tsv", "query\nhello there\n\nbye now\nfoo bar\n")):
+        (tmp_path / name).write_text(text)
+        assert read_table(tmp_path / name).column("query").to_pylist() == [
+            "hello there", "bye now", "foo bar"]
+    two = tmp_path / "two.csv"
+    two.write_text("\nquery,n\na,1\n\nb,2\n\n")
     assert read_table(two).num_rows == 2
+    gz = tmp_path / "multi.csv.gz"
+    gz.write_bytes(gzip.compress(b'id,query\n1,a\n2,"multi\nline"\n'))
+    assert read_table(gz).column("query").to_pylist() == ["a", "multi\nline"]
+    sp = tmp_path / "space.csv"
+    sp.write_text('id,query\n1,a\n2,"multi\nline" \n')
+    assert read_table(sp).num_rows == 2
     stray = tmp_path / "stray.csv"
     stray.write_text("query\n" + "".join(f"query {i}\n" if i != 9 else '"best laptops 2024\n'
                                          for i in range(40)))
