@@ -29,6 +29,7 @@ permutation drawn by ``default_rng([perm_seed, e])``, so batch ``b`` is a functi
 alone and a resumed fit reads the same batches as an uninterrupted one.
 """
 import math
+import numbers
 from dataclasses import replace
 
 import numpy as np
@@ -40,6 +41,9 @@ MINIBATCH_SCHEDULES = ("geometric", "linear", "constant", "adaptive")
 
 
 def check_learning(learning_decay, learning_offset):
+    for name, v in (("learning_decay", learning_decay), ("learning_offset", learning_offset)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(f"{name} must be a number; got {v!r}")
     kd = float(learning_decay)
     if not 0.5 < kd <= 1.0:
         raise ValueError(f"learning_decay (kappa) must be in (0.5, 1]; got {learning_decay!r}")
@@ -249,7 +253,16 @@ def sample_plan(chunk_rows, n_target, rng, min_chunks=8):
     nonempty = [i for i in range(len(chunk_rows)) if chunk_rows[i] > 0]
     if n_target >= sum(int(chunk_rows[i]) for i in nonempty):
         return {i: np.arange(int(chunk_rows[i])) for i in nonempty}
-    order = [int(i) for i in rng.permutation(nonempty)]
+    rows = np.array([chunk_rows[i] for i in nonempty], dtype=np.float64)
+    if rows.max() > 4.0 * rows.min():
+        # chunks of very different sizes: picked with probability proportional to their
+        # rows (a uniform pick of 100-row row groups left out one holding half the data,
+        # and the seeds missed its clusters: ARI 0.84); equal chunks keep the uniform
+        # order below, so their fits are as before
+        order = [int(i) for i in rng.choice(np.array(nonempty), size=len(nonempty),
+                                            replace=False, p=rows / rows.sum())]
+    else:
+        order = [int(i) for i in rng.permutation(nonempty)]
     mean_rows = float(np.mean([chunk_rows[i] for i in nonempty]))
     m = min(len(order), max(min_chunks, math.ceil(n_target / mean_rows)))
     while m < len(order) and sum(chunk_rows[i] for i in order[:m]) < n_target:

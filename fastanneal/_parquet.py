@@ -7,6 +7,7 @@ source that :class:`fastanneal.MiniBatchAnnealedKMeans` anneals over out of core
 same code as on the Dask workers (:mod:`fastanneal.dask._chunks`)."""
 import hashlib
 import math
+import numbers
 import os
 import queue
 import threading
@@ -178,6 +179,14 @@ def widest_dataset(path, fmt):
     return ds.dataset(path, format=fmt, partitioning="hive", schema=wide)
 
 
+def _stamp(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns)
+
+
 class ParquetDataset:
     """A Parquet file, or a folder of them (hive ``key=value`` folders become columns; names
     starting with ``.`` or ``_`` are skipped), as its row groups in the order in which
@@ -198,6 +207,17 @@ class ParquetDataset:
         self.piece_rows = np.array(rows, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.piece_rows)]).astype(np.int64)
         self.n_rows = int(self.offsets[-1])
+        #: each file's size and modification time when opened: the row groups above are
+        #: that state's (a file rewritten since -- rows appended -- was fitted with the old
+        #: layout: the new rows got no label, without a word)
+        self.stamps = {p: _stamp(p) for p in {g.path for g in self.pieces}}
+
+    def check_unchanged(self):
+        """ValueError when a file changed since the dataset was opened."""
+        for p, st in self.stamps.items():
+            if _stamp(p) != st:
+                raise ValueError(f"{p} changed since it was opened (size or modification "
+                                 "time): open it again (open_parquet) to read its rows now")
 
     @property
     def column_names(self):
@@ -228,6 +248,9 @@ class ParquetDataset:
         """Row group ``i`` as a ``pyarrow.Table`` of ``columns`` (None: all)."""
         import pyarrow as pa
         release_decoded()           # the row groups read before are freed by now
+        path = self.pieces[i].path
+        if _stamp(path) != self.stamps.get(path):
+            self.check_unchanged()
         try:
             t = self.pieces[i].to_table(schema=self.schema, columns=columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:   # a failed page checksum included
@@ -239,6 +262,7 @@ class ParquetDataset:
 
     def tables(self, columns, indices=None, depth=1):
         """``(i, table)`` for the row groups ``indices`` (all, in order), read ahead."""
+        self.check_unchanged()
         idx = range(len(self.pieces)) if indices is None else indices
         return prefetched(lambda i: self.read(i, columns), idx, depth)
 
@@ -329,6 +353,9 @@ class ParquetStream(_passes_base()):
         self.column, self.weight, self.id = column, weight, id
         self.metric = int(metric)
         self.dtype = np.dtype(dtype) if dtype is not None else np.dtype(_value_dtype(vt))
+        if self.dtype not in (np.float32, np.float64):
+            raise ValueError(f"dtype must be float32 or float64 (the kernels' types); got "
+                             f"{self.dtype}")
         if D is None:           # list<float>: the length of the first embedding
             D = 0
             for i, r in enumerate(data.piece_rows):
@@ -342,7 +369,10 @@ class ParquetStream(_passes_base()):
         self.has_ids = id is not None
         self.prefetch_depth = 1 if prefetch else 0
         self._depth = int(max(0, prefetch))
-        c = max(1, int(chunk_rows))
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or \
+                chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be an integer >= 1; got {chunk_rows!r}")
+        c = int(chunk_rows)
         self.target_rows = c                 # (row groups smaller than it: batches of several)
         self.chunks = []                     # (piece, local start, local stop)
         for p, r in enumerate(data.piece_rows):
@@ -513,6 +543,35 @@ class ParquetStream(_passes_base()):
             idx = np.sort(rng.choice(Xs.shape[0], size=n_target, replace=False))
             Xs, W = Xs[idx], W[idx]
         return np.ascontiguousarray(Xs), W
+
+    def sample_weighted(self, n_target, rng):
+        """Up to ``n_target`` random rows among those of weight > 0 (one pass over the weight
+        column, then the row groups that hold the picked rows): the seeding sample of a log
+        whose few weighted rows a sample of row groups missed ("the seeding sample carries
+        no weight" for three seeds of four, on a log with 100 weighted rows of 100,000)."""
+        if self.weight is None:
+            return self.sample(n_target, rng)
+        where = []
+        for i, t in self.data.tables([self.weight], depth=self._depth):
+            w = _weights64(t.column(0), self.weight, self.data.where(i))
+            pos = np.flatnonzero(w > 0)
+            if pos.size:
+                where.append((i, pos))
+        if not where:
+            return self.sample(n_target, rng)
+        piece = np.concatenate([np.full(p.size, i, dtype=np.int64) for i, p in where])
+        local = np.concatenate([p for _, p in where])
+        if piece.size > n_target:
+            pick = np.sort(rng.choice(piece.size, size=int(n_target), replace=False))
+            piece, local = piece[pick], local[pick]
+        xs, ws = [], []
+        for i, table in self.data.tables(self._columns(), sorted(set(piece.tolist())),
+                                         self._depth):
+            ch = self._prepare(i, table)
+            idx = local[piece == i]
+            xs.append(ch.X[idx])
+            ws.append(ch.w[idx])
+        return np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ws)
 
     # ------------------------------------------------ full passes
     def _reduce(self, work, combine=None, **kwargs):

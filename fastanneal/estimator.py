@@ -319,6 +319,13 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
     # ------------------------------------------------------------------ inference
     def _check_X(self, X):
         check_is_fitted(self, "cluster_centers_")
+        if _out_of_core_input(X):
+            # (scikit-learn's "Expected 2D array, got scalar array" before)
+            raise ValueError("predict, transform, score and predict_proba take rows (a NumPy "
+                             "or Dask array), not a Parquet path or open_parquet stream: "
+                             "fit(..., labels_path=...) writes every row's label out of "
+                             "core, or read the rows (fastanneal.dask.read_parquet_embeddings "
+                             "gives a Dask array)")
         return self._validate_X(X, reset=False)
 
     def _frame_centers(self):
@@ -950,7 +957,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             learning_decay=self.learning_decay, learning_offset=self.learning_offset,
             polish_passes=1 if self.polish else 0, scheduler=self.scheduler,
             random_state=self.random_state, tol=self.tol, verbose=self.verbose,
-            checkpoint=self.checkpoint, reallocate=self.reallocate)
+            checkpoint=self.checkpoint, reallocate=self.reallocate, progress=self.progress)
         mb.fit(X, sample_weight=sample_weight)
         for name in ("cluster_centers_", "cluster_weights_", "inertia_", "free_energy_",
                      "soft_distortion_", "hardening_gap_", "temperature_",
@@ -1797,6 +1804,10 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             init_size = int(self.init_size or max(20 * K, min(max(100 * K, 20_000),
                                                                full.n_rows // 4)))
             Xs, ws = full.sample(min(init_size, full.n_rows), rng)
+            if not np.asarray(ws).sum() > 0 and hasattr(full, "sample_weighted"):
+                # the drawn row groups carry no weight (a log of a few weighted rows): the
+                # sample is drawn from the weighted rows instead
+                Xs, ws = full.sample_weighted(min(init_size, full.n_rows), rng)
             if Xs.shape[0] < K:
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
             if hasattr(full, "set_origin"):
