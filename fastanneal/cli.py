@@ -342,8 +342,9 @@ def fit_result(est, args, console, caught):
     """Say what the checkpoint and the warnings of a finished fit say; the FitResult."""
     info = getattr(est, "checkpoint_info_", None) or {}
     if info.get("replaced"):
-        console.note(f"the checkpoint in {args.checkpoint} was saved by a run with other data "
-                     "or parameters: it is replaced by this run's")
+        console.note(f"the checkpoint in {args.checkpoint} was saved by another fit (other "
+                     "data or parameters, or the other side of the Dask / in-memory routes, "
+                     "whose data keys differ): it is replaced by this run's")
     if info.get("finished"):
         console.note(f"using the finished fit in {args.checkpoint}")
     elif info.get("resumed_from") is not None:

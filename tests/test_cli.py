@@ -738,7 +738,7 @@ def test_interrupted_run_resumes_to_the_same_result(capsys, ck_input, monkeypatc
         rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args, "--seed", 1,
                          "--checkpoint", o / "ck")
         assert rc == 0 and "using the finished fit" not in err and "resumed" not in err
-        assert "was saved by a run with other data or parameters: it is replaced" in err
+        assert "was saved by another fit (other data or parameters" in err
         # a .npz name is a file to the library, but the command keeps a folder
         rc, _, err = run(capsys, "cluster", inp, "-o", o / "res.parquet", *args,
                          "--checkpoint", o / "run.npz")
