@@ -155,8 +155,8 @@ def _best_distinct(cand, n):
 
 
 def _clip(text, n=40):
-    text = " ".join(str(text).split())
-    return text if len(text) <= n else text[:n - 1] + "\u2026"
+    from .report import _short
+    return _short(" ".join(str(text).split()), n)
 
 
 class ClusterSummary:

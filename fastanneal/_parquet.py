@@ -179,7 +179,30 @@ def widest_dataset(path, fmt):
     return ds.dataset(path, format=fmt, partitioning="hive", schema=wide)
 
 
-def _stamp(path):
+def file_stamp(file):
+    """``(size, hash of the Parquet footer)`` of ``file``, or None when it cannot be read:
+    the footer holds every row group's size and column statistics, so a file rewritten
+    with other rows in the same layout changes it, while an identical copy of the file
+    (each machine its own, a touch, a sync tool) does not -- unlike the modification
+    time."""
+    try:
+        with open(file, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            if size < 12:
+                return (size, "")
+            f.seek(size - 8)
+            tail = f.read(8)
+            n = int.from_bytes(tail[:4], "little")
+            if tail[4:] != b"PAR1" or n > size - 12:
+                return (size, "")
+            f.seek(size - 8 - n)
+            return (size, hashlib.blake2b(f.read(n), digest_size=16).hexdigest())
+    except OSError:
+        return None
+
+
+def _stat(path):
     try:
         st = os.stat(path)
     except OSError:
@@ -207,17 +230,26 @@ class ParquetDataset:
         self.piece_rows = np.array(rows, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.piece_rows)]).astype(np.int64)
         self.n_rows = int(self.offsets[-1])
-        #: each file's size and modification time when opened: the row groups above are
-        #: that state's (a file rewritten since -- rows appended -- was fitted with the old
-        #: layout: the new rows got no label, without a word)
-        self.stamps = {p: _stamp(p) for p in {g.path for g in self.pieces}}
+        #: each file's :func:`file_stamp` (size, Parquet footer) when opened: the row
+        #: groups above are that state's (a file rewritten since -- rows appended -- was
+        #: fitted with the old layout: the new rows got no label, without a word); and its
+        #: ``os.stat`` (size, mtime), a cheap first test before each read
+        files = {g.path for g in self.pieces}
+        self.stamps = {p: file_stamp(p) for p in files}
+        self._stats = {p: _stat(p) for p in files}
 
-    def check_unchanged(self):
-        """ValueError when a file changed since the dataset was opened."""
-        for p, st in self.stamps.items():
-            if _stamp(p) != st:
-                raise ValueError(f"{p} changed since it was opened (size or modification "
-                                 "time): open it again (open_parquet) to read its rows now")
+    def check_unchanged(self, paths=None):
+        """ValueError when a file changed since the dataset was opened (a touch or an
+        identical copy, which keep the footer, is no change)."""
+        for p in (self.stamps if paths is None else paths):
+            st = _stat(p)
+            if st == self._stats.get(p):
+                continue
+            if file_stamp(p) != self.stamps.get(p):
+                raise ValueError(f"{p} changed since it was opened (its size or its Parquet "
+                                 "footer differs): open it again (open_parquet) to read its "
+                                 "rows now")
+            self._stats[p] = st
 
     @property
     def column_names(self):
@@ -248,9 +280,7 @@ class ParquetDataset:
         """Row group ``i`` as a ``pyarrow.Table`` of ``columns`` (None: all)."""
         import pyarrow as pa
         release_decoded()           # the row groups read before are freed by now
-        path = self.pieces[i].path
-        if _stamp(path) != self.stamps.get(path):
-            self.check_unchanged()
+        self.check_unchanged((self.pieces[i].path,))
         try:
             t = self.pieces[i].to_table(schema=self.schema, columns=columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:   # a failed page checksum included

@@ -109,9 +109,8 @@ def _cone_scale(source, stats):
     Xl = X[live] if not live.all() else X
     if Xl.shape[0] == 0:
         return stats.scale
-    m = np.asarray(Xl, dtype=np.float64).mean(axis=0) if Xl.shape[0] * Xl.shape[1] <= 1 << 22 \
-        else sum(np.asarray(Xl[b:b + 65536], dtype=np.float64).sum(axis=0)
-                 for b in range(0, Xl.shape[0], 65536)) / Xl.shape[0]
+    from ._validation import rows_mean
+    m = rows_mean(np.ascontiguousarray(Xl))
     nm = float(np.sqrt(m @ m))
     if not nm > 0:
         return max(stats.scale, 1.0)

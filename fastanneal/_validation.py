@@ -319,10 +319,10 @@ def far_from_origin(mean, mean_sq, dtype):
     return float(np.finfo(dtype).eps) * m2 > ORIGIN_TOL * max(spread, 0.0)
 
 
-def shifted_rows(X, origin, block_rows=16384):
-    """``X - origin`` in ``X``'s dtype (each difference formed in float64, then rounded):
-    a new C-contiguous array, in row blocks (no float64 copy of ``X``)."""
-    out = np.empty_like(X, order="C")
+def shifted_rows(X, origin, block_rows=16384, dtype=None):
+    """``X - origin`` in ``X``'s dtype (each difference formed in float64, then rounded) or
+    in ``dtype``: a new C-contiguous array, in row blocks (no float64 copy of ``X``)."""
+    out = np.empty(X.shape, dtype=X.dtype if dtype is None else dtype)
     for b in range(0, X.shape[0], block_rows):
         np.subtract(X[b:b + block_rows], origin, out=out[b:b + block_rows], casting="unsafe")
     return out

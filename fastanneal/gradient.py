@@ -17,7 +17,7 @@ from . import _kernels as K_
 from ._moments import blas_single_thread
 from ._validation import (as_float_matrix, as_weights, check_range, check_temperature,
                           check_temperature_for, far_from_origin, metric_code, row_sqnorms,
-                          rows_mean)
+                          rows_mean, shifted_rows)
 
 _PHIS = {"identity": G_.PHI_IDENTITY, "log": G_.PHI_LOG, "hinge": G_.PHI_HINGE}
 _RESPS = {"softmax": 0, "entmax15": 1}
@@ -236,10 +236,7 @@ def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=N
         mean = rows_mean(X, w)
         msq = float(w @ row_sqnorms(X)) / W
         if far_from_origin(mean, msq, np.float64):
-            Xs = np.empty(X.shape)
-            for b in range(0, X.shape[0], 16384):
-                np.subtract(X[b:b + 16384], mean, out=Xs[b:b + 16384])
-            X, C = Xs, C - mean
+            X, C = shifted_rows(X, mean, dtype=np.float64), C - mean
     out = _value_and_grad(X, C, T, lam, pc, float(margin or 0.0), float(eps or 0.0), w, W,
                           mc, rc)
     if out.grad_X.dtype != dtype:

@@ -807,11 +807,14 @@ def _emb_table(E, **cols):
 def test_a_file_changed_after_open_is_an_error_not_lost_rows(tmp_path):
     """Rows appended between open_parquet and fit got no label, without a word (the row
     groups were the ones read at open); other rewrites failed as 'corrupt file'."""
+    import os
     import time
     E = np.random.default_rng(0).normal(size=(30000, 4))
     path = tmp_path / "chg.parquet"
     pq.write_table(_emb_table(E[:20000], qid=np.arange(20000)), path, row_group_size=5000)
     src = open_parquet(str(path), id="qid")
+    os.utime(path)                  # a touch (a sync tool) keeps the rows: no change
+    assert MiniBatchAnnealedKMeans(4, random_state=0).fit(src).n_rows_ == 20000
     time.sleep(0.01)
     pq.write_table(_emb_table(E, qid=np.arange(30000)), path, row_group_size=5000)
     with pytest.raises(ValueError, match="changed since it was opened"):

@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import _config
 from .._parquet import _embedding_info, _value_dtype, embedding_block  # noqa: F401
+from .._parquet import file_stamp
 
 #: Target bytes of one chunk when a NumPy array is split for the Dask backend.
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
@@ -101,30 +102,6 @@ def _where(file, row_groups):
     if len(row_groups) == 1:
         return f"{name} row group {row_groups[0]}"
     return f"{name} row groups {row_groups[0]}-{row_groups[-1]}"
-
-
-def file_stamp(file):
-    """``(size, hash of the Parquet footer)`` of ``file``, or None when it cannot be read:
-    the footer holds every row group's size and column statistics, so a file rewritten
-    with other rows in the same layout changes it, while an identical copy of the file
-    (each machine its own, a touch, a sync tool) does not -- unlike the modification
-    time."""
-    import hashlib
-    try:
-        with open(file, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            if size < 12:
-                return (size, "")
-            f.seek(size - 8)
-            tail = f.read(8)
-            n = int.from_bytes(tail[:4], "little")
-            if tail[4:] != b"PAR1" or n > size - 12:
-                return (size, "")
-            f.seek(size - 8 - n)
-            return (size, hashlib.blake2b(f.read(n), digest_size=16).hexdigest())
-    except OSError:
-        return None
 
 
 def _unchanged(file, stamp):
