@@ -1022,3 +1022,48 @@ def test_fit_source_names_nan_rows_and_bad_weights():
         AnnealedKMeans(3, random_state=0).fit_source(InMemorySource(X, -np.ones(30), 0))
     km = AnnealedKMeans(3, random_state=0).fit_source(InMemorySource(X, np.ones(30), 0))
     assert np.isfinite(km.cluster_centers_).all()
+
+
+def test_verbose_is_checked_and_options_a_schedule_does_not_read_are_said(capsys):
+    """verbose='yes' / None were raw int() errors; verbose <= 0 printed the log (scikit-learn:
+    silent); n_steps with schedule='critical' and temperature_end_ratio with 'adaptive' were
+    ignored without a word; the polish record (T = 0) carried the last soft margin_sum."""
+    import warnings
+    X = np.random.default_rng(0).normal(size=(200, 2))
+    for v in ("yes", None, 1.5):
+        with pytest.raises(ValueError, match="verbose must be an integer"):
+            AnnealedKMeans(3, random_state=0, verbose=v).fit(X)
+    capsys.readouterr()
+    AnnealedKMeans(3, random_state=0, verbose=-1).fit(X)
+    assert "fastanneal:" not in capsys.readouterr().err
+    AnnealedKMeans(3, random_state=0, verbose=1).fit(X)
+    assert "fastanneal:" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="n_steps=5 is not used by schedule='critical'"):
+        AnnealedKMeans(3, schedule="critical", n_steps=5, random_state=0).fit(X)
+    with pytest.warns(UserWarning, match="temperature_end_ratio=0.5 is not used"):
+        AnnealedKMeans(3, schedule="adaptive", temperature_end_ratio=0.5,
+                       random_state=0).fit(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        km = AnnealedKMeans(3, schedule="critical", random_state=0).fit(X)
+    tr = km.trace_.as_dict()
+    polish = np.asarray(tr["step"]) < 0
+    assert polish.any() and (np.asarray(tr["margin_sum"])[polish] == 0.0).all()
+    assert (np.asarray(tr["temperature"])[polish] == 0.0).all()
+
+
+def test_batch_size_fit_passes_progress_and_partial_fit_names_its_first_batch(monkeypatch):
+    """AnnealedKMeans(batch_size=..., progress=True) dropped progress (no bar); a first
+    partial_fit batch of identical rows blamed 'the seeding sample' and init_size, which
+    AnnealedKMeans does not have."""
+    from fastanneal import estimator as E_
+    made = []
+    real = E_._progress_bar
+    monkeypatch.setattr(E_, "_progress_bar", lambda s: made.append(1) or real(s))
+    pytest.importorskip("tqdm", reason="progress=True needs the [progress] extra")
+    X = np.random.default_rng(0).normal(size=(3000, 3))
+    AnnealedKMeans(3, batch_size=500, progress=True, random_state=0).fit(X)
+    assert made
+    with pytest.raises(ValueError, match="first partial_fit batch") as e:
+        AnnealedKMeans(4, random_state=0).partial_fit(np.tile(np.arange(5.0), (10, 1)))
+    assert "init_size" not in str(e.value)
