@@ -39,8 +39,10 @@ __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kme
 #: ``probability_temperature_ = PROBABILITY_MARGIN_FRACTION * median margin``: measured on
 #: CLINC150 and its ten domains by ``benchmarks/study_calibration.py``.
 PROBABILITY_MARGIN_FRACTION = 0.25
-#: Rows sampled (without replacement, from the fit's random stream) for that median where
-#: the fit's final pass does not see every row in memory (Dask, out of core, CUDA).
+#: Rows for that median where the fit's final pass does not see every row in memory (Dask,
+#: out of core, CUDA): about this many of the seeding sample's rows (every k-th), or, where
+#: that sample is smaller or a fit resumed, as many drawn after the fit from its random
+#: stream.
 PROBABILITY_SAMPLE = 20_000
 #: In memory the final pass's margins of every row are used, up to this many rows (above,
 #: this many drawn from them: the weighted median sorts them).
@@ -460,10 +462,11 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
         return T, self.responsibilities, logp
 
-    def _set_probability_temperature(self, source, rng, centers, margin=None):
+    def _set_probability_temperature(self, source, rng, centers, margin=None, rows=None):
         """``probability_temperature_`` from the margins of every row when the final pass
-        gave them (``margin``: in memory, no extra pass), else from a sample of the fitted
-        rows (after the fit; ``centers`` in the source's frame)."""
+        gave them (``margin``: in memory, no extra pass), else from ``rows`` (``(X, w)``
+        random rows of the source, kept from the seeding sample) or a sample of the fitted
+        rows drawn now (``centers`` in the source's frame)."""
         T = float(self.temperature_)
         # no positive margin (K = 1, all rows on borders) and no positive final temperature
         # (rows without spread: the critical schedule's T_c is 0): any T gives the same
@@ -480,7 +483,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 margin if np.asarray(centers).shape[0] > 1 else None, w,
                 fallback=fallback)
             return
-        Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
+        Xs, ws = rows if rows is not None else source.sample(
+            min(PROBABILITY_SAMPLE, source.n_rows), rng)
         self.probability_temperature_ = probability_temperature(
             Xs, ws, centers, self.metric, fallback=fallback)
 
@@ -1795,6 +1799,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         st = ckpt.load() if ckpt is not None else None
         resumed = st is not None
         trace = Trace()
+        prob_rows = None
         # ---------------------------------------------------------- seeding
         if hasattr(full, "set_origin"):
             full.set_origin(None)           # the data's own frame until the fit decides
@@ -1818,6 +1823,12 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 Xs, origin = self._centered(Xs, ws)
                 full.set_origin(origin)
             _check_distinct(full, Xs, ws, K, metric)
+            # rows for the probability temperature after the fit: a strided part of the
+            # seeding sample (itself random rows) instead of a second sample, whose read of
+            # at least eight row groups was half a pass over a 16-row-group log
+            step = max(1, Xs.shape[0] // PROBABILITY_SAMPLE)
+            if Xs.shape[0] >= min(PROBABILITY_SAMPLE, full.n_rows):
+                prob_rows = (Xs[::step].copy(), np.array(ws[::step], dtype=np.float64))
             ws = _seeding_weights(ws)
             C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng,
                                                          getattr(full, "origin", None))
@@ -1936,7 +1947,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         self.batch_chunks_ = int(batch_chunks)
         self.trace_ = trace
         self._mass_constrained = bool(self.mass_constrained)
-        self._set_probability_temperature(full, rng, C, margin)
+        self._set_probability_temperature(full, rng, C, margin, prob_rows)
         if result.relocations:
             warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
                           AnnealingWarning, stacklevel=3)

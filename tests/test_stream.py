@@ -868,3 +868,33 @@ def test_stream_inputs_to_inference_and_bad_stream_options_are_named(tmp_path):
         open_parquet(str(path), dtype=np.float16)
     with pytest.raises(ValueError, match="learning_decay must be a number"):
         MiniBatchAnnealedKMeans(3, learning_decay="a").fit(E)
+
+
+def test_the_probability_temperature_reads_no_rows_after_the_fit(tmp_path, monkeypatch):
+    """Out of core, ``probability_temperature_`` comes from the seeding sample's rows (read
+    anyway): no second sample of the row groups after the fit (it re-read at least eight
+    of them: half a pass over a 16-row-group log, the whole of a smaller one); the median
+    margin of those rows is that of every row within sampling error."""
+    from fastanneal._parquet import ParquetStream
+    X, lab, _ = make_log(tmp_path / "log.parquet", n=100_000, K=5, D=4, row_group=12_500,
+                         sep=4.0)
+    calls = []
+    real = ParquetStream.sample
+    monkeypatch.setattr(ParquetStream, "sample",
+                        lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    km = MiniBatchAnnealedKMeans(5, random_state=0).fit(
+        open_parquet(tmp_path / "log.parquet", column="emb"))
+    assert len(calls) == 1                          # the seeding sample only
+    d = ((X[:, None, :].astype(np.float64) - km.cluster_centers_[None]) ** 2).sum(-1)
+    s = np.sort(d, axis=1)
+    med = np.median(s[:, 1] - s[:, 0])
+    assert km.probability_temperature_ == pytest.approx(0.25 * med, rel=0.05)
+    km2 = MiniBatchAnnealedKMeans(5, random_state=0).fit(
+        open_parquet(tmp_path / "log.parquet", column="emb"))
+    assert km2.probability_temperature_ == km.probability_temperature_   # reproducible
+    # a seeding sample smaller than the probability's rows (a small log): drawn after the fit
+    make_log(tmp_path / "small.parquet", n=3000, K=5, D=4)
+    calls.clear()
+    MiniBatchAnnealedKMeans(5, random_state=0).fit(
+        open_parquet(tmp_path / "small.parquet", column="emb"))
+    assert len(calls) == 2
