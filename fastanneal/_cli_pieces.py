@@ -150,14 +150,15 @@ def label_piece(piece, labeller, columns, n_total, n_representatives, nthreads=N
     (``nthreads``: the kernels' threads on a Dask worker; ``prefetch``: blocks decoded
     ahead in a background thread; ``into``: a :class:`PieceLabels` whose summary and truth
     counts the rows are added to, in row order, instead of new ones)."""
-    from ._cli_results import ClusterSummary, assignments, truth_missing
+    from ._cli_results import ClusterSummary, ambiguous_margin, assignments, truth_missing
     if nthreads is not None:
         from .dask._chunks import set_threads
         set_threads(nthreads)
     text_col, weight_col, id_col, truth_col = columns
     K = labeller.cluster_centers_.shape[0]
     summ = (into.summary if into is not None else
-            ClusterSummary(K, n_total, n_representatives, with_ids=id_col is not None))
+            ClusterSummary(K, n_total, n_representatives, with_ids=id_col is not None,
+                           ambiguous_below=ambiguous_margin(labeller)))
     n = piece.n_rows
     ldt = np.int32 if K < 2 ** 31 else np.int64
     labels, ru = np.empty(n, dtype=ldt), np.empty(n, dtype=ldt)

@@ -1,5 +1,7 @@
 """What the ``fastanneal`` command computes from a fit: per-row assignments (cluster,
 probability, margin), the labelled cluster table, the adjusted Rand index and the summary."""
+import heapq
+
 import numpy as np
 
 __all__ = ["truth_missing", "adjusted_rand_index", "adjusted_rand_index_from_counts", "assignments", "summary_items", "print_summary",
@@ -169,17 +171,20 @@ class ClusterSummary:
     most central row (highest cosine; ties: first row), the ``n_representatives`` most
     central distinct texts (exact: each block's best candidates merged), c-TF-IDF counts
     (every row up to ``text_sample`` rows, a fixed pseudo-random sample of that many
-    beyond), and the ``n_ambiguous`` rows of lowest probability."""
+    beyond), and the ``n_ambiguous`` distinct queries (rows without text: rows) of lowest
+    probability among the rows whose margin is below ``ambiguous_below`` (None: any)."""
 
     def __init__(self, K, n_rows, n_representatives=5, with_ids=False, text_sample=1_000_000,
-                 n_ambiguous=50):
+                 n_ambiguous=50, id_type=None, ambiguous_below=None):
         from .labels import TermCounts
         self.K = int(K)
         self.n_rows = int(n_rows)
         self.n_rep = int(n_representatives)
         self.text_sample = int(text_sample)
         self.n_amb = int(n_ambiguous)
+        self.amb_below = None if ambiguous_below is None else float(ambiguous_below)
         self.with_ids = bool(with_ids)
+        self.id_type = id_type          # the id column's Arrow type (None: inferred)
         self.size = np.zeros(K, dtype=np.int64)
         self.weight = np.zeros(K)
         self.cos_sum = np.zeros(K)
@@ -244,23 +249,25 @@ class ClusterSummary:
                                labels[sel], np.asarray(w)[sel])
         if self.n_amb > 0 and K > 1:
             p = np.asarray(probability, dtype=np.float64)
-            ok = np.flatnonzero((np.asarray(runner_up) >= 0) & np.isfinite(p))
+            keep = (np.asarray(runner_up) >= 0) & np.isfinite(p)
+            if self.amb_below is not None:
+                keep &= np.asarray(margin) < self.amb_below
+            ok = np.flatnonzero(keep)
             if ok.size:
-                best = ok[np.lexsort((ok, p[ok]))][:self.n_amb]
-                self.ambiguous.extend(
+                best = ok[np.lexsort((ok, p[ok]))]
+                self.ambiguous = _fewest_distinct(self.ambiguous, (
                     (float(p[j]), row0 + j, int(labels[j]), int(runner_up[j]),
                      float(margin[j]), texts[j] if texts is not None else None)
-                    for j in best.tolist())
-                self.ambiguous.sort(key=lambda r: (r[0], r[1]))
-                del self.ambiguous[self.n_amb:]
+                    for j in best.tolist()), self.n_amb)
 
     def merge(self, other):
         """Add the summary of other rows (another block range, e.g. the row groups a Dask
         worker labelled): the result is the summary of both row sets as :meth:`add` would
         have made it in row order, whatever the order of the merges (each part's best
         candidates are kept exactly; sums up to the order of the additions). Returns self."""
-        if (other.K, other.n_rows, other.n_rep, other.text_sample, other.n_amb) != \
-                (self.K, self.n_rows, self.n_rep, self.text_sample, self.n_amb):
+        if (other.K, other.n_rows, other.n_rep, other.text_sample, other.n_amb,
+                other.amb_below) != (self.K, self.n_rows, self.n_rep, self.text_sample,
+                                     self.n_amb, self.amb_below):
             raise ValueError("cannot merge the summaries of different labellings")
         self.size += other.size
         self.weight += other.weight
@@ -282,8 +289,7 @@ class ClusterSummary:
         if other.has_texts is not None:
             self.has_texts = bool(self.has_texts) or bool(other.has_texts)
         if other.ambiguous:
-            self.ambiguous = sorted(self.ambiguous + other.ambiguous,
-                                    key=lambda r: (r[0], r[1]))[:self.n_amb]
+            self.ambiguous = _fewest_distinct(self.ambiguous, other.ambiguous, self.n_amb)
         return self
 
     def order(self):
@@ -320,7 +326,9 @@ class ClusterSummary:
         if self.with_ids:
             vals = [self.central_id[k] for k in order]
             try:
-                cols["central_id"] = pa.array(vals)
+                # (in the id column's type: inferred from the central ids alone, float ids
+                # 1e300, 2, 3 gave a double id column and an int64 central_id)
+                cols["central_id"] = pa.array(vals, type=self.id_type)
             except OverflowError:       # uint64 ids from 2^63 up: Arrow infers int64
                 cols["central_id"] = pa.array(vals, type=pa.uint64())
         cr = self.central_row[order]
@@ -328,7 +336,10 @@ class ClusterSummary:
         return pa.table(cols)
 
     def ambiguous_rows(self, rank):
-        """The report's ambiguous rows, clusters renumbered by ``rank``."""
+        """The report's ambiguous rows, clusters renumbered by ``rank`` (None for K = 1:
+        no runner-up, no section)."""
+        if self.K < 2 or self.n_amb <= 0:
+            return None
         return [{"row": r, "query": t, "cluster": int(rank[k]), "runner_up": int(rank[ru]),
                  "probability": p, "margin": m}
                 for p, r, k, ru, m, t in self.ambiguous]
@@ -340,13 +351,39 @@ def ranks(order):
     return rank
 
 
-def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5, block=65536):
+def ambiguous_margin(est):
+    """The margin below which a row counts as ambiguous: half the median margin
+    (``2 T_p``: odds against the runner-up below ``e^2`` ~ 7.4), so that clusters all
+    clearly apart list no row, whatever their number."""
+    return 2.0 * float(est.probability_temperature_)
+
+
+def _fewest_distinct(have, new, n):
+    """The ``n`` entries ``(p, row, ...)`` of lowest ``(p, row)`` of ``have`` (sorted,
+    distinct) and the iterable ``new`` (sorted), one per query text (the lowest: a log
+    repeats its queries, and 60 copies of one border query filled the list), rows without
+    a text each their own."""
+    out, seen = [], set()
+    for r in heapq.merge(have, new, key=lambda r: (r[0], r[1])):
+        key = ("row", r[1]) if r[5] is None else r[5]
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(r)
+        if len(out) == n:
+            break
+    return out
+
+
+def label_clusters(est, X, w, texts=None, ids=None, n_representatives=5, block=65536,
+                   id_type=None):
     """Per-row assignments and the labelled cluster table of a fitted estimator (what the
     ``fastanneal`` command writes and :class:`fastanneal.QueryClusters` returns), computed
-    by :class:`ClusterSummary` over row blocks."""
+    by :class:`ClusterSummary` over row blocks (``id_type``: the ids' Arrow type)."""
     K = np.asarray(est.cluster_centers_).shape[0]
     n = X.shape[0]
-    summ = ClusterSummary(K, n, n_representatives, with_ids=ids is not None)
+    summ = ClusterSummary(K, n, n_representatives, with_ids=ids is not None, id_type=id_type,
+                          ambiguous_below=ambiguous_margin(est))
     labels = np.empty(n, dtype=np.int64)
     prob = np.empty(n)
     margin = np.empty(n)

@@ -287,30 +287,41 @@ def cluster_labels(texts, labels, n_clusters, weights=None, n_terms=3, top_n=8):
     return short_labels(terms, n_terms, top_n)
 
 
+#: A bigram replaces chosen unigrams it contains only when its c-TF-IDF score is at least
+#: this share of theirs: "weather" (every row of a cluster) stays "weather", not the
+#: "weather berlin" of a tenth of its rows; "pin" in mostly "change pin" rows becomes it.
+BIGRAM_SHARE = 0.5
+
+
 def short_labels(terms, n_terms=3, top_n=8):
     """Short labels and term strings from per-cluster ``(term, score)`` lists."""
     short, longer = [], []
     for tl in terms:
-        chosen = []
+        chosen, scores = [], []
         words = set()
-        for t, _ in tl:
+        for t, s in tl:
             parts = t.split(" ")
             if len(parts) > 1:
                 # a bigram replaces the unigrams it contains ("pin" -> "change pin"; both
-                # "red" and "car" -> "red car"), unless it would repeat a word of another
-                # chosen term
+                # "red" and "car" -> "red car") when it scores nearly as high
+                # (BIGRAM_SHARE), unless it would repeat a word of another chosen term
                 inside = [i for i, c in enumerate(chosen) if c in parts]
                 mine = {chosen[i] for i in inside}
                 if inside and all(p in mine or p not in words for p in parts):
-                    chosen[inside[0]] = t
-                    chosen = [c for i, c in enumerate(chosen) if i not in inside[1:]]
-                    words.update(parts)
-                    continue
+                    if s >= BIGRAM_SHARE * min(scores[i] for i in inside):
+                        chosen[inside[0]] = t
+                        scores[inside[0]] = s
+                        keep = [i for i in range(len(chosen)) if i not in inside[1:]]
+                        chosen = [chosen[i] for i in keep]
+                        scores = [scores[i] for i in keep]
+                        words.update(parts)
+                    continue          # (a weaker bigram of a chosen word adds nothing)
             if any(p in words for p in parts):
                 continue              # would repeat a chosen word
             words.update(parts)
             if len(chosen) < n_terms:
                 chosen.append(t)
+                scores.append(s)
             if len(chosen) == n_terms:
                 break
         short.append(" / ".join(chosen))

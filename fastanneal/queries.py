@@ -41,7 +41,8 @@ class QueryClusters:
     Attributes
     ----------
     estimator_ : AnnealedKMeans
-        The fitted estimator (after :meth:`fit`).
+        The fitted estimator (after :meth:`fit`). It numbers the clusters in its own order;
+        :meth:`predict` and every table here number them largest first.
     labels_, probability_, margin_, runner_up_ : ndarray
         Per-row arrays; clusters are numbered largest (by weight) first, like the
         command's outputs. ``probability_`` is :meth:`AnnealedKMeans.predict_proba` of the
@@ -81,25 +82,58 @@ class QueryClusters:
         error). ``weights``: query frequencies
         (>= 0). ``ids``: unique row ids carried to the outputs. Returns self."""
         from ._cli_results import label_clusters
-        from ._io import InputError
         from ._validation import float_dtype_of
         from .estimator import AnnealedKMeans
         if texts is None and embeddings is None:
             raise ValueError("give texts, embeddings or both")
+        nr = self.n_representatives
+        if isinstance(nr, (bool, np.bool_)) or not isinstance(nr, (int, np.integer)) or nr < 0:
+            raise ValueError("n_representatives must be an integer >= 0 (0: no "
+                             f"representative_queries column); got {nr!r}")
         if self.embed_precision not in ("float32", "bfloat16"):
             raise ValueError("embed_precision must be 'float32' or 'bfloat16', got "
                              f"{self.embed_precision!r}")
         if texts is not None:
             texts = _checked_texts(texts)
-            for i, t in enumerate(texts):
-                if t is not None and not t.isascii():
-                    try:
-                        t.encode("utf-8")
-                    except UnicodeEncodeError as e:
-                        raise ValueError(
-                            f"text at row {i} is not valid Unicode: {t[e.start]!r} at "
-                            f"character {e.start} is half of a surrogate pair (a truncated "
-                            "emoji?); the outputs are UTF-8: fix or drop the row") from None
+        X = self._embeddings(texts, embeddings)
+        n = X.shape[0]
+        if texts is not None and len(texts) != n:
+            raise ValueError(f"{len(texts)} texts for {n} embedding rows")
+        id_array = None
+        if ids is not None:
+            ids, id_array = _checked_ids(ids, n)
+        w = np.ones(n) if weights is None else _checked_weights(weights)
+        kw = dict(n_clusters=self.n_clusters, metric=self.metric,
+                  random_state=self.random_state, **self.params)
+        if self.n_clusters == "auto":
+            kw["k_max"] = self.k_max          # checked by the estimator (no int() rounding)
+        try:
+            est = AnnealedKMeans(**kw).fit(X, sample_weight=w)
+        except ValueError as e:
+            if self.n_clusters == "auto" and "k_max=" in str(e) and self.k_max == 50:
+                raise ValueError(f"{e} (k_max is QueryClusters' default, 50: give a smaller "
+                                 "k_max=)") from None
+            raise
+        w = est._validate_weights(w, n)
+        lab = label_clusters(est, np.ascontiguousarray(X, dtype=float_dtype_of(X.dtype)),
+                             w, texts, ids, int(self.n_representatives),
+                             id_type=None if id_array is None else id_array.type)
+        self.estimator_ = est
+        self.n_clusters_ = int(est.cluster_centers_.shape[0])
+        self.labels_ = lab.labels
+        self.probability_ = lab.probability
+        self.margin_ = lab.margin
+        self.runner_up_ = lab.runner_up
+        self._clusters = lab.clusters
+        self._order = lab.order
+        self._rank = lab.rank
+        self._texts, self._ids, self._w = texts, id_array, w
+        return self
+
+    def _embeddings(self, texts, embeddings):
+        """The rows to cluster or to predict: ``embeddings`` checked (2-D, finite), or
+        the checked ``texts`` embedded (``fastanneal[embed]``)."""
+        from ._io import InputError
         if embeddings is None:
             from .cli import _load_embedder, distinct_texts
             gap = next((i for i, t in enumerate(texts) if t is None), None)
@@ -118,40 +152,23 @@ class QueryClusters:
         X = np.asarray(embeddings)
         if X.ndim != 2:
             raise ValueError(f"embeddings must be 2-D (n, D); got shape {X.shape}")
-        n = X.shape[0]
-        if np.issubdtype(X.dtype, np.number) and n and not np.isfinite(X).all():
+        if np.issubdtype(X.dtype, np.number) and X.shape[0] and not np.isfinite(X).all():
             i, j = (int(v) for v in np.argwhere(~np.isfinite(X))[0])
             kind = "NaN" if np.isnan(X[i, j]) else "infinity"
             raise ValueError(f"embeddings hold {kind} at row {i} (column {j})")
-        if texts is not None and len(texts) != n:
-            raise ValueError(f"{len(texts)} texts for {n} embedding rows")
-        if ids is not None:
-            ids = _checked_ids(ids, n)
-        w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
-        kw = dict(n_clusters=self.n_clusters, metric=self.metric,
-                  random_state=self.random_state, **self.params)
-        if self.n_clusters == "auto":
-            kw["k_max"] = self.k_max          # checked by the estimator (no int() rounding)
-        try:
-            est = AnnealedKMeans(**kw).fit(X, sample_weight=w)
-        except ValueError as e:
-            if self.n_clusters == "auto" and "k_max=" in str(e) and self.k_max == 50:
-                raise ValueError(f"{e} (k_max is QueryClusters' default, 50: give a smaller "
-                                 "k_max=)") from None
-            raise
-        w = est._validate_weights(w, n)
-        lab = label_clusters(est, np.ascontiguousarray(X, dtype=float_dtype_of(X.dtype)),
-                             w, texts, ids, int(self.n_representatives))
-        self.estimator_ = est
-        self.n_clusters_ = int(est.cluster_centers_.shape[0])
-        self.labels_ = lab.labels
-        self.probability_ = lab.probability
-        self.margin_ = lab.margin
-        self.runner_up_ = lab.runner_up
-        self._clusters = lab.clusters
-        self._order = lab.order
-        self._texts, self._ids, self._w = texts, ids, w
-        return self
+        return X
+
+    def predict(self, texts=None, embeddings=None):
+        """The clusters of new queries (``embeddings``, or ``texts`` embedded as in
+        :meth:`fit`), numbered as :meth:`cluster_info` and ``labels_`` number them (largest
+        first; ``estimator_.predict`` numbers them in the estimator's own order)."""
+        self._check()
+        if texts is None and embeddings is None:
+            raise ValueError("give texts or embeddings")
+        X = self._embeddings(None if texts is None else _checked_texts(texts), embeddings)
+        if texts is not None and embeddings is not None and len(texts) != X.shape[0]:
+            raise ValueError(f"{len(texts)} texts for {X.shape[0]} embedding rows")
+        return self._rank[self.estimator_.predict(X)]
 
     def _check(self):
         if not hasattr(self, "estimator_"):
@@ -174,7 +191,7 @@ class QueryClusters:
         self._check()
         cols = {"row": np.arange(self.labels_.shape[0], dtype=np.int64)}
         if self._ids is not None:
-            cols["id"] = pa.array(self._ids)
+            cols["id"] = self._ids          # (typed once: uint64 from 2^63 up)
         if self._texts is not None:
             cols["query"] = pa.array(self._texts, type=pa.string())
         cols.update(cluster=self.labels_, probability=self.probability_,
@@ -213,7 +230,7 @@ class QueryClusters:
             write_table(self.assignments(), outs.temp_for(path), fmt, ("id",))
             write_table(self._clusters, outs.temp_for(side), fmt, ("central_id",))
             outs.commit()
-        return path, side
+        return path, (str(side) if isinstance(path, str) else side)
 
     def report(self, path, title="fastanneal clusters"):
         """Write the self-contained HTML report atomically: the clusters first (searchable,
@@ -221,6 +238,7 @@ class QueryClusters:
         the closest cluster pairs, the sizes, then the annealing diagnostics. Returns
         ``path``."""
         from ._io import atomic_write_bytes, check_writable
+        from ._cli_results import ambiguous_margin
         from .report import ambiguous_rows, build_report
         self._check()
         check_writable(path)
@@ -233,16 +251,17 @@ class QueryClusters:
                             k_suggestion=getattr(est, "k_suggestion_", None),
                             ambiguous=ambiguous_rows(self.probability_, self.labels_,
                                                      self.runner_up_, self.margin_,
-                                                     self._texts),
+                                                     self._texts,
+                                                     below=ambiguous_margin(est)),
                             responsibilities=getattr(est, "responsibilities", "softmax"))
         atomic_write_bytes(path, html.encode("utf-8"))
         return path
 
 
 def _checked_ids(ids, n):
-    """``ids`` as a list, checked as the command checks an id column: one per row, none
-    missing, single values of one kind (numbers or strings: the outputs store them in
-    one typed column), unique."""
+    """``(ids as a list, ids as an Arrow array)``, checked as the command checks an id
+    column: one per row, none missing, single values of one kind (numbers or strings: the
+    outputs store them in one typed column), unique."""
     import pyarrow as pa
     ids = list(ids)
     if len(ids) != n:
@@ -268,6 +287,10 @@ def _checked_ids(ids, n):
                              "negative ids with ids of 2^63 or more") from None
     except (pa.ArrowException, TypeError, ValueError):
         arr = None
+    if arr is not None and isinstance(arr.type, pa.BaseExtensionType):
+        raise ValueError(f"ids of type {arr.type} (e.g. {ids[0]!r}) cannot be written to "
+                         "every output format: give them as strings or integers "
+                         "(e.g. [str(v) for v in ids])")
     if arr is None or pa.types.is_nested(arr.type) or pa.types.is_null(arr.type):
         kind = _id_kind(ids[0]) if ids else None
         odd = next((i for i, v in enumerate(ids) if _id_kind(v) != kind or kind == "other"),
@@ -282,7 +305,20 @@ def _checked_ids(ids, n):
             if v in first:
                 raise ValueError(f"ids are not unique: {v!r} at rows {first[v]} and {i}")
             first[v] = i
-    return ids
+    return ids, arr
+
+
+def _checked_weights(weights):
+    """Query frequencies as float64; a missing one (None, NaN) named as such (not as the
+    estimator's "NaN or infinity")."""
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError("weights must be numbers (query frequencies >= 0)") from None
+    if w.ndim == 1 and np.isnan(w).any():
+        raise ValueError(f"weights hold a missing value (None or NaN) at row "
+                         f"{int(np.argmax(np.isnan(w)))}")
+    return w
 
 
 def _id_kind(v):
@@ -305,9 +341,19 @@ def _checked_texts(texts):
     if getattr(texts, "ndim", 1) != 1:           # a 2-D array, a DataFrame
         raise ValueError(f"texts must be 1-D (one per row: a list, an array or a Series); "
                          f"got {type(texts).__name__} of shape {getattr(texts, 'shape', '?')}")
+    if hasattr(texts, "to_pylist"):                # an Arrow array or chunked array
+        texts = texts.to_pylist()
     out = []
     for i, t in enumerate(texts):
         if isinstance(t, str):
+            if not t.isascii():
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(
+                        f"text at row {i} is not valid Unicode: {t[e.start]!r} at character "
+                        f"{e.start} is half of a surrogate pair (a truncated emoji?); the "
+                        "outputs are UTF-8: fix or drop the row") from None
             out.append(t)
         elif isinstance(t, (bytes, bytearray, np.bytes_)):
             raise ValueError(f"text at row {i} is bytes ({bytes(t)[:20]!r}); decode the texts "

@@ -330,23 +330,30 @@ def closest_pairs(idx, score, metric="cosine", n=20):
     return [(a, b, s) for (a, b), s in items[:n]]
 
 
-def ambiguous_rows(probability, labels, runner_up, margin=None, texts=None, n=50):
-    """The ``n`` rows with the lowest probability (ties: first row), as a list of dicts
-    ``row, query, cluster, runner_up, probability, margin`` (the report's "ambiguous
-    queries"). Rows without a runner-up (K = 1) are left out."""
+def ambiguous_rows(probability, labels, runner_up, margin=None, texts=None, n=50,
+                   below=None):
+    """The ``n`` distinct queries (rows without text: rows) with the lowest probability
+    (ties: first row) among the rows whose ``margin`` is below ``below`` (None: every row;
+    :class:`fastanneal.QueryClusters` and the command use half the median margin), as a
+    list of dicts ``row, query, cluster, runner_up, probability, margin`` (the report's
+    "ambiguous queries"). Rows without a runner-up are left out; None where no row has
+    one (K = 1)."""
+    from ._cli_results import _fewest_distinct
     p = np.asarray(probability, dtype=float)
     ok = np.asarray(runner_up) >= 0
-    cand = np.nonzero(ok & np.isfinite(p))[0]
-    if cand.size == 0 or n <= 0:
-        return []
-    order = cand[np.lexsort((cand, p[cand]))][:n]
-    out = []
-    for i in order:
-        out.append({"row": int(i), "query": None if texts is None else texts[i],
-                    "cluster": int(labels[i]), "runner_up": int(runner_up[i]),
-                    "probability": float(p[i]),
-                    "margin": None if margin is None else float(margin[i])})
-    return out
+    if not ok.any() or n <= 0:
+        return None
+    ok &= np.isfinite(p)
+    if below is not None and margin is not None:
+        ok &= np.asarray(margin) < below
+    cand = np.nonzero(ok)[0]
+    order = cand[np.lexsort((cand, p[cand]))]
+    best = _fewest_distinct([], ((float(p[i]), int(i), int(labels[i]), int(runner_up[i]),
+                                  None if margin is None else float(margin[i]),
+                                  None if texts is None else texts[i])
+                                 for i in order.tolist()), n)
+    return [{"row": r, "query": t, "cluster": k, "runner_up": ru, "probability": pr,
+             "margin": m} for pr, r, k, ru, m, t in best]
 
 
 # =========================================================================== HTML pieces
@@ -566,7 +573,8 @@ def build_report(title, summary, trace, clusters, centers, metric="cosine",
     k_suggestion : :class:`fastanneal.KSuggestion`, optional
         Adds the "Choosing K" section.
     ambiguous : list of dicts, optional
-        :func:`ambiguous_rows`: adds the "Ambiguous queries" section.
+        :func:`ambiguous_rows`: adds the "Ambiguous queries" section (an empty list: the
+        section says that no row is near a border; None: no section).
     n_neighbours, n_pairs : int
         Nearest clusters listed per cluster; closest pairs listed.
     responsibilities : {"softmax", "entmax15", "hard"}
@@ -583,7 +591,7 @@ def build_report(title, summary, trace, clusters, centers, metric="cosine",
         near_idx, near_score = nearest_clusters(C, metric, n_neighbours)
         pairs = closest_pairs(near_idx, near_score, metric, n_pairs)
     nav = [("summary", "Summary"), ("clusters-h", "Clusters")]
-    if ambiguous:
+    if ambiguous is not None:
         nav.append(("ambiguous-h", "Ambiguous queries"))
     nav += [("pairs-h", "Closest pairs"), ("sizes", "Sizes")]
     if k_suggestion is not None:
@@ -618,14 +626,21 @@ def build_report(title, summary, trace, clusters, centers, metric="cosine",
                  f'<span id="cluster-count" class="muted">{K:,} rows</span>')
     parts.append(_clusters_table(rows, labels, near_idx, near_score, metric))
     # ------------------------------------------------------------------ ambiguous
-    if ambiguous:
+    if ambiguous is not None:
         parts.append('<h2 id="ambiguous-h">Ambiguous queries</h2>')
-        parts.append(f'<p class="muted">The {len(ambiguous)} rows the clustering is least sure '
-                     "of: lowest probability of their cluster, with the runner-up cluster. "
-                     "Probability and margin are defined in the documentation (the "
-                     "probability is the soft assignment at a temperature chosen from the "
-                     "data).</p>")
-        parts.append(_ambiguous_table(ambiguous, labels))
+        if ambiguous:
+            parts.append(f'<p class="muted">The {len(ambiguous)} distinct queries the '
+                         "clustering is least sure of: lowest probability of their cluster, "
+                         "with the runner-up cluster, among the rows whose margin is below "
+                         "half the median margin (nearer a border than most rows). "
+                         "Probability and margin are defined in the documentation (the "
+                         "probability is the soft assignment at a temperature chosen from "
+                         "the data: it ranks rows within this fit).</p>")
+            parts.append(_ambiguous_table(ambiguous, labels))
+        else:
+            parts.append('<p class="muted">None: no row\'s margin is below half the median '
+                         "margin; every row is clearly nearer its own cluster than any "
+                         "other.</p>")
     # ------------------------------------------------------------------ similarity + sizes
     parts.append('<h2 id="pairs-h">Closest cluster pairs</h2>')
     if pairs:

@@ -1066,6 +1066,19 @@ def test_a_bigram_replaces_both_unigrams_it_contains():
     assert short_labels(terms)[0] == ["car fast / red / blue"]
 
 
+def test_a_weak_bigram_does_not_replace_the_word_every_row_shares():
+    """'weather' in every row of a cluster was labelled 'weather berlin' (a tenth of its
+    rows; the alphabetically first of ten tied bigrams)."""
+    from fastanneal.labels import cluster_labels
+    cities = ["paris", "london", "berlin", "rome", "madrid", "tokyo", "oslo", "lima", "cairo",
+              "delhi"]
+    texts = [f"{w} {c}" for w in ("weather in", "flights to") for c in cities for _ in range(5)]
+    assert cluster_labels(texts, [0] * 50 + [1] * 50, 2)[0] == ["weather", "flights"]
+    # a bigram nearly as strong as its word still replaces it
+    texts = ["change pin"] * 8 + ["pin"] * 2 + ["book flight"] * 10
+    assert cluster_labels(texts, [0] * 10 + [1] * 10, 2)[0][0].startswith("change pin")
+
+
 def test_summary_shows_control_characters_and_csv_keeps_unicode(capsys, tmp_path,
                                                                  monkeypatch):
     """The console summary printed a query's escape sequences raw (a window title, a

@@ -1,6 +1,7 @@
 """The Python API of the query-log tool (``fastanneal.QueryClusters``): the same numbers as
 the ``fastanneal`` command, as tables in Python."""
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -281,3 +282,55 @@ def test_missing_texts_stay_missing():
     assert "nan" not in words.split() and "<NA>" not in words
     q = qc.assignments().column("query").to_pylist()
     assert q[3] is None and q[40] is None and q[0] == "alpha query 0"
+
+
+def test_predict_ids_and_inputs_as_the_tables_number_and_type_them(tmp_path, data):
+    """estimator_.predict numbered clusters in the estimator's own order (40 % agreement
+    with labels_ on unequal clusters) and QueryClusters had no predict; ids from 2^63 up
+    crashed assignments()/write() (OverflowError); central_id took its type from the
+    central ids alone (int64 under a double id column); Arrow texts, UUID ids, a None
+    weight and a fractional n_representatives were refused or taken oddly."""
+    import uuid
+
+    import pyarrow as pa
+    table, X, lab = data
+    texts = table.column("query").to_pylist()
+    plain = fastanneal.QueryClusters(4, random_state=0).fit(texts=texts, embeddings=X)
+    w = np.where(lab == lab[0], 1.0, 5.0)          # the estimator's first cluster is smallest
+    qc = fastanneal.QueryClusters(4, random_state=0).fit(texts=texts, embeddings=X, weights=w)
+    np.testing.assert_array_equal(qc.predict(embeddings=X), qc.labels_)
+    np.testing.assert_array_equal(qc.predict(embeddings=X[:7] + 1e-3), qc.labels_[:7])
+    sizes = qc.cluster_info().column("size").to_pylist()
+    assert sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError, match="features"):
+        qc.predict(embeddings=X[:, :3])
+    # ids of every 64-bit range, typed once for both tables
+    n = X.shape[0]
+    for ids, typ in (([2 ** 63 + i for i in range(n)], pa.uint64()),
+                     ([1e300] + [float(i) for i in range(1, n)], pa.float64())):
+        q = fastanneal.QueryClusters(4, random_state=0).fit(texts=texts, embeddings=X,
+                                                             ids=ids)
+        assert q.assignments().schema.field("id").type == typ
+        assert q.cluster_info().schema.field("central_id").type == typ
+        out, side = q.write(str(tmp_path / "big.parquet"))
+        assert isinstance(side, str)
+        assert pq.read_table(out).column("id").to_pylist() == ids
+    # Arrow texts are texts; a UUID id, a missing weight, a fractional count are named
+    q = fastanneal.QueryClusters(4, random_state=0).fit(
+        texts=pa.chunked_array([texts[:100], texts[100:]]), embeddings=X)
+    np.testing.assert_array_equal(q.labels_, plain.labels_)
+    with pytest.raises(ValueError, match="as strings or integers"):
+        fastanneal.QueryClusters(4).fit(embeddings=X, ids=[uuid.uuid4() for _ in range(n)])
+    with pytest.raises(ValueError, match="missing value .* at row 3"):
+        fastanneal.QueryClusters(4).fit(embeddings=X, weights=[1.0] * 3 + [None] * (n - 3))
+    with pytest.raises(ValueError, match="n_representatives"):
+        fastanneal.QueryClusters(4, n_representatives=2.7).fit(embeddings=X)
+
+
+def test_the_report_lists_no_ambiguous_row_for_clusters_clearly_apart(tmp_path):
+    rng = np.random.default_rng(0)
+    E = np.repeat(np.eye(10, 16) * 20, 30, axis=0) + 0.001 * rng.normal(size=(300, 16))
+    qc = fastanneal.QueryClusters(10, metric="euclidean").fit(
+        texts=[f"q{i}" for i in range(300)], embeddings=E)
+    html = Path(qc.report(tmp_path / "r.html")).read_text()
+    assert "Ambiguous queries" in html and "None: no row" in html

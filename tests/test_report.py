@@ -184,7 +184,49 @@ def test_ambiguous_rows_are_the_least_probable():
     want = [i for i in np.argsort(p, kind="stable") if i != 7][:12]
     assert [a["row"] for a in amb] == want
     assert amb[0]["query"] == f"q{want[0]}" and amb[0]["runner_up"] == ru[want[0]]
-    assert ambiguous_rows(p, lab, np.full(200, -1)) == []
+    assert ambiguous_rows(p, lab, np.full(200, -1)) is None     # K = 1: no section
+
+
+def test_ambiguous_queries_are_distinct_and_near_a_border():
+    """60 copies of one border query filled the whole list; rows of clusters all clearly
+    apart were listed as "least sure" (probability 0.87 on perfectly separated blobs)."""
+    from fastanneal._cli_results import ClusterSummary
+    rng = np.random.default_rng(4)
+    n = 300
+    p = rng.uniform(0.5, 1.0, n)
+    p[100:160] = 0.3                                    # one query, 60 times, on a border
+    texts = [f"q{i}" for i in range(n)]
+    texts[100:160] = ["apple"] * 60
+    lab = rng.integers(0, 4, n)
+    ru = (lab + 1) % 4
+    margin = 4.0 * p
+    amb = ambiguous_rows(p, lab, ru, margin, texts, n=10)
+    assert [a["query"] for a in amb][0] == "apple" and len({a["query"] for a in amb}) == 10
+    assert [a["row"] for a in amb[1:]] == [i for i in np.argsort(p, kind="stable")
+                                           if not 100 <= i < 160][:9]
+    # near a border only: margin below the bound
+    amb = ambiguous_rows(p, lab, ru, margin, texts, n=10, below=2.4)
+    assert amb and all(a["margin"] < 2.4 for a in amb)
+    assert ambiguous_rows(p, lab, ru, margin, texts, n=10, below=0.1) == []
+    # the command's block-wise summary lists the same, whatever the blocks and merges
+    cos = rng.uniform(size=n)
+    whole = ClusterSummary(4, n, 3, n_ambiguous=10, ambiguous_below=2.4)
+    whole.add(0, lab, p, margin, ru, cos, np.ones(n), texts)
+    parts = []
+    for a, b in ((0, 120), (120, 130), (130, n)):
+        s = ClusterSummary(4, n, 3, n_ambiguous=10, ambiguous_below=2.4)
+        s.add(a, lab[a:b], p[a:b], margin[a:b], ru[a:b], cos[a:b], np.ones(b - a), texts[a:b])
+        parts.append(s)
+    merged = parts[2].merge(parts[0]).merge(parts[1])
+    rank = np.arange(4)
+    assert merged.ambiguous_rows(rank) == whole.ambiguous_rows(rank) == amb
+    # the report: an empty list says so, None leaves the section out
+    X = np.random.default_rng(0).normal(size=(200, 4)) + np.repeat(np.eye(4) * 60, 50, 0)
+    est = AnnealedKMeans(4, random_state=0).fit(X)
+    args = ("t", [], est.trace_.as_dict(), _table(est, ["q"] * 4), est.cluster_centers_)
+    html = build_report(*args, ambiguous=[])
+    assert "Ambiguous queries" in html and "no row" in html
+    assert "Ambiguous queries" not in build_report(*args)
 
 
 def test_svg_chart_is_well_formed_and_says_when_empty():
