@@ -4,8 +4,8 @@ The engine hands its :class:`~fastanneal._engine.AnnealState` to :class:`Checkpo
 step boundary; the state is written atomically as one ``.npz`` (arrays) with a JSON header
 (everything else: step, temperatures, the random generator's state, the schedule's state,
 the trace so far). A rerun with the same data and parameters loads it (``allow_pickle=False``),
-checks it -- version, the key of the data and parameters, shapes, finite values -- and resumes
-from it, so that it returns the same centers as an uninterrupted fit. A file that fails the
+checks it -- version, checksum, the key of the data and parameters, shapes, finite values --
+and resumes from it, so that it returns the same centers as an uninterrupted fit. A file that fails the
 checks is named in an :class:`CheckpointWarning` and ignored (the fit starts over); a file
 for other data or parameters is replaced. After the fit the file holds the finished state
 (``phase == "done"``): a rerun then only recomputes the labels.
@@ -27,8 +27,20 @@ from ._io import atomic_save_npz
 #: state after the re-allocation moves, schedule state with its types: a file of version 2
 #: resumed some fits (mini-batch in its polish, n_init after a finished run) to other
 #: results, so it is a bad file now (a warning, and the fit starts over).
-VERSION = 3
+#: 4: a checksum of the whole content (a hand-edited or damaged field -- a schedule state
+#: of the wrong type, a phase, a seed -- crashed deep in the fit or was taken silently).
+VERSION = 4
 FILE_NAME = "anneal.npz"
+
+
+def _digest(meta_text, arrays):
+    """SHA-256 of a checkpoint's JSON header and arrays (names, dtypes, shapes, bytes)."""
+    h = hashlib.sha256(meta_text.encode())
+    for name in sorted(k for k in arrays if k not in ("meta", "checksum")):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 class CheckpointWarning(UserWarning):
@@ -98,7 +110,9 @@ class Checkpoint:
                     schedule_state=st.schedule_state, rule_json=rule_json,
                     arule_json=arule_json, last=st.last,
                     converged=st.converged, extra=self.extra, trace=rows)
-        arrays["meta"] = np.array(json.dumps(meta, default=_json_default))
+        text = json.dumps(meta, default=_json_default)
+        arrays["checksum"] = np.array(_digest(text, arrays))
+        arrays["meta"] = np.array(text)
         atomic_save_npz(self.path, **arrays)
         self.saved += 1
 
@@ -111,7 +125,9 @@ class Checkpoint:
         try:
             with np.load(self.path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
-            meta = json.loads(str(data.pop("meta")))
+            text = str(data.pop("meta"))
+            checksum = str(data.pop("checksum", ""))
+            meta = json.loads(text)
         except (OSError, ValueError, KeyError, EOFError, TypeError, AttributeError,
                 zipfile.BadZipFile) as e:
             # (a .npy file, for which np.load returns an array, not an archive: `with` on it
@@ -121,6 +137,8 @@ class Checkpoint:
                              f"({type(e).__name__})")
         if not isinstance(meta, dict) or meta.get("version") != VERSION:
             return self._bad("written by another version of fastanneal")
+        if checksum != _digest(text, data):
+            return self._bad("its content does not match its checksum (edited or damaged)")
         if meta.get("key") != self.key:
             self.replaced = True            # another fit's checkpoint: replaced by this one
             return None

@@ -63,6 +63,9 @@ def id_keys(col):
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
         t = arr.type
+    if pa.types.is_unsigned_integer(t):     # (from 2^63 up: the int64 cast failed)
+        v = pc.cast(arr, pa.uint64()).to_numpy(zero_copy_only=False)
+        return np.ascontiguousarray(v, dtype=np.uint64)
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
         v = pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False)
         return np.ascontiguousarray(v, dtype=np.int64).view(np.uint64)

@@ -98,6 +98,17 @@ class LogPiece:
         self.column = log.args.embedding_column
         self.dim = log.dim
         self.dtype = log.dtype
+        # the file as the command opened it: every pass (checks, labelling, writing) reads
+        # it again, on Dask on the workers (a file replaced after the fit was labelled and
+        # written from its new rows with the old centers, exit 0)
+        self.stamp = d.stamps.get(self.fragment.path)
+        self.stat = d._stats.get(self.fragment.path)
+
+    def check_unchanged(self):
+        from ._parquet import _stat, changed_message, file_stamp
+        p = self.fragment.path
+        if _stat(p) != self.stat and file_stamp(p) != self.stamp:
+            raise InputError(changed_message(p))
 
     def embeddings(self, table, row0):
         return checked_embeddings(table, self.column, self.source, row0, self.dim, self.dtype)
@@ -131,6 +142,7 @@ class LogPiece:
         rows = int(rows)
         r0 = self.row0
         release_decoded()
+        self.check_unchanged()
         try:
             with pq.ParquetFile(self.fragment.path, pre_buffer=False, buffer_size=1 << 22,
                                 page_checksum_verification=True) as pf:
@@ -149,6 +161,7 @@ class LogPiece:
                     r0 += b.num_rows
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"cannot read {self.source} ({self.where}): {e}") from None
+        self.check_unchanged()             # (replaced while this row group was read)
         got = r0 - self.row0
         if got != self.n_rows:
             raise InputError(f"{self.source} ({self.where}): {got} rows read; the metadata "

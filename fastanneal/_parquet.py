@@ -179,12 +179,17 @@ def widest_dataset(path, fmt):
     return ds.dataset(path, format=fmt, partitioning="hive", schema=wide)
 
 
+#: Blocks of this many bytes, evenly spaced through a file, hashed into its stamp.
+STAMP_BLOCK, STAMP_BLOCKS = 4096, 16
+
+
 def file_stamp(file):
-    """``(size, hash of the Parquet footer)`` of ``file``, or None when it cannot be read:
-    the footer holds every row group's size and column statistics, so a file rewritten
-    with other rows in the same layout changes it, while an identical copy of the file
-    (each machine its own, a touch, a sync tool) does not -- unlike the modification
-    time."""
+    """``(size, hash)`` of ``file`` (the Parquet footer and :data:`STAMP_BLOCKS` blocks
+    spread through the file), or None when it cannot be read: the footer holds every row
+    group's size and column statistics and the blocks sample the pages, so a file rewritten
+    with other rows changes it (also one written without statistics, uncompressed, to the
+    same size: the footer alone then matched), while an identical copy of the file (each
+    machine its own, a touch, a sync tool) does not -- unlike the modification time."""
     try:
         with open(file, "rb") as f:
             f.seek(0, 2)
@@ -197,9 +202,20 @@ def file_stamp(file):
             if tail[4:] != b"PAR1" or n > size - 12:
                 return (size, "")
             f.seek(size - 8 - n)
-            return (size, hashlib.blake2b(f.read(n), digest_size=16).hexdigest())
+            h = hashlib.blake2b(f.read(n), digest_size=16)
+            for j in range(STAMP_BLOCKS):
+                f.seek(j * max(0, size - STAMP_BLOCK) // max(1, STAMP_BLOCKS - 1))
+                h.update(f.read(STAMP_BLOCK))
+            return (size, h.hexdigest())
     except OSError:
         return None
+
+
+def changed_message(path):
+    """What a file that changed since it was opened is told as (the library and the
+    command: the rows read so far are of the old content)."""
+    return (f"{path} changed since it was opened (its size or content differs): read it "
+            "again (open_parquet again from Python, or rerun the command)")
 
 
 def _stat(path):
@@ -246,9 +262,7 @@ class ParquetDataset:
             if st == self._stats.get(p):
                 continue
             if file_stamp(p) != self.stamps.get(p):
-                raise ValueError(f"{p} changed since it was opened (its size or its Parquet "
-                                 "footer differs): open it again (open_parquet) to read its "
-                                 "rows now")
+                raise ValueError(changed_message(p))
             self._stats[p] = st
 
     @property
@@ -551,7 +565,9 @@ class ParquetStream(_passes_base()):
 
     def fingerprint(self):
         files = sorted({f.path for f in self.data.pieces})
-        stamp = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+        # content, not the modification time: a file of another content but the same size
+        # and mtime (cp -p, rsync -t, tar) resumed another fit's state silently
+        stamp = [(f, self.data.stamps.get(f) or file_stamp(f)) for f in files]
         # the chunking decides the batches, so the fit: a checkpoint of another chunk_rows
         # resumed into a fit equal to neither
         chunks = hashlib.sha256(np.asarray(self.chunk_rows, np.int64).tobytes()).hexdigest()
@@ -620,16 +636,21 @@ class ParquetStream(_passes_base()):
         return m
 
     def final_pass(self, C, T, resp, log_prior, labels_path=None, overwrite=False,
-                   with_ids=False):
-        """The moments of every row at ``(C, T)`` (hard counts for the cluster weights);
-        with ``labels_path``, the hard labels (and ids) written as Parquet, one file per
-        row group, into a folder published atomically."""
+                   with_ids=False, margin_every=None):
+        """``(moments, labels folder, margins)``: the moments of every row at ``(C, T)``
+        (hard counts for the cluster weights); with ``labels_path``, the hard labels (and
+        ids) written as Parquet, one file per row group, into a folder published
+        atomically; with ``margin_every``, ``(margin d_(2) - d_(1), weight)`` of every
+        ``margin_every``-th row (for ``probability_temperature_``: no read after the fit,
+        and the same rows whether the fit ran whole or resumed), else None."""
+        from ._moments import assign
         from .dask import _chunks as ch
         from .dask._minibatch import _AtomicFolder
         folder = _AtomicFolder(labels_path, overwrite) if labels_path is not None else None
         C64 = np.ascontiguousarray(C, dtype=np.float64)
         C = np.ascontiguousarray(C, dtype=self.dtype)
         m = None
+        margins, weights = [], []
         try:
             for c in self.passes():
                 mi = ch.chunk_moments(c, C, T, self.metric, resp, log_prior, False, 0)
@@ -638,12 +659,20 @@ class ParquetStream(_passes_base()):
                     lab = ch.exact_final_labels(c, C64, self.metric, 0, mi)
                     ch.write_label_part(folder.tmp, c.index, c.row0, lab,
                                         getattr(c, "ids", None) if with_ids else None)
+                if margin_every and c.rows and C.shape[0] > 1:
+                    pick = np.arange((-c.row0) % margin_every, c.rows, margin_every)
+                    if pick.size:
+                        margins.append(assign(c.X[pick], C64, "cosine" if self.metric == 1
+                                              else "euclidean")[2])
+                        weights.append(np.asarray(c.w, dtype=np.float64)[pick])
                 m = mi if m is None else m + mi
         except BaseException:
             if folder is not None:
                 folder.abort()
             raise
-        return m, (folder.commit() if folder is not None else None)
+        sample = ((np.concatenate(margins), np.concatenate(weights)) if margins else
+                  ((np.zeros(0), np.zeros(0)) if margin_every else None))
+        return m, (folder.commit() if folder is not None else None), sample
 
     def close(self):
         for f in self._pending.values():

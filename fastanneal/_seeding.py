@@ -82,7 +82,21 @@ def data_stats(source):
     mean = source.mean()
     mean_c = _project(mean[None, :], source.metric)[0] if source.metric == 1 else mean
     m0 = source.moments(mean[None, :], 1.0, 2, None, hard_sums=False)
-    return DataStats(mean, mean_c, float(m0.hard_distortion / source.total_weight))
+    scale = float(m0.hard_distortion / source.total_weight)
+    if not np.isfinite(mean).all():
+        # (fit() validated its rows: there, only the weighted sums can overflow)
+        raise ValueError("the weighted mean of the rows is not finite: the rows hold NaN or "
+                         "infinity (a source's rows are not validated: fit() does that), or "
+                         "weight x row overflows float64: rescale the weights (divide them "
+                         "by a constant: only their ratios matter) or the rows")
+    if not math.isfinite(scale):
+        # finite rows, finite weights, their products not (weights ~1e300 times squared
+        # distances ~1e10): read as "NaN rows" or "all rows are identical" before
+        raise ValueError(f"the weighted spread of the rows overflows float64 (the sum of "
+                         f"weight x squared distance to the mean is {float(m0.hard_distortion)!r}): "
+                         "rescale the weights (divide them by a constant: only their ratios "
+                         "matter) or the rows")
+    return DataStats(mean, mean_c, scale)
 
 
 #: cosine rows whose mean distance to their mean direction is at most this many eps of

@@ -39,10 +39,9 @@ __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kme
 #: ``probability_temperature_ = PROBABILITY_MARGIN_FRACTION * median margin``: measured on
 #: CLINC150 and its ten domains by ``benchmarks/study_calibration.py``.
 PROBABILITY_MARGIN_FRACTION = 0.25
-#: Rows for that median where the fit's final pass does not see every row in memory (Dask,
-#: out of core, CUDA): about this many of the seeding sample's rows (every k-th), or, where
-#: that sample is smaller or a fit resumed, as many drawn after the fit from its random
-#: stream.
+#: Rows for that median where the fit's final pass does not see every row in memory:
+#: out of core (open_parquet), every k-th row of the final pass, about this many (up to
+#: twice); Dask and CUDA, this many drawn after the fit from its random stream.
 PROBABILITY_SAMPLE = 20_000
 #: In memory the final pass's margins of every row are used, up to this many rows (above,
 #: this many drawn from them: the weighted median sorts them).
@@ -254,6 +253,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         rows' dtype (float32 rows carry weights in ``FLOAT32_WEIGHT_RANGE`` only)."""
         if sample_weight is None:
             return np.ones(n)
+        if np.iscomplexobj(sample_weight):
+            raise ValueError("sample_weight holds complex numbers; expected real numbers")
         w = np.asarray(sample_weight, dtype=np.float64)
         if w.ndim == 0:
             w = np.full(n, float(w))
@@ -265,6 +266,14 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if (w < 0).any():
             raise ValueError(f"sample_weight contains negative values (first at row "
                              f"{int(np.argmax(w < 0))})")
+        tiny = (w > 0) & (w < np.finfo(np.float64).tiny)
+        if tiny.any():
+            # subnormal: w x holds ~11 significant bits (centers off by 2e-5 at weights 1e-320)
+            i = int(np.argmax(tiny))
+            raise ValueError(f"sample_weight holds {float(w[i]):.3g} at row {i}, below "
+                             "float64's smallest normal number (2.2e-308), where products "
+                             "lose their precision: rescale the weights (only their ratios "
+                             "matter)")
         with np.errstate(over="ignore"):
             total = w.sum()
         if not total > 0 and not (allow_zero and n > 0 and total == 0):
@@ -462,18 +471,18 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
             logp = np.log(np.maximum(self.cluster_weights_, 1e-300))
         return T, self.responsibilities, logp
 
-    def _set_probability_temperature(self, source, rng, centers, margin=None, rows=None):
-        """``probability_temperature_`` from the margins of every row when the final pass
-        gave them (``margin``: in memory, no extra pass), else from ``rows`` (``(X, w)``
-        random rows of the source, kept from the seeding sample) or a sample of the fitted
-        rows drawn now (``centers`` in the source's frame)."""
+    def _set_probability_temperature(self, source, rng, centers, margin=None, margin_w=None):
+        """``probability_temperature_`` from the margins the final pass gave (``margin``:
+        of every row in memory, weights ``source.w``; of every k-th row out of core, weights
+        ``margin_w``; no extra pass), else from a sample of the fitted rows (after the fit;
+        ``centers`` in the source's frame)."""
         T = float(self.temperature_)
         # no positive margin (K = 1, all rows on borders) and no positive final temperature
         # (rows without spread: the critical schedule's T_c is 0): any T gives the same
         # probabilities there (one cluster, or rows with equal distances)
         fallback = T if math.isfinite(T) and T > 0 else 1.0
         if margin is not None:
-            w = source.w
+            w = source.w if margin_w is None else margin_w
             if len(margin) > PROBABILITY_ALL_ROWS:
                 # (the weighted median sorts: 3.7 s at 10^7 rows; a million drawn with
                 # replacement from the margins at hand, no pass, fix it to ~1e-3)
@@ -483,8 +492,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 margin if np.asarray(centers).shape[0] > 1 else None, w,
                 fallback=fallback)
             return
-        Xs, ws = rows if rows is not None else source.sample(
-            min(PROBABILITY_SAMPLE, source.n_rows), rng)
+        Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
         self.probability_temperature_ = probability_temperature(
             Xs, ws, centers, self.metric, fallback=fallback)
 
@@ -578,11 +586,23 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                              "(leave backend unset for partial_fit)")
         first = not hasattr(self, "_partial_state")
         fitted = first and hasattr(self, "cluster_centers_")
+        if first and getattr(self, "checkpoint", None) is not None:
+            from ._checkpoint import CheckpointWarning
+            warnings.warn("checkpoint= saves the annealing of fit(); partial_fit writes no "
+                          "checkpoint (pickle the estimator between batches to resume: it "
+                          "continues exactly)", CheckpointWarning, stacklevel=2)
         if first and not fitted:
             self._fitted_with = {p: getattr(self, p, None) for p in self._INFERENCE_PARAMS}
         else:
             self._check_unchanged(self._INFERENCE_PARAMS)
         X = self._validate_X(X, reset=first and not fitted)
+        model_dtype = getattr(getattr(self, "cluster_centers_", None), "dtype", None)
+        if not (first and not fitted) and model_dtype is not None and X.dtype != model_dtype:
+            # a continuing batch in the model's dtype, checked there: a float64 batch of
+            # values ~1e25 made a float32 model's centers ~1e23 (then ZeroDivisionError in
+            # the kernel on the next batch)
+            X = np.ascontiguousarray(X, dtype=model_dtype)
+            check_range(X, "X", where=f"(in the {model_dtype} of the model's first batch)")
         # a batch whose rows all weigh zero carries nothing: once the fit has started it
         # leaves the state as it is (labels_ and inertia_ describe the batch)
         w = self._validate_weights(sample_weight, X.shape[0], allow_zero=not first or fitted,
@@ -1012,12 +1032,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
             raise ValueError(f"the source's weights sum to {W!r}: weights must be finite and "
                              ">= 0, with a positive sum (fit_source does not validate a "
                              "source's rows and weights: fit() does)")
-        stats = data_stats(source)
-        if not (math.isfinite(stats.scale) and np.isfinite(stats.mean).all()):
-            # (a NaN scale read as "all rows are identical" before)
-            raise ValueError("the source's rows (or weights) hold NaN or infinity: their mean "
-                             "or spread is not finite (fit_source does not validate a "
-                             "source's rows: fit() does)")
+        stats = data_stats(source)      # (a mean or spread that is not finite: named there)
         if origin is None and _far(source, stats):
             if hasattr(source, "set_origin"):
                 # a stream (open_parquet, ...): measured from the mean from now on
@@ -1799,7 +1814,6 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         st = ckpt.load() if ckpt is not None else None
         resumed = st is not None
         trace = Trace()
-        prob_rows = None
         # ---------------------------------------------------------- seeding
         if hasattr(full, "set_origin"):
             full.set_origin(None)           # the data's own frame until the fit decides
@@ -1823,12 +1837,6 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 Xs, origin = self._centered(Xs, ws)
                 full.set_origin(origin)
             _check_distinct(full, Xs, ws, K, metric)
-            # rows for the probability temperature after the fit: a strided part of the
-            # seeding sample (itself random rows) instead of a second sample, whose read of
-            # at least eight row groups was half a pass over a 16-row-group log
-            step = max(1, Xs.shape[0] // PROBABILITY_SAMPLE)
-            if Xs.shape[0] >= min(PROBABILITY_SAMPLE, full.n_rows):
-                prob_rows = (Xs[::step].copy(), np.array(ws[::step], dtype=np.float64))
             ws = _seeding_weights(ws)
             C, T0, T_end, T_c, scale = _seed_from_sample(self, Xs, ws, K, metric, rng,
                                                          getattr(full, "origin", None))
@@ -1855,7 +1863,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         if ckpt is not None:
             self.checkpoint_info_ = {"path": str(ckpt.path), "finished": st.phase == "done",
                                      "resumed_from": st.step if resumed else None,
-                                     "temperature": st.temperature,
+                                     "temperature": st.temperature if resumed else None,
                                      "phase": st.phase if resumed else None,
                                      "replaced": ckpt.replaced}
         # ---------------------------------------------------------- batches
@@ -1911,7 +1919,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         T_final = result.temperature
         logp = running.log_prior(K) if self.mass_constrained else None
         # ---------------------------------------------------------- final pass
-        inertia = margin = None
+        inertia = margin = margin_w = None
         if isinstance(stream, ArrayStream):
             mf = full.moments(C, T_final, rc, logp, hard_sums=False)
             # the labels' own distances, summed in float64, give inertia_ (= -score(X), as
@@ -1920,8 +1928,14 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                 full.X, full.w, C, full.metric, return_margin=True)
             self.labels_path_ = None
         else:
-            mf, self.labels_path_ = stream.final_pass(C, T_final, rc, logp, labels_path,
-                                                      overwrite, with_ids)
+            # (the margins of every k-th row for the probability temperature: a sample of
+            # at least eight row groups read after the fit was half a pass over a
+            # 16-row-group log, all of a smaller one)
+            mf, self.labels_path_, msample = stream.final_pass(
+                C, T_final, rc, logp, labels_path, overwrite, with_ids,
+                margin_every=max(1, full.n_rows // PROBABILITY_SAMPLE))
+            if msample is not None:
+                margin, margin_w = msample
             self.labels_ = None
         counts = mf.hard_counts
         empty = int(np.sum(~(counts > 0)))
@@ -1931,6 +1945,12 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
                           "larger polish_passes may fill them", AnnealingWarning, stacklevel=3)
         self.cluster_weights_ = counts / counts.sum()
         self.inertia_ = float(mf.hard_distortion) if inertia is None else inertia
+        if not (math.isfinite(self.inertia_) and math.isfinite(float(mf.free_energy))):
+            # (the seeding sample's weights are rescaled: only the whole data's sums show it)
+            raise ValueError(f"the objectives overflow float64 (inertia {self.inertia_!r}): "
+                             "they are sums of weight x squared distance; rescale the weights "
+                             "(divide them by a constant: only their ratios matter) or the "
+                             "rows")
         self.free_energy_ = float(mf.free_energy)
         self.soft_distortion_ = float(mf.soft_distortion)
         self.hardening_gap_ = float(mf.soft_distortion - mf.hard_distortion)
@@ -1947,7 +1967,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
         self.batch_chunks_ = int(batch_chunks)
         self.trace_ = trace
         self._mass_constrained = bool(self.mass_constrained)
-        self._set_probability_temperature(full, rng, C, margin, prob_rows)
+        self._set_probability_temperature(full, rng, C, margin, margin_w)
         if result.relocations:
             warnings.warn(f"{result.relocations} empty cluster(s) were relocated during the fit",
                           AnnealingWarning, stacklevel=3)

@@ -324,6 +324,15 @@ def short_labels(terms, n_terms=3, top_n=8):
                 scores.append(s)
             if len(chosen) == n_terms:
                 break
-        short.append(" / ".join(chosen))
-        longer.append(", ".join(t for t, _ in tl[:top_n]))
+        short.append(" / ".join(_clip(t) for t in chosen))
+        longer.append(", ".join(_clip(t) for t, _ in tl[:top_n]))
     return short, longer
+
+
+#: A term longer than this (a 100,000-character "word": a pasted blob) is cut in the label and
+#: term cells, with an ellipsis.
+MAX_TERM_CHARS = 40
+
+
+def _clip(t):
+    return t if len(t) <= MAX_TERM_CHARS else t[:MAX_TERM_CHARS - 1] + "\u2026"

@@ -1077,6 +1077,9 @@ def test_a_weak_bigram_does_not_replace_the_word_every_row_shares():
     # a bigram nearly as strong as its word still replaces it
     texts = ["change pin"] * 8 + ["pin"] * 2 + ["book flight"] * 10
     assert cluster_labels(texts, [0] * 10 + [1] * 10, 2)[0][0].startswith("change pin")
+    # a pasted 100,000-character "word" is cut in the label and term cells
+    short, longer = cluster_labels(["x" * 100_000] * 3 + ["abc def"] * 3, [0] * 3 + [1] * 3, 2)
+    assert short[0] == longer[0] == "x" * 39 + "\u2026"
 
 
 def test_summary_shows_control_characters_and_csv_keeps_unicode(capsys, tmp_path,

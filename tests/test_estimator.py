@@ -1067,3 +1067,31 @@ def test_batch_size_fit_passes_progress_and_partial_fit_names_its_first_batch(mo
     with pytest.raises(ValueError, match="first partial_fit batch") as e:
         AnnealedKMeans(4, random_state=0).partial_fit(np.tile(np.arange(5.0), (10, 1)))
     assert "init_size" not in str(e.value)
+
+
+def test_weights_whose_products_overflow_or_lose_precision_are_named():
+    """float64 weights times squared distances past float64: AnnealedKMeans said 'NaN rows'
+    (fit_source), suggest_k 'all rows are identical', MiniBatchAnnealedKMeans fitted with
+    inertia_ = inf; subnormal weights (1e-320) fitted centers off by 2e-5; complex weights
+    lost their imaginary part with only a ComplexWarning."""
+    from fastanneal import MiniBatchAnnealedKMeans, suggest_k
+    rng = np.random.default_rng(0)
+    X = np.concatenate([rng.normal(size=(150, 3)), rng.normal(size=(150, 3)) + 5])
+    big = np.full(300, 1e300)
+    for fit in (lambda: AnnealedKMeans(2, random_state=0).fit(X * 1e5, sample_weight=big),
+                lambda: MiniBatchAnnealedKMeans(2, random_state=0).fit(X * 1e5,
+                                                                       sample_weight=big),
+                lambda: suggest_k(X * 1e8, 4, sample_weight=big)):
+        with pytest.raises(ValueError, match="overflow.*rescale the weights"):
+            fit()
+    for fit in (lambda w: AnnealedKMeans(2).fit(X, sample_weight=w),
+                lambda w: suggest_k(X, 4, sample_weight=w)):
+        with pytest.raises(ValueError, match="smallest normal number"):
+            fit(np.full(300, 1e-320))
+    for est in (AnnealedKMeans(2), MiniBatchAnnealedKMeans(2)):
+        with pytest.raises(ValueError, match="complex"):
+            est.fit(X, sample_weight=np.ones(300) + 5j)
+    # the same weights rescaled into range fit as the unit weights do
+    a = AnnealedKMeans(2, random_state=0).fit(X * 1e5, sample_weight=np.full(300, 1e-290))
+    b = AnnealedKMeans(2, random_state=0).fit(X * 1e5)
+    assert_allclose(a.cluster_centers_, b.cluster_centers_, rtol=1e-9)

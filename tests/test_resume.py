@@ -410,8 +410,11 @@ def test_minibatch_finished_checkpoint_is_reused(data, tmp_path):
 
 
 # ============================================================================ bad files
-def _rewrite(path, **changes):
-    """Rewrite the checkpoint ``path`` with some arrays (or meta fields) replaced."""
+def _rewrite(path, resign=True, **changes):
+    """Rewrite the checkpoint ``path`` with some arrays (or meta fields) replaced; with
+    ``resign``, its checksum made anew (a file whose fields, not its bytes, are bad: what
+    the checks behind the checksum see)."""
+    from fastanneal._checkpoint import _digest
     with np.load(path, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     meta = json.loads(str(arrays["meta"]))
@@ -419,6 +422,8 @@ def _rewrite(path, **changes):
         meta[k] = v
     arrays["meta"] = np.array(json.dumps(meta))
     arrays.update(changes)
+    if resign:
+        arrays["checksum"] = np.array(_digest(str(arrays["meta"]), arrays))
     os.unlink(path)
     np.savez(path, **arrays)
     assert path.exists()
@@ -883,3 +888,48 @@ def test_schedule_of_a_reused_finished_fit_holds_the_runs_state(data, tmp_path):
     ha, hb = a.schedule_.history_, b.schedule_.history_
     assert len(hb) == len(ha) == 6
     assert [h["T"] for h in hb] == pytest.approx([h["T"] for h in ha], rel=1e-12)
+
+
+def test_an_edited_or_damaged_checkpoint_fails_its_checksum(data, tmp_path):
+    """Hand-edited fields of the right kind were taken (a step past n_steps, phase 'done'
+    mid-anneal: reported as a finished fit) or crashed deep in the fit (a schedule state of
+    the wrong type: TypeError in the schedule; inf log masses: ZeroDivisionError in the
+    kernel). Any change to the file's content now fails its checksum: a warning, and the
+    fit starts over to the same centers."""
+    ck = tmp_path / "ck"
+    kw = dict(random_state=0, n_steps=6, checkpoint=ck)
+    a = fa.AnnealedKMeans(5, **kw).fit(data)
+    meta = read_meta(ck / "anneal.npz")
+    edits = [dict(meta={"phase": "done", "step": 40}),
+             dict(meta={"schedule_state": {**meta["schedule_state"], "n_steps": "x"}}),
+             dict(meta={"temperature": 1.5})]
+    with np.load(ck / "anneal.npz") as z:
+        C = z["centers"].copy()
+    C[0, 0] = np.nextafter(C[0, 0], np.inf)                         # one bit of one center
+    edits.append(dict(centers=C))
+    for edit in edits:
+        fa.AnnealedKMeans(5, **kw).fit(data)                        # a good file again
+        _rewrite(ck / "anneal.npz", resign=False, **edit)
+        with pytest.warns(CheckpointWarning, match="checksum"):
+            b = fa.AnnealedKMeans(5, **kw).fit(data)
+        assert b.checkpoint_info_["finished"] is False
+        assert_array_equal(b.cluster_centers_, a.cluster_centers_)
+
+
+def test_partial_fit_says_it_writes_no_checkpoint_and_keeps_its_dtype(data, tmp_path):
+    """checkpoint= did nothing under partial_fit, without a word; a float64 batch of
+    values ~1e25 into a float32 model made its centers ~1e23 and the next batch a
+    ZeroDivisionError in the kernel."""
+    X32 = np.asarray(data, dtype=np.float32)
+    est = fa.MiniBatchAnnealedKMeans(5, random_state=0, n_steps=5, checkpoint=tmp_path / "c")
+    with pytest.warns(CheckpointWarning, match="partial_fit writes no checkpoint"):
+        est.partial_fit(X32)
+    assert not (tmp_path / "c").exists()
+    C = est.cluster_centers_.copy()
+    with pytest.raises(ValueError, match="too large for float32"):
+        est.partial_fit(X32.astype(np.float64) * 1e25)
+    assert_array_equal(est.cluster_centers_, C)                      # unchanged
+    est.partial_fit(X32.astype(np.float64))                          # taken as float32
+    assert est.cluster_centers_.dtype == np.float32
+    est.partial_fit(X32)
+    assert np.isfinite(est.cluster_centers_).all()

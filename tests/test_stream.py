@@ -876,10 +876,12 @@ def test_stream_inputs_to_inference_and_bad_stream_options_are_named(tmp_path):
 
 
 def test_the_probability_temperature_reads_no_rows_after_the_fit(tmp_path, monkeypatch):
-    """Out of core, ``probability_temperature_`` comes from the seeding sample's rows (read
-    anyway): no second sample of the row groups after the fit (it re-read at least eight
-    of them: half a pass over a 16-row-group log, the whole of a smaller one); the median
-    margin of those rows is that of every row within sampling error."""
+    """Out of core, ``probability_temperature_`` comes from the margins of every k-th row
+    of the final pass: no second sample of the row groups after the fit (it re-read at least
+    eight of them: half a pass over a 16-row-group log, the whole of a smaller one); the
+    median margin of those rows is that of every row within sampling error; a fit reused
+    from its finished checkpoint gets the same temperature (a first version took the rows
+    from the seeding sample, which a resumed fit does not have)."""
     from fastanneal._parquet import ParquetStream
     X, lab, _ = make_log(tmp_path / "log.parquet", n=100_000, K=5, D=4, row_group=12_500,
                          sep=4.0)
@@ -897,9 +899,88 @@ def test_the_probability_temperature_reads_no_rows_after_the_fit(tmp_path, monke
     km2 = MiniBatchAnnealedKMeans(5, random_state=0).fit(
         open_parquet(tmp_path / "log.parquet", column="emb"))
     assert km2.probability_temperature_ == km.probability_temperature_   # reproducible
-    # a seeding sample smaller than the probability's rows (a small log): drawn after the fit
     make_log(tmp_path / "small.parquet", n=3000, K=5, D=4)
     calls.clear()
-    MiniBatchAnnealedKMeans(5, random_state=0).fit(
-        open_parquet(tmp_path / "small.parquet", column="emb"))
-    assert len(calls) == 2
+    kw = dict(random_state=0, checkpoint=tmp_path / "ck")
+    a = MiniBatchAnnealedKMeans(5, **kw).fit(open_parquet(tmp_path / "small.parquet",
+                                                          column="emb"))
+    assert len(calls) == 1                          # a small log too
+    b = MiniBatchAnnealedKMeans(5, **kw).fit(open_parquet(tmp_path / "small.parquet",
+                                                          column="emb"))
+    assert b.checkpoint_info_["finished"]
+    assert b.probability_temperature_ == a.probability_temperature_
+
+
+def test_a_checkpoint_is_not_resumed_on_another_file_of_the_same_size_and_time(tmp_path):
+    """The stream's checkpoint key held each file's size and modification time only: a file
+    of other rows written to the same size (uncompressed, no statistics: the same footer)
+    with the same mtime (cp -p, rsync -t) resumed the other file's annealing silently."""
+    import os
+    paths = []
+    for seed in (1, 2):
+        X = np.random.default_rng(seed).normal(size=(2000, 8)).astype(np.float32)
+        X[:1000] += 5
+        p = tmp_path / f"log{seed}.parquet"
+        pq.write_table(_emb_table(X), p, compression="none", write_statistics=False,
+                       use_dictionary=False, row_group_size=500)
+        os.utime(p, ns=(1_700_000_000_000_000_000,) * 2)
+        paths.append(p)
+    assert os.path.getsize(paths[0]) == os.path.getsize(paths[1])
+    from fastanneal._parquet import file_stamp
+    assert file_stamp(paths[0]) != file_stamp(paths[1])
+    log = tmp_path / "log.parquet"
+    kw = dict(random_state=0, n_steps=6, checkpoint=tmp_path / "ck")
+    os.link(paths[0], log)
+    MiniBatchAnnealedKMeans(2, **kw).fit(open_parquet(log))
+    os.unlink(log)
+    os.link(paths[1], log)                      # same size, same mtime, other rows
+    b = MiniBatchAnnealedKMeans(2, **kw).fit(open_parquet(log))
+    assert b.checkpoint_info_["replaced"] and not b.checkpoint_info_["finished"]
+    ref = MiniBatchAnnealedKMeans(2, random_state=0, n_steps=6).fit(
+        open_parquet(paths[1]))
+    np.testing.assert_array_equal(b.cluster_centers_, ref.cluster_centers_)
+
+
+def test_out_of_core_command_refuses_a_file_replaced_after_the_fit(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A log replaced between the fit and the labelling (same layout, other rows) was
+    labelled and written from its new rows with the old centers, exit 0 (or, rows
+    appended, the new rows dropped); uint64 ids from 2^63 up failed with ArrowInvalid out of
+    core (the in-memory route took them)."""
+    import os
+
+    from fastanneal import _cli_stream
+    p = tmp_path / "log.parquet"
+    make_log(p, n=3000)
+    make_log(tmp_path / "other.parquet", n=3000, seed=5)
+    real = _cli_stream.fit_stream
+
+    def fit_then_replace(*a, **k):
+        out = real(*a, **k)
+        os.replace(tmp_path / "other.parquet", p)
+        return out
+    monkeypatch.setattr(_cli_stream, "fit_stream", fit_then_replace)
+    rc, _, err = _run(capsys, "cluster", p, "--embedding-column", "emb", "--k", 6,
+                      "--memory-limit", "64K", "-o", tmp_path / "out.parquet")
+    assert rc != 0 and "changed since it was opened" in err and "rerun the command" in err
+    assert not (tmp_path / "out.parquet").exists()
+    monkeypatch.setattr(_cli_stream, "fit_stream", real)
+    # unsigned ids of the top half of the range, and a repeated one named as such
+    X = np.random.default_rng(0).normal(size=(1200, 4)).astype(np.float32)
+    ids = np.arange(1200, dtype=np.uint64) + np.uint64(2 ** 63 + 5)
+    q = [f"q{i % 7}" for i in range(1200)]
+    pq.write_table(_emb_table(X, id=pa.array(ids), query=q), tmp_path / "u.parquet",
+                   row_group_size=300)
+    rc, _, err = _run(capsys, "cluster", tmp_path / "u.parquet", "--id-column", "id", "--k", 3,
+                      "--embedding-column", "embedding",
+                      "--memory-limit", "1K", "-o", tmp_path / "u_out.parquet", "-q")
+    assert rc == 0, err
+    assert pq.read_table(tmp_path / "u_out.parquet").column("id").to_numpy().tolist() == \
+        ids.tolist()
+    ids[700] = ids[3]
+    pq.write_table(_emb_table(X, id=pa.array(ids), query=q), tmp_path / "d.parquet",
+                   row_group_size=300)
+    rc, _, err = _run(capsys, "cluster", tmp_path / "d.parquet", "--id-column", "id", "--k", 3,
+                      "--embedding-column", "embedding",
+                      "--memory-limit", "1K", "-o", tmp_path / "d_out.parquet", "-q")
+    assert rc != 0 and str(int(ids[3])) in err

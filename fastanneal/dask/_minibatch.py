@@ -226,9 +226,13 @@ class DaskBatchStream(_ChunkPlan, ch.StreamedPasses):
                                combine=combine or (lambda a, b: a + b), work=work, **kwargs)
 
     def final_pass(self, C, T, resp, log_prior, labels_path=None, overwrite=False,
-                   with_ids=False):
-        return _final_pass(self, C, T, resp, log_prior, self.window, labels_path, overwrite,
-                           with_ids=with_ids)
+                   with_ids=False, margin_every=None):
+        """``(moments, labels folder, None)``: the margins for ``probability_temperature_``
+        come from a sample of the persisted chunks after the pass (``margin_every`` is not
+        used: the sample is drawn on the workers, as cheaply)."""
+        m, folder = _final_pass(self, C, T, resp, log_prior, self.window, labels_path,
+                                overwrite, with_ids=with_ids)
+        return m, folder, None
 
     def close(self):
         for futs in self._queue.values():
