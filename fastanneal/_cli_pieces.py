@@ -26,6 +26,7 @@ per-cluster summaries -- never an array with a row per row of the log:
    folder (a shared filesystem, as they already see the input).
 """
 import copy
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -412,7 +413,9 @@ def write_log(log, labels, keep, writer, output, client=None, st=None):
                     st.update(t.num_rows)
         labels.release()
         return
-    folder = temp_folder(output)
+    # absolute: the workers write the parts from their own working directories (a relative
+    # -o failed there, after the whole fit and labelling)
+    folder = os.path.abspath(temp_folder(output))
     try:
         rank = client.scatter(labels.rank, broadcast=True)
         parts = [str(Path(folder) / f"part-{i:06d}.parquet") for i in range(len(labels.pieces))]

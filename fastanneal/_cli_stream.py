@@ -89,7 +89,15 @@ class LogPiece:
     def __init__(self, log, i):
         d = log.data
         self.source = log.path
-        self.fragment = d.pieces[i]
+        frag = d.pieces[i]
+        # the file, the row group and the hive partition's values, not the pyarrow fragment:
+        # a fragment pickled again opens its file, so the Dask scheduler (which re-pickles
+        # each task) had to see the data -- where it could not, the tasks failed to
+        # serialize and the user's workers shut down
+        self.path = frag.path
+        self.row_group = int(frag.row_groups[0].id)
+        self.partition = frag.partition_expression
+        self._fragment = frag
         self.schema = d.schema
         self.index = int(i)
         self.row0 = int(d.offsets[i])
@@ -101,12 +109,29 @@ class LogPiece:
         # the file as the command opened it: every pass (checks, labelling, writing) reads
         # it again, on Dask on the workers (a file replaced after the fit was labelled and
         # written from its new rows with the old centers, exit 0)
-        self.stamp = d.stamps.get(self.fragment.path)
-        self.stat = d._stats.get(self.fragment.path)
+        self.stamp = d.stamps.get(self.path)
+        self.stat = d._stats.get(self.path)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fragment"] = None
+        return state
+
+    @property
+    def fragment(self):
+        """The row group as a pyarrow fragment (made again where the piece was unpickled)."""
+        if self._fragment is None:
+            from pyarrow.fs import LocalFileSystem
+
+            from ._parquet import _scan_format
+            self._fragment = _scan_format().make_fragment(
+                self.path, filesystem=LocalFileSystem(), partition_expression=self.partition,
+                row_groups=[self.row_group])
+        return self._fragment
 
     def check_unchanged(self):
         from ._parquet import _stat, changed_message, file_stamp
-        p = self.fragment.path
+        p = self.path
         if _stat(p) != self.stat and file_stamp(p) != self.stamp:
             raise InputError(changed_message(p))
 
@@ -144,12 +169,12 @@ class LogPiece:
         release_decoded()
         self.check_unchanged()
         try:
-            with pq.ParquetFile(self.fragment.path, pre_buffer=False, buffer_size=1 << 22,
+            with pq.ParquetFile(self.path, pre_buffer=False, buffer_size=1 << 22,
                                 page_checksum_verification=True) as pf:
                 physical = set(pf.schema_arrow.names) >= set(cols) and cols
                 if physical:
                     for b in pf.iter_batches(batch_size=rows, columns=cols, use_threads=False,
-                                             row_groups=[self.fragment.row_groups[0].id]):
+                                             row_groups=[self.row_group]):
                         t = pa.Table.from_batches([b])
                         yield r0, t
                         r0 += t.num_rows

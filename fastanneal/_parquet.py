@@ -235,7 +235,8 @@ class ParquetDataset:
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such file or folder")
-        self.dataset = widest_dataset(self.path, _scan_format())
+        # (absolute: the pieces' paths are read again by Dask workers in other directories)
+        self.dataset = widest_dataset(os.path.abspath(self.path), _scan_format())
         self.schema = self.dataset.schema
         self.pieces = []
         rows = []

@@ -394,3 +394,32 @@ def test_term_counts_share_one_string_per_ngram():
                 want.update(toks)
                 want.update(" ".join(toks[i:i + 2]) for i in range(len(toks) - 1))
         assert tc.per_class[k] == want
+
+
+def test_pieces_and_paths_travel_without_their_files(tmp_path, monkeypatch):
+    """A LogPiece held a pyarrow fragment, which opens its file when pickled again: the Dask
+    scheduler (it re-pickles each task) had to see the data, and where it could not the tasks
+    failed to serialize and the user's workers shut down. Relative paths (the log, the Dask
+    route's Parquet files) were read from the workers' own working directories."""
+    import os
+    import pickle
+    from types import SimpleNamespace
+
+    from fastanneal._parquet import ParquetDataset
+    from fastanneal.dask._inputs import _parquet_files
+    (tmp_path / "in" / "k=1").mkdir(parents=True)
+    X, _, t = make_log(tmp_path / "in" / "k=1" / "a.parquet", n=400, row_group=100)
+    monkeypatch.chdir(tmp_path)
+    log = SimpleNamespace(data=ParquetDataset("in"), path="in", dim=16, dtype=np.float32,
+                          args=SimpleNamespace(embedding_column="emb"))
+    piece = _cli_stream.LogPiece(log, 2)
+    assert os.path.isabs(piece.path)
+    blob = pickle.dumps(piece)
+    os.rename("in", "elsewhere")                         # the scheduler cannot see the file
+    again = pickle.dumps(pickle.loads(blob))             # what the scheduler does
+    os.rename("elsewhere", "in")
+    got = pickle.loads(again)
+    rows = pa.concat_tables([b for _, b in got.batches(["emb", "id", "k"])])
+    assert rows.column("id").to_pylist() == t.column("id").to_pylist()[200:300]
+    assert rows.column("k").to_pylist() == [1] * 100     # the hive partition's value
+    assert all(os.path.isabs(f) for f in _parquet_files("in"))

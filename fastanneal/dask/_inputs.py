@@ -93,7 +93,8 @@ def _parquet_files(path):
             files = sorted(glob.glob(path))
     if not files:
         raise FileNotFoundError(f"no Parquet files found at {path!r}")
-    return files
+    # absolute: the workers read them, from their own working directories
+    return [os.path.abspath(f) for f in files]
 
 
 def _where(file, row_groups):
