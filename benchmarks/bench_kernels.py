@@ -6,7 +6,9 @@
 
 Prints a table and writes JSON (default ``benchmarks/results/bench_kernels.json``).
 Rows: fastanneal softmax at high T (dense), softmax at low T (sparse), entmax15 at low T,
-a hard (Lloyd) pass, the same two passes pruned by per-row bounds (``_config.PRUNE``: the
+a hard (Lloyd) pass -- each through ``fastanneal.moments``, which checks its input on every
+call --, the two softmax passes as a fit runs them (on rows validated once: "fit's pass"),
+the softmax and hard passes pruned by per-row bounds (``_config.PRUNE``: the
 bounds of the previous pass, centers moved a little since), the GEMM alone, a
 straightforward NumPy soft iteration, and
 scikit-learn's Lloyd iteration (``KMeans(init=C, n_init=1, algorithm="lloyd")``, time per
@@ -74,9 +76,17 @@ def sklearn_lloyd_per_iter(X, C):
     return times[6] / max(iters[6], 1)
 
 
+#: Seconds of rest before each timed call: OpenBLAS's threads spin for ~0.1 s after a
+#: threaded product (the reference GEMM's), taking a core from whatever runs next -- the
+#: dense pass, timed right after the GEMM, measured ~50 ms (0.7 of a GEMM at K = 64) slower
+#: until the twenty-eighth session.
+REST_S = 0.3
+
+
 def timed(fn, repeats):
     out = []
     for _ in range(repeats):
+        time.sleep(REST_S)
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
@@ -260,6 +270,9 @@ def main(argv=None):
         T_high = scale            # every responsibility non-zero
         T_low = 0.02 * margin     # nearly one-hot
         fa.moments(X[:1000], C, T_high)          # compile / warm
+        from fastanneal._moments import _prepare, compute_moments
+        Xv, Cv = _prepare(X, C, "euclidean")[:2]     # (no shift for this data: X itself)
+        ones = np.ones(n)
         fa.moments(X[:1000], C, T_low, responsibilities="entmax15")
         fa.moments(X[:1000], C, T_low, responsibilities="hard")
         cases = {
@@ -273,6 +286,13 @@ def main(argv=None):
                                                            hard_sums=False),
             "fastanneal hard (Lloyd pass)": lambda: fa.moments(X, C, T_low,
                                                               responsibilities="hard"),
+            # the same passes as a fit runs them: on rows it validated once (fa.moments
+            # checks its input on every call: finite, range, distance from the origin --
+            # 0.1-0.8 of a GEMM here, more at small K)
+            "fit's pass: softmax high T (dense)": lambda: compute_moments(
+                Xv, ones, Cv, T_high, 0, 0, None, hard_sums=False),
+            "fit's pass: softmax low T (sparse)": lambda: compute_moments(
+                Xv, ones, Cv, T_low, 0, 0, None, hard_sums=False),
             "numpy soft iteration": lambda: numpy_soft_iteration(X, C, T_high),
         }
         # Pruned passes as a fit sees them: per-row bounds from the previous pass, centers

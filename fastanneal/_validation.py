@@ -231,7 +231,7 @@ def check_temperature(T, allow_zero=False):
     return T
 
 
-def check_temperature_for(T, X, C, metric=0, ties_only=True):
+def check_temperature_for(T, X, C, metric=0, ties_only=True, x_norm=None):
     """``ValueError`` when ``T > 0`` is so small against the squared distances of the rows
     ``X`` to the centers ``C`` that a row's logits turn into ``-inf - (-inf)``: its nearest
     distance ``d_1 / T`` overflows float64 and (``ties_only``, the moments kernels) its
@@ -240,12 +240,14 @@ def check_temperature_for(T, X, C, metric=0, ties_only=True):
     clearly fine: a bound ``d <= (max|x| sqrt(D) + max|c| sqrt(D))^2`` from the largest
     entries (no temporary); only below it are the distances computed (one labelling
     pass). ``X`` and ``C`` prepared (the rows' float
-    dtype; cosine: unit rows), ``metric`` its code."""
+    dtype; cosine: unit rows), ``metric`` its code; ``x_norm``: a bound of the rows' norms
+    when the caller has one (no pass over ``X`` then)."""
     if not T > 0 or X.size == 0 or C.size == 0:
         return
     big = np.finfo(np.float64).max
     with np.errstate(over="ignore"):
-        ax = float(max(X.max(), -X.min())) * math.sqrt(X.shape[1])
+        ax = (float(x_norm) if x_norm is not None
+              else float(max(X.max(), -X.min())) * math.sqrt(X.shape[1]))
         ac = float(max(C.max(), -C.min())) * math.sqrt(C.shape[1])
         if (ax + ac) ** 2 < T * big:
             return

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _engine as E
+from ._moments import pinned_blas
 from ._trace import Trace
 
 __all__ = ["suggest_k", "KSuggestion"]
@@ -540,6 +541,7 @@ def _no_clustering(k, trivial, n_rows):
 STREAM_ROWS = 100_000
 
 
+@pinned_blas
 def suggest_k(X, k_max, *, k_min=2, sample_weight=None, metric="euclidean",
               random_state=None, backend=None, scheduler=None, cooling=0.85, max_steps=400,
               max_rows=None):

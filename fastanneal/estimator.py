@@ -22,7 +22,7 @@ from ._engine import AnnealingWarning, EngineConfig, min_center_distance
 from ._minibatch import (MINIBATCH_SCHEDULES, ArrayStream, RunningMoments, StochasticEMRule,
                          check_learning)
 from ._moments import assign as _assign
-from ._moments import nearest_objective, nearest_objective_counts
+from ._moments import nearest_objective, nearest_objective_counts, pinned_blas
 from ._protocol import check_source
 from ._seeding import (check_n_clusters, critical_temperature, data_stats, initial_centers,
                        kmeans_plusplus, rows_coincide, start_temperature, warn_narrow_cone)
@@ -253,9 +253,10 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         rows' dtype (float32 rows carry weights in ``FLOAT32_WEIGHT_RANGE`` only)."""
         if sample_weight is None:
             return np.ones(n)
-        if np.iscomplexobj(sample_weight):
+        w = np.asarray(sample_weight)
+        if w.dtype.kind == "c":
             raise ValueError("sample_weight holds complex numbers; expected real numbers")
-        w = np.asarray(sample_weight, dtype=np.float64)
+        w = np.asarray(w, dtype=np.float64)
         if w.ndim == 0:
             w = np.full(n, float(w))
         if w.shape != (n,):
@@ -566,6 +567,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         return state
 
     # ------------------------------------------------------------------ partial_fit
+    @pinned_blas
     def partial_fit(self, X, y=None, sample_weight=None):
         """One stochastic-EM annealing update on the batch ``X`` (one temperature step per
         call; the temperature holds at its end value after ``n_steps`` calls). The first call
@@ -937,6 +939,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         source.origin = origin
         return source, True
 
+    @pinned_blas
     def fit(self, X, y=None, sample_weight=None):
         """Anneal from hot to hard; returns self.
 
@@ -1000,6 +1003,7 @@ class AnnealedKMeans(_BaseAnnealedKMeans):
         self.settled_step_ = None
         return self
 
+    @pinned_blas
     def fit_source(self, source, *, in_memory=False, _t0=None):
         """Fit on a moment source (:class:`~fastanneal._protocol.MomentSource`): any backend,
         including your own. ``in_memory``: the rows are cheap to read (k-means++ on all of
@@ -1740,6 +1744,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             raise ValueError(f"prefetch must be an integer >= 0; got {pf!r}")
         return rc
 
+    @pinned_blas
     def fit(self, X, y=None, sample_weight=None, *, ids=None, labels_path=None,
             overwrite=False):
         """Anneal over ``X``; with ``labels_path`` (Dask / Parquet input), write the labels

@@ -14,7 +14,7 @@ import numpy as np
 from . import _config
 from . import _grad_kernels as G_
 from . import _kernels as K_
-from ._moments import blas_single_thread
+from ._moments import blas_single_thread, pinned_blas
 from ._validation import (as_float_matrix, as_weights, check_range, check_temperature,
                           check_temperature_for, far_from_origin, metric_code, row_sqnorms,
                           rows_mean, shifted_rows)
@@ -50,6 +50,7 @@ def _check_real(value, name):
     return value
 
 
+@pinned_blas
 def value_and_grad(X, centers, T, *, lam=1.0, phi="identity", margin=None, eps=None,
                    weights=None, metric="euclidean", responsibilities="softmax"):
     r"""Separation objective of soft centroids, with exact gradients w.r.t. centers and data.

@@ -501,4 +501,4 @@ def test_gradient_inputs_at_the_edges():
     # weights summing to less than 2^-1000: a clear error, not NaN gradients
     with pytest.raises(ValueError, match=r"the weights sum to .* multiply sample_weight"):
         fastanneal.AnnealedKMeans(4, solver="gradient", polish=False, reallocate=False,
-                                  random_state=0).fit(X, sample_weight=np.full(30, 1e-315))
+                                  random_state=0).fit(X, sample_weight=np.full(30, 1e-305))
