@@ -64,6 +64,7 @@ def sklearn_lloyd_per_iter(X, C):
     for it in (1, 6):
         km = KMeans(n_clusters=C.shape[0], init=C, n_init=1, max_iter=it, tol=0.0,
                     algorithm="lloyd")
+        time.sleep(REST_S)              # (as before every timed call: see REST_S)
         t = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -972,7 +972,15 @@ class _DropComputeFailed:
 
 
 def main(argv=None):
-    """Entry point of the ``fastanneal`` command; returns the exit code."""
+    """Entry point of the ``fastanneal`` command; returns the exit code. BLAS stays at one
+    thread throughout (the kernels bring their own threads: see
+    :func:`fastanneal._moments.pinned_blas`)."""
+    from ._moments import blas_single_thread
+    with blas_single_thread():
+        return _main(argv)
+
+
+def _main(argv=None):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

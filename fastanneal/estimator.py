@@ -376,6 +376,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         C, origin = self._frame_for(X.dtype)
         return (X if origin is None else shifted_rows(X, origin)), C
 
+    @pinned_blas
     def predict(self, X):
         """Nearest center (the deployed hard rule). Dask arrays give a lazy Dask array."""
         if hasattr(X, "__dask_graph__"):
@@ -413,6 +414,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                          "fitted; write the labels with fit(X, labels_path=...) or predict "
                          "on a Dask array of the rows")
 
+    @pinned_blas
     def predict_proba(self, X, temperature=None):
         """Soft cluster probabilities of the rows of ``X``, (n, K), rows summing to 1.
 
@@ -507,6 +509,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                                  else np.asarray(C, np.float64) + origin).astype(dtype)
         return self._frame_centers()[0]
 
+    @pinned_blas
     def transform(self, X):
         """Distances to the centers (Euclidean, as scikit-learn; cosine: ``sqrt(2 - 2 cos)``).
         Dask arrays give a lazy Dask array (one task per row chunk)."""
@@ -518,6 +521,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         X, C = self._in_frame(self._check_X(X))
         return fn(X, C)
 
+    @pinned_blas
     def score(self, X, y=None, sample_weight=None):
         """Opposite of the hard objective ``J`` on X (for a Dask array computed chunk by
         chunk, with the weights as a Dask or NumPy array)."""

@@ -2,6 +2,8 @@
 object (``fastanneal.QueryClusters``)."""
 import numpy as np
 
+from ._moments import pinned_blas
+
 __all__ = ["QueryClusters"]
 
 
@@ -75,6 +77,7 @@ class QueryClusters:
         self.params = params
 
     # ------------------------------------------------------------------ fit
+    @pinned_blas
     def fit(self, texts=None, embeddings=None, *, weights=None, ids=None):
         """Fit on ``embeddings`` ((n, D) array) and/or ``texts`` (n strings; embedded with
         ``fastanneal[embed]`` when no embeddings are given, each from its first 256 tokens
@@ -158,6 +161,7 @@ class QueryClusters:
             raise ValueError(f"embeddings hold {kind} at row {i} (column {j})")
         return X
 
+    @pinned_blas
     def predict(self, texts=None, embeddings=None):
         """The clusters of new queries (``embeddings``, or ``texts`` embedded as in
         :meth:`fit`), numbered as :meth:`cluster_info` and ``labels_`` number them (largest
