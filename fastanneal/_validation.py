@@ -279,9 +279,13 @@ def normalize_rows(X, name="X", sqnorms=None):
     them again would change a few last bits and double the memory). Zero rows are an
     error. Rows whose squared norm overflows float64 are scaled first (no row becomes 0 or
     NaN). ``sqnorms``: the float64 squared row norms, when already computed."""
+    if sqnorms is None:
+        # (the kernel every other path takes: rows normalised on the Dask workers, in
+        # fastanneal.moments and here are the same bits)
+        sqnorms = (row_sqnorms(np.ascontiguousarray(X)) if X.dtype in (np.float32, np.float64)
+                   else np.einsum("ij,ij->i", X, X, dtype=np.float64))
     with np.errstate(over="ignore"):
-        norms = np.sqrt(np.einsum("ij,ij->i", X, X, dtype=np.float64) if sqnorms is None
-                        else sqnorms)
+        norms = np.sqrt(sqnorms)
     big = ~np.isfinite(norms)
     if big.any():
         norms[big] = scaled_row_norms(X[big])

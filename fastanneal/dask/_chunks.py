@@ -8,8 +8,8 @@ import numpy as np
 
 from .. import _kernels as K_
 from .._moments import assign, compute_moments
-from .._validation import (check_range, check_weight_range, normalize_rows, row_sqnorms,
-                           rows_mean, shifted_rows)
+from .._validation import (_SQ_MAX, _SQ_MIN, check_range, check_weight_range, normalize_rows,
+                           row_sqnorms, rows_mean, shifted_rows)
 
 
 @dataclass
@@ -132,7 +132,11 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_b
     r0 = row0 + int(row_base)               # (the first row's number in messages)
     where = (f"chunk {index} (rows {r0}-{r0 + n - 1})" if n
              else f"chunk {index} (no rows)")
-    if n and not np.isfinite(x).all():
+    # one parallel pass of squared row norms for every check (a NaN or inf makes its row's
+    # norm non-finite; the largest bounds the range); five NumPy passes over the chunk
+    # before (isfinite, two norms, max, min: ~8 % of an out-of-core cosine fit)
+    sq = row_sqnorms(x) if n else np.zeros(0)
+    if n and not np.isfinite(sq).all() and not np.isfinite(x).all():
         bad = np.argwhere(~np.isfinite(x))[0]
         kind = "NaN" if np.isnan(x[tuple(bad)]) else "infinity"
         raise NonFiniteRows(f"{name} contains {kind} in {where}; first at row "
@@ -154,14 +158,14 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_b
                              f"row {r0 + i}")
         w = np.ascontiguousarray(w)
     if metric == 1 and n:
-        norms = np.einsum("ij,ij->i", x, x, dtype=np.float64)
-        if (norms == 0).any():
-            i = int(np.argwhere(norms == 0)[0, 0])
+        if (sq == 0).any():
+            i = int(np.argwhere(sq == 0)[0, 0])
             raise NonFiniteRows(f"{name} has an all-zero row in {where} (row {r0 + i}); the "
                                 "cosine metric needs non-zero vectors", "an all-zero vector",
                                 r0 + i)
-        x = normalize_rows(x, name)
-    check_range(x, name, where)
+        x = normalize_rows(x, name, sqnorms=sq)     # unit rows: in range by construction
+    elif n and not _SQ_MIN[x.dtype] <= float(sq.max()) <= _SQ_MAX[x.dtype]:
+        check_range(x, name, where)                 # (it names the problem, or passes)
     if origin is not None:
         x = shifted_rows(x, origin)
     return Chunk(x, w, int(index), int(row0))
