@@ -26,18 +26,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _study  # noqa: E402
+from bench_quality import partition_sse as sse  # noqa: E402
 
 import fastanneal as fa  # noqa: E402
 
 FITS = ("default", "critical", "n_init=3", "kmeans++ x1")
-
-
-def sse(X, labels):
-    out = 0.0
-    for k in np.unique(labels):
-        Z = X[labels == k]
-        out += float(((Z - Z.mean(0)) ** 2).sum())
-    return out
 
 
 def main(argv=None):
