@@ -206,6 +206,8 @@ def test_texts_only_embeds_each_distinct_text_once(monkeypatch):
     np.testing.assert_array_equal(qc.labels_[:30], qc.labels_[30:60])
     assert sorted(qc.cluster_info().column("size").to_pylist()) == [30, 30, 30]
     assert fake.precisions == ["float32"]
+    # new texts are embedded the same way and numbered as the tables number the clusters
+    np.testing.assert_array_equal(qc.predict(texts=texts[:30]), qc.labels_[:30])
     fake = FakeEmbedder()
     monkeypatch.setattr(cli, "_load_embedder", fake)
     fastanneal.QueryClusters(3, random_state=0, embed_precision="bfloat16").fit(texts=texts)
