@@ -187,8 +187,9 @@ def file_stamp(file):
     """``(size, hash)`` of ``file`` (the Parquet footer and :data:`STAMP_BLOCKS` blocks
     spread through the file), or None when it cannot be read: the footer holds every row
     group's size and column statistics and the blocks sample the pages, so a file rewritten
-    with other rows changes it (also one written without statistics, uncompressed, to the
-    same size: the footer alone then matched), while an identical copy of the file (each
+    with other rows almost always changes it (a file written without statistics,
+    uncompressed, to the same size matched on its footer alone; the blocks see most such
+    rewrites, not one confined between them), while an identical copy of the file (each
     machine its own, a touch, a sync tool) does not -- unlike the modification time."""
     try:
         with open(file, "rb") as f:
@@ -566,9 +567,11 @@ class ParquetStream(_passes_base()):
 
     def fingerprint(self):
         files = sorted({f.path for f in self.data.pieces})
-        # content, not the modification time: a file of another content but the same size
-        # and mtime (cp -p, rsync -t, tar) resumed another fit's state silently
-        stamp = [(f, self.data.stamps.get(f) or file_stamp(f)) for f in files]
+        # content and modification time: a file of another content but the same size and
+        # mtime (cp -p, rsync -t, tar) resumed another fit's state silently; the content
+        # stamp samples blocks, so a same-size rewrite between them is caught by its mtime
+        stamp = [(f, self.data.stamps.get(f) or file_stamp(f), os.path.getmtime(f))
+                 for f in files]
         # the chunking decides the batches, so the fit: a checkpoint of another chunk_rows
         # resumed into a fit equal to neither
         chunks = hashlib.sha256(np.asarray(self.chunk_rows, np.int64).tobytes()).hexdigest()

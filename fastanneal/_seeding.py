@@ -85,10 +85,10 @@ def data_stats(source):
     scale = float(m0.hard_distortion / source.total_weight)
     if not np.isfinite(mean).all():
         # (fit() validated its rows: there, only the weighted sums can overflow)
-        raise ValueError("the weighted mean of the rows is not finite: the rows hold NaN or "
-                         "infinity (a source's rows are not validated: fit() does that), or "
-                         "weight x row overflows float64: rescale the weights (divide them "
-                         "by a constant: only their ratios matter) or the rows")
+        raise ValueError("the weighted mean of the rows is not finite: weight x row overflows "
+                         "float64 -- rescale the weights (divide them by a constant: only "
+                         "their ratios matter) or the rows -- or, for a source whose rows "
+                         "fit() did not validate, the rows hold NaN or infinity")
     if not math.isfinite(scale):
         # finite rows, finite weights, their products not (weights ~1e300 times squared
         # distances ~1e10): read as "NaN rows" or "all rows are identical" before

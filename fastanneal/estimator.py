@@ -29,8 +29,8 @@ from ._seeding import (check_n_clusters, critical_temperature, data_stats, initi
 from ._sources import InMemorySource
 from ._sources import n_distinct_rows as _n_distinct_rows_exact
 from ._trace import Trace
-from ._validation import (centered_rows, check_range, far_from_origin, float_dtype_of,
-                          metric_code, normalize_rows, resp_code, shifted_rows)
+from ._validation import (centered_rows, check_normal_weights, check_range, far_from_origin,
+                          float_dtype_of, metric_code, normalize_rows, resp_code, shifted_rows)
 from .schedules import CriticalSchedule, make_schedule
 
 __all__ = ["AnnealedKMeans", "MiniBatchAnnealedKMeans", "AnnealingWarning", "kmeans_plusplus"]
@@ -267,14 +267,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
         if (w < 0).any():
             raise ValueError(f"sample_weight contains negative values (first at row "
                              f"{int(np.argmax(w < 0))})")
-        tiny = (w > 0) & (w < np.finfo(np.float64).tiny)
-        if tiny.any():
-            # subnormal: w x holds ~11 significant bits (centers off by 2e-5 at weights 1e-320)
-            i = int(np.argmax(tiny))
-            raise ValueError(f"sample_weight holds {float(w[i]):.3g} at row {i}, below "
-                             "float64's smallest normal number (2.2e-308), where products "
-                             "lose their precision: rescale the weights (only their ratios "
-                             "matter)")
+        check_normal_weights(w)
         with np.errstate(over="ignore"):
             total = w.sum()
         if not total > 0 and not (allow_zero and n > 0 and total == 0):
@@ -496,6 +489,8 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 fallback=fallback)
             return
         Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
+        if not np.asarray(ws).sum() > 0 and hasattr(source, "sample_weighted"):
+            Xs, ws = source.sample_weighted(min(PROBABILITY_SAMPLE, source.n_rows), rng)
         self.probability_temperature_ = probability_temperature(
             Xs, ws, centers, self.metric, fallback=fallback)
 
@@ -1943,7 +1938,9 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             mf, self.labels_path_, msample = stream.final_pass(
                 C, T_final, rc, logp, labels_path, overwrite, with_ids,
                 margin_every=max(1, full.n_rows // PROBABILITY_SAMPLE))
-            if msample is not None:
+            if msample is not None and (msample[1] > 0).any():
+                # (strided rows that all weigh 0 -- weights on every third row, a stride of
+                # 3 -- fell back to the final temperature: a sample is drawn instead)
                 margin, margin_w = msample
             self.labels_ = None
         counts = mf.hard_counts

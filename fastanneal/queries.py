@@ -99,6 +99,7 @@ class QueryClusters:
         if texts is not None:
             texts = _checked_texts(texts)
         X = self._embeddings(texts, embeddings)
+        self._embedded = embeddings is None     # (predict embeds new texts only then)
         n = X.shape[0]
         if texts is not None and len(texts) != n:
             raise ValueError(f"{len(texts)} texts for {n} embedding rows")
@@ -169,6 +170,10 @@ class QueryClusters:
         self._check()
         if texts is None and embeddings is None:
             raise ValueError("give texts or embeddings")
+        if embeddings is None and not self._embedded:
+            raise ValueError("the fit clustered your embeddings: give embeddings= for the new "
+                             "queries too (their texts alone would be embedded with "
+                             "fastanneal's model, another space)")
         X = self._embeddings(None if texts is None else _checked_texts(texts), embeddings)
         if texts is not None and embeddings is not None and len(texts) != X.shape[0]:
             raise ValueError(f"{len(texts)} texts for {X.shape[0]} embedding rows")

@@ -306,6 +306,8 @@ def test_predict_ids_and_inputs_as_the_tables_number_and_type_them(tmp_path, dat
     assert sizes == sorted(sizes, reverse=True)
     with pytest.raises(ValueError, match="features"):
         qc.predict(embeddings=X[:, :3])
+    with pytest.raises(ValueError, match="give embeddings= for the new queries"):
+        qc.predict(texts=texts[:3])            # fitted on the user's vectors: not embedded
     # ids of every 64-bit range, typed once for both tables
     n = X.shape[0]
     for ids, typ in (([2 ** 63 + i for i in range(n)], pa.uint64()),

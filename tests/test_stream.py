@@ -984,3 +984,45 @@ def test_out_of_core_command_refuses_a_file_replaced_after_the_fit(tmp_path, cap
                       "--embedding-column", "embedding",
                       "--memory-limit", "1K", "-o", tmp_path / "d_out.parquet", "-q")
     assert rc != 0 and str(int(ids[3])) in err
+
+
+def test_review_of_the_session_strided_margins_same_size_rewrites_and_subnormal_weights(
+        tmp_path):
+    """The final pass's every-k-th-row margins all weighed 0 when the weights sat on every
+    third row (stride 3): the probability temperature fell back to the final one (260x too
+    small); a same-size rewrite between the stamp's sampled blocks kept the checkpoint key
+    (it held no mtime any more) and resumed the old file's fit; a subnormal weight passed
+    out of core (refused in memory)."""
+    import shutil
+    rng = np.random.default_rng(0)
+    n = 60_000
+    X = (np.repeat(np.eye(5, 8) * 8, n // 5, axis=0) + rng.normal(size=(n, 8))).astype(np.float32)
+    w = np.where(np.arange(n) % 3 == 1, 1.0, 0.0)
+    pq.write_table(_emb_table(X, count=w), tmp_path / "w.parquet", row_group_size=10_000)
+    km = MiniBatchAnnealedKMeans(5, random_state=0).fit(
+        open_parquet(tmp_path / "w.parquet", weight="count"))
+    d = ((X[:, None, :].astype(np.float64) - km.cluster_centers_[None]) ** 2).sum(-1)
+    s = np.sort(d, axis=1)
+    med = np.median((s[:, 1] - s[:, 0])[w > 0])
+    assert km.probability_temperature_ == pytest.approx(0.25 * med, rel=0.1)
+    # a rewrite of the same size that the sampled blocks miss: the mtime still tells it
+    A = rng.normal(size=(20_000, 16)).astype(np.float32)
+    B = A.copy()
+    B[2500:2510] = 0.0
+    for name, M in (("a", A), ("b", B)):
+        pq.write_table(_emb_table(M), tmp_path / f"{name}.parquet", compression="none",
+                       write_statistics=False, use_dictionary=False)
+    kw = dict(random_state=0, n_steps=4, checkpoint=tmp_path / "ck")
+    log = tmp_path / "log.parquet"
+    shutil.copy(tmp_path / "a.parquet", log)
+    MiniBatchAnnealedKMeans(4, **kw).fit(open_parquet(log))
+    shutil.copy(tmp_path / "b.parquet", log)
+    b = MiniBatchAnnealedKMeans(4, **kw).fit(open_parquet(log))
+    assert not b.checkpoint_info_["finished"] and b.checkpoint_info_["replaced"]
+    w2 = np.ones(2000)
+    w2[1234] = 1e-320
+    pq.write_table(_emb_table(X[:2000], count=w2), tmp_path / "sub.parquet",
+                   row_group_size=500)
+    with pytest.raises(ValueError, match="1e-320 at row 1234.*smallest normal"):
+        MiniBatchAnnealedKMeans(3, random_state=0).fit(
+            open_parquet(tmp_path / "sub.parquet", weight="count"))

@@ -8,8 +8,9 @@ import numpy as np
 
 from .. import _kernels as K_
 from .._moments import assign, compute_moments
-from .._validation import (_SQ_MAX, _SQ_MIN, check_range, check_weight_range, normalize_rows,
-                           row_sqnorms, rows_mean, shifted_rows)
+from .._validation import (_SQ_MAX, _SQ_MIN, check_normal_weights, check_range,
+                           check_weight_range, normalize_rows, row_sqnorms, rows_mean,
+                           shifted_rows)
 
 
 @dataclass
@@ -156,6 +157,7 @@ def prepare_chunk(x, w, index, row0, metric, dtype, name="X", origin=None, row_b
             i = int(np.argwhere(w < 0)[0, 0])
             raise ValueError(f"sample_weight contains negative weights in {where}; first at "
                              f"row {r0 + i}")
+        check_normal_weights(w, where=f" ({where})", row0=r0)
         w = np.ascontiguousarray(w)
     if metric == 1 and n:
         if (sq == 0).any():
