@@ -130,10 +130,9 @@ class LogPiece:
         return self._fragment
 
     def check_unchanged(self):
-        from ._parquet import _stat, changed_message, file_stamp
-        p = self.path
-        if _stat(p) != self.stat and file_stamp(p) != self.stamp:
-            raise InputError(changed_message(p))
+        from ._parquet import changed_message, file_changed
+        if file_changed(self.path, self.stat, self.stamp):
+            raise InputError(changed_message(self.path))
 
     def embeddings(self, table, row0):
         return checked_embeddings(table, self.column, self.source, row0, self.dim, self.dtype)

@@ -227,6 +227,13 @@ def _stat(path):
     return (st.st_size, st.st_mtime_ns)
 
 
+def file_changed(path, stat, stamp):
+    """Whether ``path`` changed since it had ``os.stat`` ``stat`` (:func:`_stat`) and
+    content ``stamp`` (:func:`file_stamp`): the cheap stat first, the stamp only when it
+    differs (a touch or an identical copy is no change)."""
+    return _stat(path) != stat and file_stamp(path) != stamp
+
+
 class ParquetDataset:
     """A Parquet file, or a folder of them (hive ``key=value`` folders become columns; names
     starting with ``.`` or ``_`` are skipped), as its row groups in the order in which
@@ -260,12 +267,9 @@ class ParquetDataset:
         """ValueError when a file changed since the dataset was opened (a touch or an
         identical copy, which keep the footer, is no change)."""
         for p in (self.stamps if paths is None else paths):
-            st = _stat(p)
-            if st == self._stats.get(p):
-                continue
-            if file_stamp(p) != self.stamps.get(p):
+            if file_changed(p, self._stats.get(p), self.stamps.get(p)):
                 raise ValueError(changed_message(p))
-            self._stats[p] = st
+            self._stats[p] = _stat(p)       # (a touch: the stamp is not read again)
 
     @property
     def column_names(self):
@@ -583,12 +587,7 @@ class ParquetStream(_passes_base()):
         from ._minibatch import sample_plan
         take = sample_plan(tuple(int(r) for r in self.data.piece_rows), n_target, rng,
                            min_chunks)
-        xs, ws = [], []
-        for i, table in self.data.tables(self._columns(), sorted(take), self._depth):
-            ch = self._prepare(i, table)
-            xs.append(ch.X[take[i]])
-            ws.append(ch.w[take[i]])
-        Xs, W = np.concatenate(xs), np.concatenate(ws)
+        Xs, W = self._gather(take)
         if Xs.shape[0] > n_target:
             idx = np.sort(rng.choice(Xs.shape[0], size=n_target, replace=False))
             Xs, W = Xs[idx], W[idx]
@@ -614,14 +613,18 @@ class ParquetStream(_passes_base()):
         if piece.size > n_target:
             pick = np.sort(rng.choice(piece.size, size=int(n_target), replace=False))
             piece, local = piece[pick], local[pick]
+        Xs, W = self._gather({i: local[piece == i] for i in set(piece.tolist())})
+        return np.ascontiguousarray(Xs), W
+
+    def _gather(self, take):
+        """The rows ``take[i]`` (row indices within row group ``i``) of each row group in
+        ``take``, prepared, in row-group order: ``(X, w)``."""
         xs, ws = [], []
-        for i, table in self.data.tables(self._columns(), sorted(set(piece.tolist())),
-                                         self._depth):
+        for i, table in self.data.tables(self._columns(), sorted(take), self._depth):
             ch = self._prepare(i, table)
-            idx = local[piece == i]
-            xs.append(ch.X[idx])
-            ws.append(ch.w[idx])
-        return np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ws)
+            xs.append(ch.X[take[i]])
+            ws.append(ch.w[take[i]])
+        return np.concatenate(xs), np.concatenate(ws)
 
     # ------------------------------------------------ full passes
     def _reduce(self, work, combine=None, **kwargs):

@@ -77,6 +77,15 @@ def margin_temperature(margin, w, fraction=PROBABILITY_MARGIN_FRACTION, fallback
     return float(fallback)
 
 
+def _sample_with_weight(source, n, rng):
+    """``source.sample(n, rng)``, drawn again from the rows of weight > 0 where the drawn
+    row groups carry no weight (a log of a few weighted rows) and the source can."""
+    Xs, ws = source.sample(n, rng)
+    if not np.asarray(ws).sum() > 0 and hasattr(source, "sample_weighted"):
+        Xs, ws = source.sample_weighted(n, rng)
+    return Xs, ws
+
+
 def _n_distinct_rows(X, rng, cap):
     """Number of distinct rows (all weights positive; see :func:`_sources.n_distinct_rows`)."""
     return _n_distinct_rows_exact(X, np.ones(X.shape[0]), rng)
@@ -488,9 +497,7 @@ class _BaseAnnealedKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, Transfo
                 margin if np.asarray(centers).shape[0] > 1 else None, w,
                 fallback=fallback)
             return
-        Xs, ws = source.sample(min(PROBABILITY_SAMPLE, source.n_rows), rng)
-        if not np.asarray(ws).sum() > 0 and hasattr(source, "sample_weighted"):
-            Xs, ws = source.sample_weighted(min(PROBABILITY_SAMPLE, source.n_rows), rng)
+        Xs, ws = _sample_with_weight(source, min(PROBABILITY_SAMPLE, source.n_rows), rng)
         self.probability_temperature_ = probability_temperature(
             Xs, ws, centers, self.metric, fallback=fallback)
 
@@ -1826,11 +1833,7 @@ class MiniBatchAnnealedKMeans(_BaseAnnealedKMeans):
             # made the seeding nearly a full-batch fit, about half of AnnealedKMeans' time)
             init_size = int(self.init_size or max(20 * K, min(max(100 * K, 20_000),
                                                                full.n_rows // 4)))
-            Xs, ws = full.sample(min(init_size, full.n_rows), rng)
-            if not np.asarray(ws).sum() > 0 and hasattr(full, "sample_weighted"):
-                # the drawn row groups carry no weight (a log of a few weighted rows): the
-                # sample is drawn from the weighted rows instead
-                Xs, ws = full.sample_weighted(min(init_size, full.n_rows), rng)
+            Xs, ws = _sample_with_weight(full, min(init_size, full.n_rows), rng)
             if Xs.shape[0] < K:
                 raise ValueError(f"the seeding sample has {Xs.shape[0]} rows < n_clusters={K}")
             if hasattr(full, "set_origin"):
