@@ -933,3 +933,14 @@ def test_partial_fit_says_it_writes_no_checkpoint_and_keeps_its_dtype(data, tmp_
     assert est.cluster_centers_.dtype == np.float32
     est.partial_fit(X32)
     assert np.isfinite(est.cluster_centers_).all()
+
+
+def test_checkpoint_info_temperature_is_none_for_a_fit_that_did_not_resume(data, tmp_path):
+    """The mini-batch route reported its start temperature there on a fresh fit (the
+    in-memory route None, as documented: the temperature a fit resumed from)."""
+    for est in (fa.AnnealedKMeans(5, random_state=0, n_steps=6, checkpoint=tmp_path / "a"),
+                fa.MiniBatchAnnealedKMeans(5, random_state=0, n_steps=6, batch_size=250,
+                                           checkpoint=tmp_path / "b")):
+        est.fit(data)
+        assert est.checkpoint_info_["resumed_from"] is None
+        assert est.checkpoint_info_["temperature"] is None
